@@ -1,0 +1,179 @@
+"""Quantization schemes, MLC-compatible: one registry entry per name (`q4f16_1`, ...).
+
+Group quantization is symmetric along the input dimension: a group of `group_size` weights shares
+one scale `max|w| / max_q`, each weight is stored as `round(w / scale) + max_q` in `bits` bits,
+`32 / bits` values per little-endian uint32. Parameters become `<name>.q_weight` (uint32) and
+`<name>.q_scale` (the model's float dtype). Dequantization is written into the same tensor
+expression as the matmul, so every matmul kernel reads the packed weights directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+
+from kiln.errors import KilnError
+from kiln.models.layers import Embedding, Linear, matmul_transposed
+
+
+@dataclass(frozen=True)
+class GroupFormat:
+    bits: int
+    group_size: int
+    dtype: str
+
+    @property
+    def values_per_word(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def max_q(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def packed_shapes(self, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (rows, cols // self.values_per_word), (rows, cols // self.group_size)
+
+    def dequantize_te(self, q_weight: te.Tensor, q_scale: te.Tensor, rows, cols: int) -> te.Tensor:
+        mask = tirx.const((1 << self.bits) - 1, "uint32")
+
+        def value(row, col):
+            word = q_weight[row, col // self.values_per_word]
+            shift = ((col % self.values_per_word) * self.bits).astype("uint32")
+            quantized = ((word >> shift) & mask).astype(self.dtype) - tirx.const(self.max_q, self.dtype)
+            return quantized * q_scale[row, col // self.group_size]
+
+        return te.compute((rows, cols), value, name="dequantize")
+
+
+class GroupQuantLinear(nn.Module):
+    def __init__(self, linear: Linear, fmt: GroupFormat):
+        self.fmt = fmt
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight_shape, scale_shape = fmt.packed_shapes(self.out_features, self.in_features)
+        self.q_weight = nn.Parameter(weight_shape, "uint32")
+        self.q_scale = nn.Parameter(scale_shape, fmt.dtype)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return nn.op.tensor_expr_op(
+            lambda x, w, s: matmul_transposed(
+                x, self.fmt.dequantize_te(w, s, self.out_features, self.in_features), x.dtype
+            ),
+            "dequantize_matmul",
+            [x, self.q_weight, self.q_scale],
+        )
+
+
+class GroupQuantEmbedding(nn.Module):
+    def __init__(self, embedding: Embedding, fmt: GroupFormat):
+        self.fmt = fmt
+        self.vocab_size, self.hidden_size = embedding.vocab_size, embedding.hidden_size
+        weight_shape, scale_shape = fmt.packed_shapes(self.vocab_size, self.hidden_size)
+        self.q_weight = nn.Parameter(weight_shape, "uint32")
+        self.q_scale = nn.Parameter(scale_shape, fmt.dtype)
+
+    def forward(self, token_ids: nn.Tensor) -> nn.Tensor:
+        def gather_rows(w, s, ids):
+            rows = te.compute((ids.shape[0], w.shape[1]), lambda i, j: w[ids[i], j], name="rows")
+            scales = te.compute((ids.shape[0], s.shape[1]), lambda i, j: s[ids[i], j], name="row_scales")
+            return self.fmt.dequantize_te(rows, scales, ids.shape[0], self.hidden_size)
+
+        return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [self.q_weight, self.q_scale, token_ids])
+
+    def project(self, x: nn.Tensor) -> nn.Tensor:
+        return nn.op.tensor_expr_op(
+            lambda x, w, s: matmul_transposed(
+                x, self.fmt.dequantize_te(w, s, self.vocab_size, self.hidden_size), "float32"
+            ),
+            "dequantize_lm_head",
+            [x, self.q_weight, self.q_scale],
+        )
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A quantization scheme: the model's float dtype and, for `qN`, the integer group format."""
+
+    name: str
+    model_dtype: str
+    bits: int | None = None
+    group_size: int = 32
+
+    @property
+    def group_format(self) -> GroupFormat | None:
+        return GroupFormat(self.bits, self.group_size, self.model_dtype) if self.bits else None
+
+    def quantize_model(self, model: nn.Module) -> nn.Module:
+        """Swap every Linear and Embedding for its packed counterpart (in place)."""
+        fmt = self.group_format
+        if fmt is None:
+            return model
+
+        class Rewriter(nn.Mutator):
+            def visit_module(self, name: str, node: nn.Module):
+                if isinstance(node, Linear):
+                    check_divisible(name, node.in_features, fmt)
+                    return GroupQuantLinear(node, fmt)
+                if isinstance(node, Embedding):
+                    check_divisible(name, node.hidden_size, fmt)
+                    return GroupQuantEmbedding(node, fmt)
+                return self.visit(name, node)
+
+        return Rewriter().visit("", model)
+
+    def pack(self, name: str, weight: np.ndarray, quantized: bool) -> dict[str, np.ndarray]:
+        """The stored parameters for one float source weight `<module>.weight`."""
+        if not quantized:
+            return {name: weight.astype(self.model_dtype)}
+        q_weight, q_scale = quantize_group(weight, self.group_format)
+        module = name.removesuffix(".weight")
+        return {f"{module}.q_weight": q_weight, f"{module}.q_scale": q_scale}
+
+
+def check_divisible(module: str, width: int, fmt: GroupFormat) -> None:
+    if width % fmt.group_size or width % fmt.values_per_word:
+        raise KilnError(
+            f"cannot quantize {module}: its input width {width} is not a multiple of the group size {fmt.group_size}"
+        )
+
+
+def quantize_group(weight: np.ndarray, fmt: GroupFormat) -> tuple[np.ndarray, np.ndarray]:
+    rows, cols = weight.shape
+    groups = weight.astype(np.float32).reshape(rows, cols // fmt.group_size, fmt.group_size)
+    scale = (np.abs(groups).max(axis=-1) / fmt.max_q).astype(fmt.dtype)
+    safe_scale = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]
+    stored = np.clip(np.round(groups / safe_scale), -fmt.max_q, fmt.max_q).astype(np.int64) + fmt.max_q
+    words = stored.reshape(rows, cols // fmt.values_per_word, fmt.values_per_word).astype(np.uint32)
+    shifts = (np.arange(fmt.values_per_word, dtype=np.uint32) * fmt.bits)[None, None, :]
+    packed = np.bitwise_or.reduce(words << shifts, axis=-1).astype(np.uint32)
+    return packed, scale
+
+
+def dequantize_group(q_weight: np.ndarray, q_scale: np.ndarray, fmt: GroupFormat) -> np.ndarray:
+    """The float32 weights a packed parameter stands for (what the kernels compute with)."""
+    rows = q_weight.shape[0]
+    shifts = (np.arange(fmt.values_per_word, dtype=np.uint32) * fmt.bits)[None, None, :]
+    stored = (q_weight[..., None] >> shifts) & np.uint32((1 << fmt.bits) - 1)
+    values = stored.reshape(rows, -1).astype(np.float32) - fmt.max_q
+    return values * np.repeat(q_scale.astype(np.float32), fmt.group_size, axis=1)
+
+
+QUANTIZATIONS: dict[str, Quantization] = {
+    q.name: q
+    for q in (
+        Quantization("q0f32", "float32"),
+        Quantization("q0f16", "float16"),
+        Quantization("q4f32_1", "float32", bits=4),
+        Quantization("q4f16_1", "float16", bits=4),
+        Quantization("q8f32_1", "float32", bits=8),
+        Quantization("q8f16_1", "float16", bits=8),
+    )
+}
+
+
+def quantization_named(name: str) -> Quantization:
+    if name not in QUANTIZATIONS:
+        raise KilnError(f"unknown quantization {name!r} (supported: {', '.join(QUANTIZATIONS)})")
+    return QUANTIZATIONS[name]

@@ -1,0 +1,99 @@
+"""Build targets: one table maps a target name to the TVM target, its schedules and its export step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import tvm
+from tvm import relax
+from tvm.s_tir import dlight as dl
+
+from kiln.errors import KilnError
+
+WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
+
+
+def gpu_schedules() -> tvm.transform.Pass:
+    return dl.ApplyDefaultSchedule(
+        dl.gpu.Matmul(),
+        dl.gpu.GEMV(),
+        dl.gpu.LowBatchGEMV(),
+        dl.gpu.Reduction(),
+        dl.gpu.GeneralReduction(),
+        dl.gpu.Fallback(),
+    )
+
+
+def cpu_schedules() -> tvm.transform.Pass:
+    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction())
+
+
+def export_shared_library(executable, path: Path) -> None:
+    executable.export_library(str(path))
+
+
+def export_wasm(executable, path: Path) -> None:
+    from .wasm_toolchain import link_tvmjs_wasm
+
+    executable.export_library(str(path), fcompile=link_tvmjs_wasm)
+
+
+def host_cpu_target() -> dict:
+    # "native" is rejected by this LLVM for the conda triple it was built with: name the CPU.
+    return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+
+
+@dataclass(frozen=True)
+class TargetEntry:
+    name: str
+    describe: str
+    tvm_target: Callable[[], dict]
+    schedules: Callable[[], tvm.transform.Pass]
+    export: Callable[[object, Path], None]
+    extension: str
+
+    def target(self) -> tvm.target.Target:
+        return tvm.target.Target(self.tvm_target())
+
+
+TARGETS: dict[str, TargetEntry] = {
+    t.name: t
+    for t in (
+        TargetEntry("cpu", "this machine's CPU (shared library)", host_cpu_target, cpu_schedules,
+                    export_shared_library, "so"),
+        TargetEntry("cuda", "NVIDIA GPUs (shared library; kernels compiled at load by nvrtc/nvcc)",
+                    lambda: {"kind": "cuda", "arch": "sm_80", "host": {"kind": "llvm"}}, gpu_schedules,
+                    export_shared_library, "so"),
+        TargetEntry("webgpu", "browsers with WebGPU (wasm + WGSL)",
+                    lambda: {"kind": "webgpu", "host": WASM32}, gpu_schedules, export_wasm, "wasm"),
+        TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32, cpu_schedules,
+                    export_wasm, "wasm"),
+    )
+}
+
+
+def target_named(name: str) -> TargetEntry:
+    if name not in TARGETS:
+        raise KilnError(f"unknown target {name!r} (supported: {', '.join(TARGETS)})")
+    return TARGETS[name]
+
+
+def kiln_pipeline(entry: TargetEntry, target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's lowering with Kiln's schedules between fusion and memory planning."""
+    backend = relax.pipeline
+    return tvm.transform.Sequential(
+        backend.library_dispatch_passes(target)
+        + [
+            relax.transform.LegalizeOps(),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(),
+            relax.transform.FuseOps(),
+            relax.transform.FuseTIR(),
+            relax.transform.DeadCodeElimination(),
+            entry.schedules(),
+        ]
+        + backend.dataflow_lower_passes(target)
+        + backend.finalize_passes(target)
+    )

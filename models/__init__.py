@@ -1,0 +1,24 @@
+"""Model families: one file per architecture, one registry keyed by `model_type`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+from . import llama
+from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
+
+MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (llama.ARCHITECTURE,)}
+
+
+def architecture_for(hf_config: dict, path: Path) -> Architecture:
+    model_type = hf_config.get("model_type")
+    if model_type not in MODELS:
+        raise KilnError(
+            f"unknown model_type {model_type!r} (supported: {', '.join(sorted(MODELS))})", path
+        )
+    return MODELS[model_type]
+
+
+__all__ = ["MODELS", "Architecture", "DecoderConfig", "DecoderModel", "architecture_for", "export_spec"]
