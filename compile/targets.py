@@ -80,20 +80,28 @@ def target_named(name: str) -> TargetEntry:
     return TARGETS[name]
 
 
-def kiln_pipeline(entry: TargetEntry, target: tvm.target.Target) -> tvm.transform.Pass:
-    """TVM's lowering with Kiln's schedules between fusion and memory planning."""
-    backend = relax.pipeline
-    return tvm.transform.Sequential(
-        backend.library_dispatch_passes(target)
-        + [
-            relax.transform.LegalizeOps(),
-            relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(),
-            relax.transform.FuseOps(),
-            relax.transform.FuseTIR(),
-            relax.transform.DeadCodeElimination(),
-            entry.schedules(),
-        ]
-        + backend.dataflow_lower_passes(target)
-        + backend.finalize_passes(target)
-    )
+def kiln_pipeline(entry: TargetEntry) -> tvm.transform.Pass:
+    """TVM's Relax lowering with Kiln's schedules between operator fusion and memory planning."""
+    t = relax.transform
+    return tvm.transform.Sequential([
+        relax.backend.DispatchSampling(),
+        relax.backend.DispatchSortScan(),
+        t.LegalizeOps(),
+        t.AnnotateTIROpPattern(),
+        t.FoldConstant(),
+        t.FuseOps(),
+        t.FuseTIR(),
+        t.DeadCodeElimination(),
+        entry.schedules(),
+        t.RewriteDataflowReshape(),
+        t.ToNonDataflow(),
+        t.RemovePurityChecking(),
+        t.CallTIRRewrite(),
+        t.StaticPlanBlockMemory(),
+        t.LowerAllocTensor(),
+        t.KillAfterLastUse(),
+        t.LowerRuntimeBuiltin(),
+        t.ComputePrimValue(),
+        t.VMShapeLower(),
+        t.AttachGlobalSymbol(),
+    ])

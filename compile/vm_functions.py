@@ -2,17 +2,22 @@
 
 WebLLM 0.2.86 looks these up by name when it loads a model and fails if any is missing, even
 at temperature 0. Signatures follow its calls (see DESIGN.md). The in-place logit processors
-are TIR kernels wrapped in `call_tir_inplace`, so they are VM functions like the rest; on GPU
-targets dlight's fallback rule binds their loops to threads.
+are TIR kernels wrapped in `call_tir_inplace`, so they are VM functions like the rest.
+Their blocks declare reads without the logits they update: each element reads only the value it
+overwrites, and leaving it out lets the schedule bind the loops to GPU threads (TVM refuses to
+bind a block whose declared reads and writes overlap).
 """
 
 from __future__ import annotations
 
 import json
 
+import tvm
 from tvm import relax as rx
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.script import tirx as T
+
+GPU_THREADS_PER_BLOCK = 256
 
 
 def _shape(*names: str) -> list[tirx.Var]:
@@ -29,6 +34,8 @@ def _apply_logit_bias(var_logits: T.handle, var_pos2seq: T.handle, var_token_ids
     for i in range(num_token):
         with T.sblock("logit_bias"):
             vi = T.axis.spatial(num_token, i)
+            T.reads(pos2seq[vi], token_ids[vi], bias[vi])
+            T.writes(logits[pos2seq[vi], token_ids[vi]])
             logits[pos2seq[vi], token_ids[vi]] = logits[pos2seq[vi], token_ids[vi]] + bias[vi]
 
 
@@ -46,6 +53,8 @@ def _apply_penalty(var_logits: T.handle, var_seq_ids: T.handle, var_pos2seq: T.h
     for i in range(num_token):
         with T.sblock("penalty"):
             vi = T.axis.spatial(num_token, i)
+            T.reads(seq_ids[pos2seq[vi]], pos2seq[vi], token_ids[vi], token_cnt[vi], penalties[pos2seq[vi], 0:3])
+            T.writes(logits[seq_ids[pos2seq[vi]], token_ids[vi]])
             row: T.let[T.int32] = seq_ids[pos2seq[vi]]
             seq: T.let[T.int32] = pos2seq[vi]
             shifted: T.let[T.float32] = (
@@ -67,6 +76,8 @@ def _apply_bitmask(var_logits: T.handle, var_seq_ids: T.handle, var_bitmask: T.h
     for s, v in T.grid(num_seq, vocab):
         with T.sblock("bitmask"):
             vs, vv = T.axis.remap("SS", [s, v])
+            T.reads(seq_ids[vs], bitmask[seq_ids[vs], vv // 32])
+            T.writes(logits[seq_ids[vs], vv])
             logits[seq_ids[vs], vv] = T.if_then_else(
                 (bitmask[seq_ids[vs], vv // 32] >> T.Cast("int32", vv % 32)) & 1 == 1,
                 logits[seq_ids[vs], vv],
@@ -74,19 +85,105 @@ def _apply_bitmask(var_logits: T.handle, var_seq_ids: T.handle, var_bitmask: T.h
             )
 
 
+def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
+    """Sort each row of `keys` descending in place, carrying `values` along: a bitonic network of
+    log2(padded) * (log2(padded) + 1) / 2 compare-exchange passes. TVM's GPU sort cannot be used:
+    it launches on blockIdx.z, which WebGPU does not have."""
+    log_n = padded.bit_length() - 1
+
+    @T.macro
+    def compare_exchange(keys, values, flat, p, q):
+        row: T.let[T.int32] = flat // padded
+        i: T.let[T.int32] = flat % padded
+        partner: T.let[T.int32] = T.bitwise_xor(i, T.shift_left(1, p - q))
+        if partner > i:
+            descending: T.let[T.bool] = T.bitwise_and(i, T.shift_left(2, p)) == 0
+            out_of_order: T.let[T.bool] = T.if_then_else(
+                descending, keys[row, i] < keys[row, partner], keys[row, i] > keys[row, partner]
+            )
+            if out_of_order:
+                key: T.let[T.float32] = keys[row, i]
+                keys[row, i] = keys[row, partner]
+                keys[row, partner] = key
+                value: T.let[T.int32] = values[row, i]
+                values[row, i] = values[row, partner]
+                values[row, partner] = value
+
+    @T.prim_func(private=True)
+    def sort_gpu(var_keys: T.handle, var_values: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        batch = T.int64()
+        keys = T.match_buffer(var_keys, (batch, padded), "float32")
+        values = T.match_buffer(var_values, (batch, padded), "int32")
+        for p in T.serial(T.int32(log_n)):
+            for q in T.serial(p + 1):
+                for bx in T.thread_binding(T.Cast("int32", batch) * (padded // GPU_THREADS_PER_BLOCK), thread="blockIdx.x"):
+                    for tx in T.thread_binding(T.int32(GPU_THREADS_PER_BLOCK), thread="threadIdx.x"):
+                        compare_exchange(keys, values, bx * GPU_THREADS_PER_BLOCK + tx, p, q)
+
+    @T.prim_func(private=True)
+    def sort_cpu(var_keys: T.handle, var_values: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        batch = T.int64()
+        keys = T.match_buffer(var_keys, (batch, padded), "float32")
+        values = T.match_buffer(var_values, (batch, padded), "int32")
+        for p in T.serial(T.int32(log_n)):
+            for q in T.serial(p + 1):
+                for flat in T.serial(T.Cast("int32", batch) * padded):
+                    compare_exchange(keys, values, flat, p, q)
+
+    return sort_gpu if gpu else sort_cpu
+
+
 def _tensor(name: str, shape, dtype: str) -> rx.Var:
     return rx.Var(name, rx.TensorType(shape, dtype))
 
 
-def _attach_inplace(bb: rx.BlockBuilder, name: str, kernel, params: list[rx.Var]) -> None:
+def _bind_to_gpu_threads(kernel: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc:
+    """One thread per element. dlight cannot do this for us: its rules refuse blocks that
+    write the buffer they read, which is what an in-place update is."""
+    sch = s_tir.Schedule(kernel)
+    block = sch.get_sblock(block_name)
+    fused = sch.fuse(*sch.get_loops(block))
+    blocks, threads = sch.split(fused, [None, GPU_THREADS_PER_BLOCK])
+    sch.bind(blocks, "blockIdx.x")
+    sch.bind(threads, "threadIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _attach_inplace(bb: rx.BlockBuilder, name: str, kernel, block_name: str, params: list[rx.Var],
+                    gpu: bool) -> None:
+    if gpu:
+        kernel = _bind_to_gpu_threads(kernel, block_name)
     with bb.function(name, params):
         kernel_var = bb.add_func(kernel, f"{name}_kernel")
         logits = params[0]
-        out = bb.emit(rx.call_tir_inplace(kernel_var, params, inplace_indices=[0], out_ty=logits.struct_info))
+        out = bb.emit(rx.call_tir_inplace(kernel_var, params, inplace_indices=[0], out_ty=logits.ty))
         bb.emit_func_output(out)
 
 
-def _attach_sampling(bb: rx.BlockBuilder) -> None:
+def _attach_argsort(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
+    padded = max(GPU_THREADS_PER_BLOCK, 1 << (vocab_size - 1).bit_length())
+    (batch,) = _shape("batch")
+    probs = _tensor("probs", [batch, vocab_size], "float32")
+    with bb.function("argsort_probs", [probs]):
+        op = rx.op
+        # Padding with -1 (below every probability) sorts to the end and is cut off again.
+        padding = op.full([batch, padded - vocab_size], rx.const(-1.0, "float32"), "float32")
+        keys = bb.emit(op.concat([probs, padding], axis=1)) if padded > vocab_size else probs
+        values = bb.emit(op.broadcast_to(op.arange(0, padded, 1, "int32"), [batch, padded]))
+        sort = bb.add_func(_bitonic_argsort_kernel(padded, gpu), "bitonic_argsort")
+        both = bb.emit(rx.call_tir_inplace(
+            sort, [keys, values], inplace_indices=[0, 1],
+            out_ty=[rx.TensorType([batch, padded], "float32"), rx.TensorType([batch, padded], "int32")],
+        ))
+        first = lambda x: op.strided_slice(x, axes=[1], begin=[0], end=[vocab_size])  # noqa: E731
+        sorted_probs = bb.emit(first(rx.TupleGetItem(both, 0)))
+        sorted_indices = bb.emit(first(rx.TupleGetItem(both, 1)))
+        bb.emit_func_output(rx.Tuple([sorted_probs, sorted_indices]))
+
+
+def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
     num_seq, num_probs, vocab = _shape("num_seq", "num_probs", "vocab")
     logits = _tensor("logits", [num_seq, num_probs, vocab], "float32")
     temperature = _tensor("temperature", [num_seq], "float32")
@@ -94,12 +191,7 @@ def _attach_sampling(bb: rx.BlockBuilder) -> None:
         scaled = bb.emit(rx.op.divide(logits, rx.op.reshape(temperature, [num_seq, 1, 1])))
         bb.emit_func_output(bb.emit(rx.op.nn.softmax(scaled, axis=-1)))
 
-    batch, vocab = _shape("batch", "vocab")
-    probs = _tensor("probs", [batch, vocab], "float32")
-    with bb.function("argsort_probs", [probs]):
-        order = bb.emit(rx.op.argsort(probs, axis=-1, descending=True, dtype="int32"))
-        sorted_probs = bb.emit(rx.op.gather_elements(probs, order, axis=-1))
-        bb.emit_func_output(rx.Tuple([sorted_probs, order]))
+    _attach_argsort(bb, vocab_size, gpu)
 
     batch, vocab, num_samples = _shape("batch", "vocab", "num_samples")
     sorted_probs = _tensor("sorted_probs", [batch, vocab], "float32")
@@ -127,36 +219,37 @@ def _attach_sampling(bb: rx.BlockBuilder) -> None:
         bb.emit_func_output(bb.emit(op.reshape(token, [num_samples])))
 
 
-def _attach_logit_processors(bb: rx.BlockBuilder) -> None:
+def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:
     batch, vocab, num_token = _shape("batch", "vocab", "num_token")
-    _attach_inplace(bb, "apply_logit_bias_inplace", _apply_logit_bias, [
+    _attach_inplace(bb, "apply_logit_bias_inplace", _apply_logit_bias, "logit_bias", [
         _tensor("logits", [batch, vocab], "float32"),
         _tensor("pos2seq_id", [num_token], "int32"),
         _tensor("token_ids", [num_token], "int32"),
         _tensor("logit_bias", [num_token], "float32"),
-    ])
+    ], gpu)
     batch, vocab, num_seq, num_token = _shape("batch", "vocab", "num_seq", "num_token")
-    _attach_inplace(bb, "apply_penalty_inplace", _apply_penalty, [
+    _attach_inplace(bb, "apply_penalty_inplace", _apply_penalty, "penalty", [
         _tensor("logits", [batch, vocab], "float32"),
         _tensor("seq_ids", [num_seq], "int32"),
         _tensor("pos2seq_id", [num_token], "int32"),
         _tensor("token_ids", [num_token], "int32"),
         _tensor("token_cnt", [num_token], "int32"),
         _tensor("penalties", [num_seq, 3], "float32"),
-    ])
+    ], gpu)
     batch, vocab, num_seq, words = _shape("batch", "vocab", "num_seq", "words")
-    _attach_inplace(bb, "apply_bitmask_inplace", _apply_bitmask, [
+    _attach_inplace(bb, "apply_bitmask_inplace", _apply_bitmask, "bitmask", [
         _tensor("logits", [batch, vocab], "float32"),
         _tensor("seq_ids", [num_seq], "int32"),
         _tensor("bitmask", [batch, words], "int32"),
-    ])
+    ], gpu)
 
 
-def attach_vm_functions(mod, metadata: dict):
+def attach_vm_functions(mod, metadata: dict, target: tvm.target.Target, vocab_size: int):
     """Return `mod` with `_metadata`, the sampling functions and the logit processors added."""
     bb = rx.BlockBuilder(mod)
     with bb.function("_metadata", []):
-        bb.emit_func_output(rx.StringImm(json.dumps(metadata, sort_keys=True)))
-    _attach_sampling(bb)
-    _attach_logit_processors(bb)
+        bb.emit_func_output(tvm.ir.StringImm(json.dumps(metadata, sort_keys=True)))
+    gpu = "gpu" in target.keys
+    _attach_sampling(bb, vocab_size, gpu)
+    _attach_logit_processors(bb, gpu)
     return bb.finalize()

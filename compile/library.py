@@ -1,0 +1,55 @@
+"""The compile stage: a quantized model module → a Relax VM library for one target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+
+from kiln.models import DecoderModel, export_spec
+
+from .targets import TargetEntry, kiln_pipeline
+from .vm_functions import attach_vm_functions
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def param_specs(model: DecoderModel, entry: TargetEntry) -> list[ParamSpec]:
+    """The parameters the library expects, in the order its functions take them."""
+    with entry.target():
+        _, params = model.export_tvm(spec=export_spec(model))
+    return [ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
+
+
+def library_metadata(model: DecoderModel, quantization: str, params: list[ParamSpec]) -> dict:
+    """What `_metadata` returns; WebLLM fetches weights by `params[].name`."""
+    config = model.config
+    return {
+        "model_type": type(model).__name__,
+        "quantization": quantization,
+        "context_window_size": config.context_window_size,
+        "prefill_chunk_size": config.prefill_chunk_size,
+        "sliding_window_size": -1,
+        "attention_sink_size": -1,
+        "tensor_parallel_shards": 1,
+        "kv_state_kind": "kv_cache",
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in params],
+    }
+
+
+def compile_library(model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path) -> None:
+    target = entry.target()
+    # Exporting under the target makes TVM pick that target's attention kernels.
+    with target:
+        mod, _ = model.export_tvm(spec=export_spec(model))
+    mod = attach_vm_functions(mod, metadata, target, model.config.vocab_size)
+    with target:
+        mod = kiln_pipeline(entry)(mod)
+    executable = tvm.compile(mod, target, relax_pipeline=None)
+    entry.export(executable, path)
