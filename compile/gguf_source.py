@@ -1,0 +1,435 @@
+"""A GGUF file (llama.cpp's format) read as a Hugging Face model.
+
+A GGUF holds the weights (often quantized), the architecture's hyperparameters and the
+tokenizer as metadata. `GGUFModel` turns them into what Kiln expects from every source: a
+config.json-like dict, float32 tensors under Hugging Face names in Hugging Face layout, and
+(`write_tokenizer_files`) a folder with tokenizer.json, tokenizer_config.json,
+special_tokens_map.json and generation_config.json built with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+from gguf import TokenType
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from kiln.errors import KilnError
+
+# Tensor types dequantized here (by `gguf.quants.dequantize`, in numpy). Integer tensors, the
+# i-quants and the ternary types are refused until a model that needs them comes along.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {
+        GGMLType.F32, GGMLType.F16, GGMLType.BF16,
+        GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+        GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+    }
+)
+
+QUANTIZATION_SUFFIX = re.compile(r"[._-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def model_name_from_gguf_path(path: Path) -> str:
+    """"SmolLM2-135M-Instruct.Q4_1.gguf" → "SmolLM2-135M-Instruct"."""
+    return QUANTIZATION_SUFFIX.sub("", path.stem)
+
+
+class GGUFMetadata:
+    """The key/value metadata of a GGUF file; missing required keys are errors naming the file."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path):
+        self.path = path
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        if key not in self._fields:
+            raise KilnError(f"GGUF metadata has no {key}", self.path)
+        return self._fields[key].contents()
+
+
+# ---- architectures -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one llama.cpp architecture maps onto its Hugging Face counterpart."""
+
+    config: Callable[[GGUFMetadata, set[str]], dict]  # (metadata, GGUF tensor names) → config.json
+    global_tensors: dict[str, str]  # GGUF name → HF name, without ".weight"/".bias"
+    layer_tensors: dict[str, str]  # the same after "blk.N." → after "model.layers.N."
+    restore_layout: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, values, config) → HF layout
+
+
+def llama_config(metadata: GGUFMetadata, tensor_names: set[str]) -> dict:
+    hidden_size = metadata.require("llama.embedding_length")
+    num_heads = metadata.require("llama.attention.head_count")
+    head_dim = metadata.get("llama.attention.key_length", hidden_size // num_heads)
+    rope_dims = metadata.get("llama.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise KilnError(f"RoPE over {rope_dims} of {head_dim} head dimensions is not Llama's", metadata.path)
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden_size,
+        "intermediate_size": metadata.require("llama.feed_forward_length"),
+        "num_hidden_layers": metadata.require("llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": metadata.get("llama.attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": metadata.require("llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": metadata.get("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": metadata.require("llama.context_length"),
+        "vocab_size": metadata.get("llama.vocab_size") or len(metadata.require("tokenizer.ggml.tokens")),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": metadata.require("llama.rope.scaling.factor")}
+    elif scaling != "none":
+        raise KilnError(f"unsupported RoPE scaling {scaling!r} (supported: linear)", metadata.path)
+    return config
+
+
+def undo_llama_rope_permutation(hf_name: str, values: np.ndarray, config: dict) -> np.ndarray:
+    """Put the rows of Q and K back in Hugging Face order.
+
+    llama.cpp's converter reorders each head's rows from the "rotate half" RoPE layout of
+    Hugging Face Llama ([first halves..., second halves...]) to interleaved pairs; this is the
+    inverse of that reshape-and-swap.
+    """
+    if ".self_attn.q_proj." in hf_name:
+        num_heads = config["num_attention_heads"]
+    elif ".self_attn.k_proj." in hf_name:
+        num_heads = config["num_key_value_heads"]
+    else:
+        return values
+    half_head = values.shape[0] // num_heads // 2
+    interleaved = values.reshape(num_heads, half_head, 2, *values.shape[1:])
+    return interleaved.swapaxes(1, 2).reshape(values.shape)
+
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture(
+        config=llama_config,
+        global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+        layer_tensors={
+            "attn_norm": "input_layernorm",
+            "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        },
+        restore_layout=undo_llama_rope_permutation,
+    ),
+}
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError) as error:
+        raise KilnError(f"not a readable GGUF file ({error})", path) from error
+
+
+class GGUFModel:
+    """Config and tensors of a GGUF file, checked up front: architecture, tensor types and names."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        reader = open_gguf(path)
+        self.metadata = GGUFMetadata(reader, path)
+        architecture_name = self.metadata.require("general.architecture")
+        if architecture_name not in ARCHITECTURES:
+            raise KilnError(
+                f"unsupported GGUF architecture {architecture_name!r} (supported: {', '.join(ARCHITECTURES)})", path
+            )
+        self._architecture = ARCHITECTURES[architecture_name]
+        for tensor in reader.tensors:
+            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+                supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+                raise KilnError(
+                    f"tensor {tensor.name} has type {tensor.tensor_type.name}, which Kiln does not read "
+                    f"(supported: {supported})",
+                    path,
+                )
+        self.config = self._architecture.config(self.metadata, {tensor.name for tensor in reader.tensors})
+        self._tensors = {self._hf_name(tensor.name): tensor for tensor in reader.tensors}
+
+    def _hf_name(self, gguf_name: str) -> str:
+        if match := LAYER_TENSOR.fullmatch(gguf_name):
+            layer, part, kind = match.groups()
+            if part in self._architecture.layer_tensors:
+                return f"model.layers.{layer}.{self._architecture.layer_tensors[part]}.{kind}"
+        elif match := GLOBAL_TENSOR.fullmatch(gguf_name):
+            part, kind = match.groups()
+            if part in self._architecture.global_tensors:
+                return f"{self._architecture.global_tensors[part]}.{kind}"
+        raise KilnError(f"tensor {gguf_name} has no Hugging Face counterpart in this architecture", self.path)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def load(self, name: str) -> np.ndarray:
+        tensor = self._tensors[name]
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        # GGUF lists dimensions innermost first (ggml's ne order): numpy's shape is the reverse.
+        values = values.reshape(tuple(reversed(tensor.shape.tolist())))
+        return self._architecture.restore_layout(name, values, self.config)
+
+    def write_tokenizer_files(self, folder: Path) -> None:
+        write_tokenizer_files(self.metadata, folder)
+
+
+# ---- tokenizer -----------------------------------------------------------------------------
+
+LLAMA3_PRE_NAMES = ("llama-bpe", "llama3", "llama-v3")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class GGUFVocabulary:
+    """The tokenizer a GGUF describes, as read from its tokenizer.* metadata."""
+
+    model: str
+    pre: str
+    tokens: list[str]
+    token_types: list[int]
+    scores: list[float] | None
+    merges: list[str] | None
+    special_ids: dict[str, int]  # "bos_token"/"eos_token"/"unk_token"/"pad_token" → id, when present
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+
+    @classmethod
+    def read(cls, metadata: GGUFMetadata) -> GGUFVocabulary:
+        model = metadata.require("tokenizer.ggml.model")
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        tokens = metadata.require("tokenizer.ggml.tokens")
+        special_ids = {
+            name: metadata.get(f"tokenizer.ggml.{key}")
+            for name, key in (
+                ("bos_token", "bos_token_id"),
+                ("eos_token", "eos_token_id"),
+                ("unk_token", "unknown_token_id"),
+                ("pad_token", "padding_token_id"),
+            )
+        }
+        # llama.cpp's defaults when the file does not say: SentencePiece vocabularies and
+        # Llama 3's BPE add BOS, and SentencePiece puts a space before the text.
+        return cls(
+            model=model,
+            pre=pre,
+            tokens=tokens,
+            token_types=metadata.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens),
+            scores=metadata.get("tokenizer.ggml.scores"),
+            merges=metadata.get("tokenizer.ggml.merges"),
+            special_ids={name: i for name, i in special_ids.items() if i is not None and i < len(tokens)},
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre in LLAMA3_PRE_NAMES)),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    def special_token(self, name: str) -> str | None:
+        return self.tokens[self.special_ids[name]] if name in self.special_ids else None
+
+
+def gpt2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2_pre_tokenizer()])
+
+
+def llama3_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class BytePreTokenizer:
+    """How a byte-level BPE vocabulary (named by tokenizer.ggml.pre) splits text before merging."""
+
+    build: Callable[[], pre_tokenizers.PreTokenizer]
+    ignore_merges: bool = False  # a word that is itself a token is taken whole (Llama 3)
+
+
+BYTE_PRE_TOKENIZERS: dict[str, BytePreTokenizer] = {
+    "default": BytePreTokenizer(gpt2_pre_tokenizer),
+    "gpt-2": BytePreTokenizer(gpt2_pre_tokenizer),
+    "smollm": BytePreTokenizer(smollm_pre_tokenizer),
+    **{name: BytePreTokenizer(llama3_pre_tokenizer, ignore_merges=True) for name in LLAMA3_PRE_NAMES},
+}
+
+
+def bpe_model(path: Path, **options: Any) -> models.BPE:
+    try:
+        return models.BPE(**options)
+    except Exception as error:  # the tokenizers library raises bare Exceptions for bad vocabularies
+        raise KilnError(f"cannot build a tokenizer from the GGUF vocabulary ({error})", path) from error
+
+
+def byte_level_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
+    """GPT-2-style BPE over bytes spelled as printable characters (tokenizer.ggml.model "gpt2")."""
+    if vocabulary.pre not in BYTE_PRE_TOKENIZERS:
+        supported = ", ".join(BYTE_PRE_TOKENIZERS)
+        raise KilnError(f"unsupported GGUF pre-tokenizer {vocabulary.pre!r} (supported: {supported})", path)
+    if vocabulary.merges is None:
+        raise KilnError("GGUF metadata has no tokenizer.ggml.merges for its BPE tokenizer", path)
+    pre = BYTE_PRE_TOKENIZERS[vocabulary.pre]
+    tokenizer = Tokenizer(
+        bpe_model(
+            path,
+            vocab={token: index for index, token in enumerate(vocabulary.tokens)},
+            merges=[tuple(merge.split(" ", 1)) for merge in vocabulary.merges],
+            ignore_merges=pre.ignore_merges,
+        )
+    )
+    tokenizer.pre_tokenizer = pre.build()
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def sentencepiece_merges(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:
+    """SentencePiece BPE joins the adjacent pair whose joined piece scores highest. As ranked BPE
+    merges that is every split of a piece into two pieces, best-scoring joined piece first."""
+    pieces = {
+        token: (score, index)
+        for index, (token, score, token_type) in enumerate(
+            zip(vocabulary.tokens, vocabulary.scores, vocabulary.token_types)
+        )
+        if token_type == TokenType.NORMAL
+    }
+    ranked = []
+    for piece, (score, index) in pieces.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in pieces and right in pieces:
+                ranked.append((-score, index, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def sentencepiece_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
+    """SentencePiece-style BPE with byte fallback (tokenizer.ggml.model "llama"), as llama.cpp runs it."""
+    if vocabulary.scores is None:
+        raise KilnError("GGUF metadata has no tokenizer.ggml.scores for its SentencePiece tokenizer", path)
+    tokenizer = Tokenizer(
+        bpe_model(
+            path,
+            vocab={token: index for index, token in enumerate(vocabulary.tokens)},
+            merges=sentencepiece_merges(vocabulary),
+            unk_token=vocabulary.special_token("unk_token"),
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    # A normalizer, not a Metaspace pre-tokenizer: like SentencePiece and llama.cpp it puts "▁"
+    # before every stretch of text (also after a special token), even one that starts with a space.
+    spaces = [normalizers.Replace(" ", "▁")]
+    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocabulary.add_space_prefix:
+        spaces.insert(0, normalizers.Prepend("▁"))
+        decode.append(decoders.Strip(" ", 1, 0))
+    tokenizer.normalizer = normalizers.Sequence(spaces)
+    tokenizer.decoder = decoders.Sequence(decode)
+    return tokenizer
+
+
+TOKENIZER_BUILDERS: dict[str, Callable[[GGUFVocabulary, Path], Tokenizer]] = {
+    "gpt2": byte_level_bpe,
+    "llama": sentencepiece_bpe,
+}
+
+
+def special_tokens_processor(vocabulary: GGUFVocabulary) -> processors.PostProcessor | None:
+    """BOS/EOS around the text, when the GGUF asks for them."""
+    before = ["bos_token"] if vocabulary.add_bos and "bos_token" in vocabulary.special_ids else []
+    after = ["eos_token"] if vocabulary.add_eos and "eos_token" in vocabulary.special_ids else []
+    if not before and not after:
+        return None
+    first = [vocabulary.special_token(name) for name in before]
+    last = [vocabulary.special_token(name) for name in after]
+    return processors.TemplateProcessing(
+        single=[*first, "$A", *last],
+        pair=[*first, "$A", *last, *(f"{token}:1" for token in first), "$B:1", *(f"{token}:1" for token in last)],
+        special_tokens=[(vocabulary.special_token(name), vocabulary.special_ids[name]) for name in before + after],
+    )
+
+
+def build_tokenizer(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
+    if vocabulary.model not in TOKENIZER_BUILDERS:
+        supported = ", ".join(TOKENIZER_BUILDERS)
+        raise KilnError(f"unsupported GGUF tokenizer model {vocabulary.model!r} (supported: {supported})", path)
+    tokenizer = TOKENIZER_BUILDERS[vocabulary.model](vocabulary, path)
+    # Control tokens (and the unknown token) are special; user-defined ones are not, but like
+    # them they are matched whole in the text instead of being cut up by the merges.
+    typed = list(zip(vocabulary.tokens, vocabulary.token_types))
+    special = [token for token, kind in typed if kind in (TokenType.CONTROL, TokenType.UNKNOWN)]
+    user_defined = [token for token, kind in typed if kind == TokenType.USER_DEFINED]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
+    tokenizer.post_processor = special_tokens_processor(vocabulary)
+    return tokenizer
+
+
+def write_tokenizer_files(metadata: GGUFMetadata, folder: Path) -> None:
+    """tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json."""
+    vocabulary = GGUFVocabulary.read(metadata)
+    tokenizer = build_tokenizer(vocabulary, metadata.path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+    special_tokens = {name: vocabulary.special_token(name) for name in vocabulary.special_ids}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_tokens,
+        "add_bos_token": vocabulary.add_bos,
+        "add_eos_token": vocabulary.add_eos,
+        "clean_up_tokenization_spaces": False,
+    }
+    if vocabulary.chat_template is not None:
+        tokenizer_config["chat_template"] = vocabulary.chat_template
+    generation_config = {
+        f"{name.removesuffix('_token')}_token_id": vocabulary.special_ids[name]
+        for name in ("bos_token", "eos_token", "pad_token")
+        if name in vocabulary.special_ids
+    }
+    for name, content in (
+        ("tokenizer_config.json", tokenizer_config),
+        ("special_tokens_map.json", special_tokens),
+        ("generation_config.json", generation_config),
+    ):
+        (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,323 @@
+"""Ingest: read a model source into a `SourceModel`, the first stage of a build.
+
+A source is one of
+- a Hugging Face model folder: config.json, weights as model*.safetensors or
+  pytorch_model*.bin (each optionally with its index), tokenizer files;
+- a Hugging Face hub id ("org/name"): downloaded with `huggingface_hub` (which honours
+  HF_ENDPOINT, HF_HUB_OFFLINE and the Hugging Face cache), then read as a folder;
+- a GGUF file: read by compile/gguf_source.py, its tokenizer rebuilt into `work_dir`.
+
+Whatever the source, the result looks the same: a Hugging Face-style config, tensors under
+Hugging Face names as float32 numpy arrays in Hugging Face layout, and a tokenizer folder.
+Everything that can be checked cheaply (config, tokenizer, weight file headers) is checked
+here, so a bad source fails before any long work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError
+from tqdm import tqdm
+
+from kiln.compile.gguf_source import GGUFModel, model_name_from_gguf_path
+from kiln.errors import KilnError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+TOKENIZER_SIDE_FILES = (
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json"
+)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class TensorReader(Protocol):
+    def names(self) -> list[str]: ...
+
+    def load(self, name: str) -> np.ndarray: ...
+
+
+@dataclass
+class SourceModel:
+    """A model as read from its source, before any conversion."""
+
+    name: str  # the default model id: folder name, hub name, or GGUF file stem without its quantization
+    path: Path  # the file or folder that was read
+    config: dict  # Hugging Face config.json content; always has "model_type"
+    tokenizer_dir: Path  # tokenizer.json and/or tokenizer.model, tokenizer_config.json, ...
+    source_hash: str  # see `hash_source_files`
+    tensors: TensorReader = field(repr=False)
+
+    def tensor_names(self) -> list[str]:
+        return self.tensors.names()
+
+    def load_tensor(self, name: str) -> np.ndarray:
+        """float32, Hugging Face layout ([out, in] for a Linear)."""
+        return self.tensors.load(name)
+
+
+# ---- safetensors -----------------------------------------------------------------------------
+
+SAFETENSORS_ITEM_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+SAFETENSORS_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    offset: int  # from the start of the file
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file, checked to lie inside the file."""
+    file_size = path.stat().st_size
+    if file_size < 8:
+        raise KilnError(f"truncated safetensors file: {file_size} bytes", path)
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        if header_size > file_size - 8:
+            raise KilnError(f"truncated or corrupt safetensors file: a {header_size}-byte header does not fit", path)
+        try:
+            header = json.loads(file.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise KilnError(f"corrupt safetensors header ({error})", path) from error
+    if not isinstance(header, dict):
+        raise KilnError("corrupt safetensors header (not a JSON object)", path)
+    data_start = 8 + header_size
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            stored_size, expected_size = end - begin, math.prod(shape) * SAFETENSORS_ITEM_SIZES[dtype]
+        except (KeyError, TypeError, ValueError) as error:
+            raise KilnError(f"corrupt safetensors header entry for {name} ({error!r})", path) from error
+        if stored_size != expected_size:
+            raise KilnError(f"tensor {name} takes {stored_size} bytes, its shape and dtype need {expected_size}", path)
+        if data_start + end > file_size:
+            raise KilnError(
+                f"truncated safetensors file: tensor {name} ends at byte {data_start + end}, the file has {file_size}",
+                path,
+            )
+        tensors[name] = StoredTensor(path, data_start + begin, dtype, shape)
+    return tensors
+
+
+class SafetensorsTensors:
+    def __init__(self, files: list[Path]):
+        self._tensors = {name: tensor for file in files for name, tensor in read_safetensors_header(file).items()}
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def load(self, name: str) -> np.ndarray:
+        tensor = self._tensors[name]
+        count = math.prod(tensor.shape)
+        if tensor.dtype == "BF16":
+            # bfloat16 is the upper half of a float32
+            upper = np.fromfile(tensor.file, dtype="<u2", count=count, offset=tensor.offset)
+            values = (upper.astype(np.uint32) << 16).view(np.float32)
+        elif tensor.dtype in SAFETENSORS_FLOATS:
+            raw = np.fromfile(tensor.file, dtype=SAFETENSORS_FLOATS[tensor.dtype], count=count, offset=tensor.offset)
+            values = raw.astype(np.float32)
+        else:
+            raise KilnError(f"tensor {name} has dtype {tensor.dtype}; Kiln reads F64, F32, F16 and BF16", tensor.file)
+        return values.reshape(tensor.shape)
+
+
+# ---- PyTorch checkpoints ---------------------------------------------------------------------
+
+
+class PyTorchTensors:
+    def __init__(self, files: list[Path]):
+        try:
+            import torch  # optional: only old checkpoints need it
+        except ImportError as error:
+            raise KilnError("reading PyTorch weights needs torch (pip install torch)", files[0]) from error
+        self._float32 = torch.float32
+        self._tensors = {}
+        for file in files:
+            try:
+                self._tensors.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+            except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as error:
+                raise KilnError(f"cannot read PyTorch weights ({error})", file) from error
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def load(self, name: str) -> np.ndarray:
+        return self._tensors[name].to(self._float32).numpy()
+
+
+# ---- Hugging Face folders --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    index: str  # maps tensor names to shard files, when the weights are sharded
+    shards: str  # glob for the weight files when there is no index
+    reader: Callable[[list[Path]], TensorReader]
+
+    def shard_files(self, folder: Path) -> list[Path]:
+        index_path = folder / self.index
+        if not index_path.is_file():
+            return sorted(folder.glob(self.shards))
+        try:
+            shard_names = sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
+            shard_files = [folder / shard_name for shard_name in shard_names]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise KilnError(f"malformed weight index ({error!r})", index_path) from error
+        for shard_file in shard_files:
+            if not shard_file.is_file():
+                raise KilnError(f"the index lists {shard_file.name}, which is missing", index_path)
+        return shard_files
+
+
+WEIGHT_FORMATS = (
+    WeightFormat("model.safetensors.index.json", "model*.safetensors", SafetensorsTensors),
+    WeightFormat("pytorch_model.bin.index.json", "pytorch_model*.bin", PyTorchTensors),
+)
+
+
+def read_config(path: Path) -> dict:
+    if not path.is_file():
+        raise KilnError("missing config.json", path)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise KilnError(f"malformed JSON ({error})", path) from error
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise KilnError("no model_type", path)
+    return config
+
+
+def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
+    config_path = folder / "config.json"
+    config = read_config(config_path)
+    if not any((folder / tokenizer_file).is_file() for tokenizer_file in TOKENIZER_FILES):
+        raise KilnError("no tokenizer (tokenizer.json or tokenizer.model)", folder)
+    tokenizer_files = [
+        folder / file_name for file_name in TOKENIZER_FILES + TOKENIZER_SIDE_FILES if (folder / file_name).is_file()
+    ]
+    for weight_format in WEIGHT_FORMATS:
+        if shard_files := weight_format.shard_files(folder):
+            break
+    else:
+        raise KilnError("no weights (model*.safetensors or pytorch_model*.bin)", folder)
+    tensors = weight_format.reader(shard_files)
+    index_files = [folder / weight_format.index] if (folder / weight_format.index).is_file() else []
+    return SourceModel(
+        name=name or folder.name,
+        path=folder,
+        config=config,
+        tokenizer_dir=folder,
+        source_hash=hash_source_files(folder, [config_path, *tokenizer_files, *index_files, *shard_files]),
+        tensors=tensors,
+    )
+
+
+# ---- hub ids ---------------------------------------------------------------------------------
+
+
+def looks_like_hub_id(source: str) -> bool:
+    return HUB_ID.fullmatch(source) is not None and not Path(source).exists()
+
+
+def read_hub_model(repo_id: str, work_dir: Path) -> SourceModel:
+    """Download only what a build reads; safetensors first, PyTorch weights only when a repo has no safetensors."""
+    wanted = ["config.json", *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES]
+    try:
+        for weight_format in WEIGHT_FORMATS:
+            patterns = [*wanted, weight_format.index, weight_format.shards]
+            folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
+            if any(folder.glob(weight_format.shards)):
+                break
+    except (OSError, HFValidationError) as error:  # the hub's HTTP and cache errors are OSErrors
+        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
+        raise KilnError(f"cannot get it from the Hugging Face hub: {first_line}", repo_id) from error
+    return read_hf_folder(folder, name=repo_id.split("/")[1])
+
+
+# ---- GGUF files ------------------------------------------------------------------------------
+
+
+def is_gguf_file(source: str) -> bool:
+    return Path(source).is_file() and Path(source).suffix.lower() == ".gguf"
+
+
+def read_gguf_file(source: str, work_dir: Path) -> SourceModel:
+    path = Path(source)
+    model = GGUFModel(path)
+    tokenizer_dir = work_dir / "tokenizer"
+    model.write_tokenizer_files(tokenizer_dir)
+    return SourceModel(
+        name=model_name_from_gguf_path(path),
+        path=path,
+        config=model.config,
+        tokenizer_dir=tokenizer_dir,
+        source_hash=hash_source_files(path.parent, [path]),
+        tensors=model,
+    )
+
+
+# ---- provenance ------------------------------------------------------------------------------
+
+
+def hash_source_files(root: Path, files: list[Path]) -> str:
+    """sha256 of a `sha256sum`-style manifest of the files ("<sha256>  <path relative to root>"
+    lines, sorted by path): `cd ROOT && sha256sum FILES | sha256sum` gives the same."""
+    files = sorted(files, key=lambda file: file.relative_to(root).as_posix())
+    total_bytes = sum(file.stat().st_size for file in files)
+    manifest = []
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="hashing source", leave=False, disable=None) as bar:
+        for file in files:
+            digest = hashlib.sha256()
+            with open(file, "rb") as stream:
+                while chunk := stream.read(1 << 24):
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+            manifest.append(f"{digest.hexdigest()}  {file.relative_to(root).as_posix()}\n")
+    return hashlib.sha256("".join(manifest).encode()).hexdigest()
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    matches: Callable[[str], bool]
+    read: Callable[[str, Path], SourceModel]
+
+
+SOURCE_KINDS: dict[str, SourceKind] = {
+    "Hugging Face folder": SourceKind(
+        lambda source: Path(source).is_dir(), lambda source, _work_dir: read_hf_folder(Path(source))
+    ),
+    "GGUF file": SourceKind(is_gguf_file, read_gguf_file),
+    "Hugging Face hub id": SourceKind(looks_like_hub_id, read_hub_model),
+}
+
+
+def ingest(source: str | Path, work_dir: Path) -> SourceModel:
+    """Read `source` (a folder, a .gguf file or a hub id); `work_dir` holds files made on the way."""
+    source = str(source)
+    for kind in SOURCE_KINDS.values():
+        if kind.matches(source):
+            return kind.read(source, Path(work_dir))
+    if Path(source).exists():
+        raise KilnError(f"not a model source (expected one of: {', '.join(SOURCE_KINDS)})", source)
+    raise KilnError("no such file or folder", source)
