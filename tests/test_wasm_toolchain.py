@@ -1,0 +1,211 @@
+"""The wasm toolchain: TVM's web runtime built from the wheels, model libraries linked against it,
+loaded in Node with @mlc-ai/web-runtime (tvmjs) and, on the CPU and on WebGPU, run against numpy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.compile import wasm_toolchain
+from kiln.errors import KilnError
+
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
+TARGETS = {"wasm": WASM32, "webgpu": {"kind": "webgpu", "host": WASM32}}
+METADATA = {"model": "kiln-toolchain-test", "params": []}
+# A constant lands in the VM executable's constant pool, which the web runtime deserializes.
+OFFSET = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+pytestmark = pytest.mark.slow
+
+
+def require_tools() -> None:
+    fixes = {"emcc": wasm_toolchain.EMSCRIPTEN_FIX, "node": wasm_toolchain.NODE_FIX}
+    for program, fix in fixes.items():
+        if shutil.which(program) is None:
+            pytest.skip(f"{program} is not installed ({fix})")
+    if not (WEB_DIR / "node_modules" / "@mlc-ai" / "web-runtime").is_dir():
+        pytest.fail(f"npm packages are not installed: run `cd {WEB_DIR} && npm ci`")
+
+
+def affine_module():
+    """y = x @ w + b + OFFSET, plus a `_metadata` function like the one WebLLM reads."""
+    import tvm
+    from tvm import relax
+    from tvm.script import relax as R
+
+    @tvm.script.ir_module
+    class Affine:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 3), "float32"),
+                 b: R.Tensor((3,), "float32")):
+            with R.dataflow():
+                y = R.add(R.add(R.matmul(x, w), b), R.const(OFFSET))
+                R.output(y)
+            return y
+
+    builder = relax.BlockBuilder(Affine)
+    with builder.function("_metadata", []):
+        builder.emit_func_output(tvm.ir.StringImm(json.dumps(METADATA)))
+    return builder.get()
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory) -> dict[str, Path]:
+    """The affine module linked for each target: {"wasm": path, "webgpu": path}."""
+    require_tools()
+    import tvm
+
+    wasm_toolchain.ensure_web_runtime()
+    out_dir = tmp_path_factory.mktemp("wasm-libraries")
+    paths = {}
+    for name, target in TARGETS.items():
+        executable = tvm.compile(affine_module(), tvm.target.Target(target))
+        paths[name] = out_dir / f"affine-{name}.wasm"
+        executable.export_library(str(paths[name]), fcompile=wasm_toolchain.link_tvmjs_wasm)
+    return paths
+
+
+def node_tool(tool: str, *args: str, expect_status: int = 0) -> dict:
+    result = subprocess.run(["node", str(WEB_DIR / "tools" / tool), *args], capture_output=True,
+                            text=True, env=wasm_toolchain.dawn_node_environment(), timeout=300,
+                            check=False)
+    assert result.returncode == expect_status, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def run_affine(library: Path, tmp_path: Path, device: str) -> tuple[dict, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((4, 8), (8, 3), (3,)))
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps([{"shape": list(a.shape), "dtype": "float32",
+                                   "data": a.ravel().tolist()} for a in (x, w, b)]))
+    result = node_tool("run-function.mjs", str(library), "main", str(inputs), "--device", device)
+    (output,) = result["outputs"]
+    got = np.array(output["data"], dtype=np.float32).reshape(output["shape"])
+    return result, got, x @ w + b + OFFSET
+
+
+def require_webgpu() -> None:
+    helpers = json.dumps(str(WEB_DIR / "tools" / "tvm-node.mjs"))
+    probe = subprocess.run(
+        ["node", "--input-type=module", "-e",
+         f"import {{ requestWebGPUDevice }} from {helpers};"
+         "await requestWebGPUDevice(); process.exit(0);"],
+        capture_output=True, text=True, env=wasm_toolchain.dawn_node_environment(), timeout=120,
+        check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no WebGPU adapter for Node: {probe.stderr.strip()[-500:]}")
+
+
+def test_cached_runtime_matches_this_toolchain():
+    require_tools()
+    runtime_dir = wasm_toolchain.ensure_web_runtime()
+    assert runtime_dir == wasm_toolchain.web_runtime_dir()
+    assert runtime_dir.name == wasm_toolchain.tvm_version()
+    assert all(p.stat().st_size > 0 for p in wasm_toolchain.web_runtime_objects(runtime_dir))
+    info = json.loads((runtime_dir / wasm_toolchain.BUILD_INFO).read_text())
+    assert info["emcc"] == wasm_toolchain.emcc_version()
+    assert wasm_toolchain.web_runtime_is_built(runtime_dir)
+
+
+def test_cache_with_another_fingerprint_is_stale(tmp_path, monkeypatch):
+    require_tools()
+    copy = tmp_path / "web-runtime" / wasm_toolchain.tvm_version()
+    shutil.copytree(wasm_toolchain.ensure_web_runtime(), copy)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    assert wasm_toolchain.web_runtime_dir() == copy
+    assert wasm_toolchain.web_runtime_is_built()
+    info = json.loads((copy / wasm_toolchain.BUILD_INFO).read_text())
+    (copy / wasm_toolchain.BUILD_INFO).write_text(json.dumps(dict(info, headers="edited")))
+    assert not wasm_toolchain.web_runtime_is_built()
+
+
+def test_failed_runtime_build_names_the_source_and_leaves_no_cache(tmp_path, monkeypatch):
+    require_tools()
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(wasm_toolchain, "COMPILE_FLAGS",
+                        [*wasm_toolchain.COMPILE_FLAGS, "-include", "kiln_missing_header.h"])
+    with pytest.raises(KilnError) as failure:
+        wasm_toolchain.build_web_runtime(progress=False)
+    assert failure.value.path.name == "wasm_runtime.cc"
+    assert "kiln_missing_header.h" in failure.value.problem
+    assert list((tmp_path / "web-runtime").iterdir()) == []
+
+
+def test_link_error_is_a_kiln_error_with_the_linker_output(tmp_path):
+    require_tools()
+    bogus = tmp_path / "bogus.o"
+    bogus.write_bytes(b"\0asm\x01\0\0\0not a valid object")
+    output = tmp_path / "out" / "lib.wasm"
+    with pytest.raises(KilnError) as failure:
+        wasm_toolchain.link_tvmjs_wasm(output, [bogus])
+    assert failure.value.path == output
+    assert "bogus.o" in failure.value.problem
+    assert not output.exists() and list(output.parent.iterdir()) == []
+
+
+def test_libraries_are_wasm_with_object_format_o(libraries):
+    assert wasm_toolchain.link_tvmjs_wasm.object_format == "o"
+    for path in libraries.values():
+        assert path.read_bytes()[:4] == b"\0asm"
+
+
+@pytest.mark.parametrize("target", ["wasm", "webgpu"])
+def test_library_loads_in_node_and_lists_its_functions(libraries, target):
+    report = node_tool("list-functions.mjs", str(libraries[target]), "--device", "cpu",
+                       "--expect", "main,_metadata")
+    assert sorted(report["functions"]) == ["_metadata", "main"]
+    assert report["expected"] == {"main": True, "_metadata": True} and report["missing"] == []
+    assert report["metadata"] == METADATA
+    assert bool(report["webgpu_kernels"]) == (target == "webgpu")
+
+
+def test_missing_function_is_reported_with_status_1(libraries):
+    report = node_tool("list-functions.mjs", str(libraries["wasm"]), "--expect", "main,decode",
+                       expect_status=1)
+    assert report["missing"] == ["decode"]
+
+
+def test_cpu_wasm_runs_in_node_like_numpy(libraries, tmp_path):
+    result, got, want = run_affine(libraries["wasm"], tmp_path, "cpu")
+    assert result["device"] == "cpu"
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_webgpu_library_compiles_its_shaders_in_node(libraries):
+    require_webgpu()
+    report = node_tool("list-functions.mjs", str(libraries["webgpu"]), "--device", "webgpu",
+                       "--expect", "main")
+    assert report["device"] == "webgpu" and report["missing"] == []
+    assert report["webgpu"]["pipelines"] == len(report["webgpu_kernels"]) > 0
+
+
+def test_webgpu_library_runs_in_node_like_numpy(libraries, tmp_path):
+    require_webgpu()
+    result, got, want = run_affine(libraries["webgpu"], tmp_path, "webgpu")
+    assert result["device"] == "webgpu"
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_toolchain_status_reports_every_tool():
+    statuses = {status.name: status for status in wasm_toolchain.toolchain_status()}
+    assert list(statuses) == ["TVM", "emcc", "node", "Chromium", "TVM web runtime"]
+    for status in statuses.values():
+        assert status.detail
+        assert (status.fix is None) == status.ok
+    assert statuses["TVM"].ok and wasm_toolchain.tvm_version() in statuses["TVM"].detail
+
+
+def test_toolchain_status_without_emcc_names_the_fixes(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    statuses = {status.name: status for status in wasm_toolchain.toolchain_status()}
+    assert statuses["emcc"].fix == "apt-get install -y emscripten"
+    assert statuses["TVM web runtime"].fix == "kiln doctor --build-runtime"
+    with pytest.raises(KilnError, match="apt-get install -y emscripten"):
+        wasm_toolchain.find_emcc()
