@@ -12,6 +12,8 @@ from tvm.s_tir import dlight as dl
 
 from kiln.errors import KilnError
 
+from .cpu_schedule import RowParallelMatmul
+
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
 
 
@@ -27,7 +29,7 @@ def gpu_schedules() -> tvm.transform.Pass:
 
 
 def cpu_schedules() -> tvm.transform.Pass:
-    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction())
+    return dl.ApplyDefaultSchedule(RowParallelMatmul(), dl.cpu.Reduction())
 
 
 def export_shared_library(executable, path: Path) -> None:

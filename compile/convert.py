@@ -1,0 +1,60 @@
+"""The convert stage: source tensors → fused, quantized parameters in the tensor cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from kiln.errors import KilnError
+from kiln.models import Architecture, DecoderConfig
+from kiln.tensor_cache import TensorCacheWriter
+
+from .ingest import SourceModel
+from .library import ParamSpec
+from .quantization import Quantization
+
+QUANTIZED_SUFFIX = ".q_weight"
+SCALE_SUFFIX = ".q_scale"
+
+
+def float_weights(params: list[ParamSpec]) -> list[tuple[str, bool]]:
+    """(float weight name, quantized?) in parameter order; a packed pair comes from one weight."""
+    weights = []
+    for p in params:
+        if p.name.endswith(QUANTIZED_SUFFIX):
+            weights.append((p.name.removesuffix(QUANTIZED_SUFFIX) + ".weight", True))
+        elif not p.name.endswith(SCALE_SUFFIX):
+            weights.append((p.name, False))
+    return weights
+
+
+def load_weight(source: SourceModel, names: list[str]) -> np.ndarray:
+    available = set(source.tensor_names())
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise KilnError(f"the weights lack tensor {missing[0]!r}", source.path)
+    arrays = [source.load_tensor(n) for n in names]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+
+def convert_weights(
+    source: SourceModel, arch: Architecture, config: DecoderConfig, quantization: Quantization,
+    params: list[ParamSpec], out_dir: Path,
+) -> dict:
+    """Write every parameter the library expects; returns the tensor-cache json."""
+    expected = {p.name: p for p in params}
+    fused = arch.fused_sources(config)
+    writer = TensorCacheWriter(out_dir)
+    for name, quantized in tqdm(float_weights(params), desc="convert", unit="tensor", leave=False):
+        weight = load_weight(source, fused.get(name, [name]))
+        for param_name, array in quantization.pack(name, weight, quantized).items():
+            spec = expected[param_name]
+            if tuple(array.shape) != spec.shape:
+                raise KilnError(
+                    f"tensor for {param_name} has shape {tuple(array.shape)}, the config implies {spec.shape}",
+                    source.path,
+                )
+            writer.add(param_name, array.astype(spec.dtype, copy=False))
+    return writer.finish()

@@ -1,0 +1,173 @@
+"""The build, as a straight line: ingest → quantize → convert → configure → compile → package.
+
+Everything is built in a hidden temporary folder next to the output and renamed into place at
+the end, so a failed build leaves no `DIR/<model-id>/` behind (and never damages an existing one).
+A rebuild of the same source and quantization for another target reuses the converted weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tvm
+
+import kiln
+from kiln.models import architecture_for
+
+from .configure import write_chat_config
+from .convert import convert_weights
+from .ingest import SourceModel, ingest
+from .library import compile_library, library_metadata, param_specs
+from .quantization import quantization_named
+from .targets import TargetEntry, target_named
+
+BUILD_RECORD = "kiln-build.json"
+WEIGHT_FILES_GLOB = ("tensor-cache.json", "params_shard_*.bin")
+
+
+@dataclass
+class BuildRequest:
+    source: str
+    quantization: str
+    targets: list[str]
+    output: Path = Path("dist")
+    model_id: str | None = None
+    context_window_size: int | None = None
+    prefill_chunk_size: int | None = None
+
+    def overrides(self) -> dict[str, int]:
+        return {k: v for k, v in (("context_window_size", self.context_window_size),
+                                  ("prefill_chunk_size", self.prefill_chunk_size)) if v}
+
+
+@dataclass
+class BuildResult:
+    model_id: str
+    model_dir: Path
+    libraries: dict[str, Path]
+    timings: dict[str, float] = field(default_factory=dict)
+    reused_weights: bool = False
+
+
+class StageClock:
+    """Times each stage and tells the user what is running (builds take minutes)."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        print(f"kiln: {name} …", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        yield
+        self.timings[name] = round(time.perf_counter() - start, 3)
+        print(f"kiln: {name} done in {self.timings[name]:.1f} s", file=sys.stderr, flush=True)
+
+
+def config_file(source: SourceModel) -> Path:
+    return source.path / "config.json" if source.path.is_dir() else source.path
+
+
+def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest) -> dict | None:
+    """The previous build record if its weights were made from the same source the same way."""
+    try:
+        record = json.loads((model_dir / BUILD_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    same = (record.get("source_hash") == source.source_hash
+            and record.get("quantization") == request.quantization
+            and record.get("overrides") == request.overrides()
+            and record.get("kiln_version") == kiln.__version__)
+    return record if same else None
+
+
+def carry_over(previous_dir: Path, staging: Path, names: list[str]) -> None:
+    for name in names:
+        for path in previous_dir.glob(name):
+            target = staging / path.relative_to(previous_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target) if path.stat().st_dev == staging.stat().st_dev else shutil.copy2(path, target)
+
+
+def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
+    versions = {"kiln": kiln.__version__, "tvm": tvm.__version__, "python": platform.python_version()}
+    if any(e.extension == "wasm" for e in entries):
+        from .wasm_toolchain import emcc_version
+
+        versions["emscripten"] = emcc_version()
+    return versions
+
+
+def build(request: BuildRequest) -> BuildResult:
+    quantization = quantization_named(request.quantization)
+    entries = [target_named(name) for name in request.targets]
+    request.output.mkdir(parents=True, exist_ok=True)
+    clock = StageClock()
+    with tempfile.TemporaryDirectory(prefix=".kiln-build-", dir=request.output) as tmp:
+        staging = Path(tmp) / "model"
+        (staging / "libs").mkdir(parents=True)
+
+        with clock.stage("ingest"):
+            source = ingest(request.source, Path(tmp) / "work")
+            arch = architecture_for(source.config, config_file(source))
+            config = arch.parse_config(source.config, config_file(source), request.overrides())
+
+        with clock.stage("quantize"):
+            model = quantization.quantize_model(arch.build(config, quantization.model_dtype))
+            params = param_specs(model, entries[0])
+
+        model_id = request.model_id or f"{source.name}-{quantization.name}"
+        model_dir = request.output / model_id
+        previous = reusable_build(model_dir, source, request)
+        if previous:
+            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, "libs/*"])
+        else:
+            with clock.stage("convert"):
+                convert_weights(source, arch, config, quantization, params, staging)
+        with clock.stage("configure"):
+            write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
+
+        libraries = {}
+        metadata = library_metadata(model, quantization.name, params)
+        for entry in entries:
+            path = staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}"
+            with clock.stage(f"compile {entry.name}"):
+                compile_library(model, entry, metadata, path)
+            libraries[entry.name] = path
+
+        built_targets = dict(previous.get("targets", {})) if previous else {}
+        for entry in entries:
+            built_targets[entry.name] = {"library": f"libs/{libraries[entry.name].name}",
+                                         "seconds": clock.timings[f"compile {entry.name}"]}
+        record = {
+            "model_id": model_id,
+            "source": str(request.source),
+            "source_hash": source.source_hash,
+            "model_type": arch.model_type,
+            "quantization": quantization.name,
+            "overrides": request.overrides(),
+            "targets": built_targets,
+            "versions": toolchain_versions(entries),
+            "kiln_version": kiln.__version__,
+            "timings": clock.timings,
+            "reused_weights": bool(previous),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        (staging / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+
+        if model_dir.exists():
+            model_dir.rename(Path(tmp) / "previous")
+        staging.rename(model_dir)
+
+    return BuildResult(model_id, model_dir, {t: model_dir / "libs" / p.name for t, p in libraries.items()},
+                       clock.timings, bool(previous))

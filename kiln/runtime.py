@@ -1,0 +1,119 @@
+"""A compiled model on the TVM runtime: load a model folder, run prefill and decode steps.
+
+This is the thin layer over the Relax VM (one sequence, TVM's paged KV cache). The engine builds
+generation, sampling and chat on top of it; parity checks use it directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.runtime import ShapeTuple
+
+from kiln.errors import KilnError
+from kiln.tensor_cache import load_arrays
+
+PAGE_SIZE = 16
+SEQUENCE_ID = 0
+DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KilnError("missing: not a Kiln model folder", path) from None
+    except json.JSONDecodeError as e:
+        raise KilnError(f"malformed JSON: {e}", path) from None
+
+
+def library_path(model_dir: Path, target: str) -> Path:
+    build = read_json(model_dir / "kiln-build.json")
+    entry = build.get("targets", {}).get(target)
+    if entry is None or not (model_dir / entry["library"]).is_file():
+        built = ", ".join(build.get("targets", {})) or "none"
+        raise KilnError(f"no {target} library in this model folder (built for: {built}); "
+                        f"build it with: kiln compile {build.get('source', 'SOURCE')} "
+                        f"--quantization {build.get('quantization', 'Q')} --target {target}", model_dir)
+    return model_dir / entry["library"]
+
+
+class NativeModel:
+    """One compiled model with one KV cache sequence."""
+
+    def __init__(self, model_dir: Path, target: str = "cpu"):
+        self.model_dir = Path(model_dir)
+        self.chat_config = read_json(self.model_dir / "mlc-chat-config.json")
+        if target not in DEVICES:
+            raise KilnError(f"the native engine runs on {', '.join(DEVICES)}, not {target!r}")
+        self.device = DEVICES[target](0)
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(library_path(self.model_dir, target))), self.device)
+        self.metadata = json.loads(str(self.vm["_metadata"]()))
+        arrays = load_arrays(self.model_dir)
+        missing = [p["name"] for p in self.metadata["params"] if p["name"] not in arrays]
+        if missing:
+            raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", self.model_dir / "tensor-cache.json")
+        self.params = [tvm.runtime.tensor(arrays[p["name"]], self.device) for p in self.metadata["params"]]
+        self.context_window_size = int(self.metadata["context_window_size"])
+        self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
+        self.vocab_size = int(self.chat_config["vocab_size"])
+        self._kv_builtin = {name: tvm.get_global_func(f"vm.builtin.{name}") for name in (
+            "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
+            "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_get_total_sequence_length")}
+        self.kv_cache = self.vm["create_tir_paged_kv_cache"](
+            ShapeTuple([1]), ShapeTuple([self.context_window_size]), ShapeTuple([self.prefill_chunk_size]),
+            ShapeTuple([PAGE_SIZE]), ShapeTuple([0]),
+        )
+        self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
+        self.cached_tokens = 0
+
+    def reset(self) -> None:
+        self._kv_builtin["kv_state_remove_sequence"](self.kv_cache, SEQUENCE_ID)
+        self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
+        self.cached_tokens = 0
+
+    def rollback(self, count: int) -> None:
+        """Forget the last `count` cached tokens."""
+        if count:
+            self._kv_builtin["kv_state_popn"](self.kv_cache, SEQUENCE_ID, count)
+            self.cached_tokens -= count
+
+    def _step(self, function: str, token_ids: list[int]) -> np.ndarray:
+        ids = tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device)
+        embeds = self.vm["embed"](ids, self.params)
+        embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))
+        self._kv_builtin["kv_state_begin_forward"](self.kv_cache, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)]))
+        logits, self.kv_cache = self.vm[function](embeds, self.kv_cache, self.params)
+        self._kv_builtin["kv_state_end_forward"](self.kv_cache)
+        self.cached_tokens += len(token_ids)
+        return logits.numpy()[0]
+
+    def _check_room(self, count: int) -> None:
+        if self.cached_tokens + count > self.context_window_size:
+            raise KilnError(f"{self.cached_tokens + count} tokens exceed the context window of "
+                            f"{self.context_window_size}", self.model_dir)
+
+    def prefill(self, token_ids: list[int]) -> np.ndarray:
+        """Append tokens to the sequence (in chunks); the logits after the last one, [vocab]."""
+        if not token_ids:
+            raise KilnError("nothing to prefill: the prompt has no tokens")
+        self._check_room(len(token_ids))
+        for start in range(0, len(token_ids), self.prefill_chunk_size):
+            chunk = token_ids[start:start + self.prefill_chunk_size]
+            logits = self._step("prefill" if len(chunk) > 1 else "decode", chunk)
+        return logits[-1]
+
+    def decode(self, token_id: int) -> np.ndarray:
+        self._check_room(1)
+        return self._step("decode", [token_id])[-1]
+
+    def all_logits(self, token_ids: list[int]) -> np.ndarray:
+        """Logits at every position, [len(token_ids), vocab] (forced decoding in one pass)."""
+        self._check_room(len(token_ids))
+        rows = [self._step("prefill_all_logits", token_ids[s:s + self.prefill_chunk_size])
+                for s in range(0, len(token_ids), self.prefill_chunk_size)]
+        return np.concatenate(rows, axis=0)
