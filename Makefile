@@ -1,0 +1,61 @@
+# Kiln — `make demo` and `make test` set up everything they need on a fresh Debian machine.
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PORT     ?= 8000
+DIST     ?= dist
+PYTEST_ARGS ?=
+SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+.PHONY: setup system python web runtime test test-fast demo demo-build clean
+
+setup: system python web
+
+# Debian packages: emscripten (the TVM web runtime and model wasm), Chromium (browser tests),
+# Node.js + npm (the web package). Installed only when the command is missing.
+system:
+	@missing=""; \
+	command -v emcc >/dev/null || missing="$$missing emscripten"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v node >/dev/null || missing="$$missing nodejs"; \
+	command -v npm >/dev/null || missing="$$missing npm"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+python: $(VENV)/.installed
+
+# torch is pinned to the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" -e ".[test]"
+	touch $@
+
+web: web/node_modules/.installed
+
+web/node_modules/.installed: web/package-lock.json
+	cd web && npm ci --no-audit --no-fund
+	touch $@
+
+# The TVM web runtime, compiled once per TVM version into ~/.cache/kiln.
+runtime: setup
+	$(VENV)/bin/kiln doctor --build-runtime
+
+test: setup runtime
+	$(VENV)/bin/pytest -ra $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest -ra -m "not slow and not browser" $(PYTEST_ARGS)
+
+SMOLLM2 = $(shell $(PY) tests/assets.py)
+
+demo-build: setup runtime
+	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f32_1 -t cpu,webgpu,wasm -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f32_1
+	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f16_1 -t webgpu -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f16_1
+
+demo: demo-build
+	$(VENV)/bin/kiln serve --dist $(DIST) --port $(PORT)
+
+clean:
+	rm -rf $(DIST) .pytest_cache

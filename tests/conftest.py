@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny generated Llamas and SmolLM2, each built at most once per test session.
+
+Set KILN_TEST_DIST to a folder to keep builds between runs (a developer's inner loop); by default
+they go to pytest's temporary folder. Builds add targets to one model folder as tests ask for
+them, which also exercises the pipeline's weight reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from assets import smollm2_gguf
+from tiny_llama import make_tiny_llama
+
+from kiln.compile.pipeline import BuildRequest, build
+
+
+class SessionBuilds:
+    """Builds (source, quantization) → model folder, adding targets on demand."""
+
+    def __init__(self, dist: Path):
+        self.dist = dist
+
+    def model_dir(self, source: Path, name: str, quantization: str, targets: list[str]) -> Path:
+        model_id = f"{name}-{quantization}"
+        model_dir = self.dist / model_id
+        record = model_dir / "kiln-build.json"
+        built = json.loads(record.read_text())["targets"] if record.exists() else {}
+        missing = [t for t in targets if t not in built]
+        if missing:
+            build(BuildRequest(source=str(source), quantization=quantization, targets=missing,
+                               output=self.dist, model_id=model_id))
+        return model_dir
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory) -> SessionBuilds:
+    kept = os.environ.get("KILN_TEST_DIST")
+    return SessionBuilds(Path(kept) if kept else tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory) -> Path:
+    """A 2-layer Llama with tied embeddings, as a Hugging Face folder."""
+    return make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_source(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama-untied", seed=1,
+                           tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_build(builds, tiny_source):
+    """tiny_build(quantization, targets) → model folder of the tiny Llama."""
+    return lambda quantization, targets=("cpu",): builds.model_dir(tiny_source, "tiny-llama", quantization, list(targets))
+
+
+@pytest.fixture(scope="session")
+def smollm2_source() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_build(builds, smollm2_source):
+    """smollm2_build(quantization, targets) → model folder of SmolLM2-135M-Instruct."""
+    return lambda quantization, targets=("cpu",): builds.model_dir(smollm2_source, "SmolLM2-135M-Instruct",
+                                                                   quantization, list(targets))
