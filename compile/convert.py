@@ -47,7 +47,7 @@ def convert_weights(
     expected = {p.name: p for p in params}
     fused = arch.fused_sources(config)
     writer = TensorCacheWriter(out_dir)
-    for name, quantized in tqdm(float_weights(params), desc="convert", unit="tensor", leave=False):
+    for name, quantized in tqdm(float_weights(params), desc="convert", unit="tensor", leave=False, disable=None):
         weight = load_weight(source, fused.get(name, [name]))
         for param_name, array in quantization.pack(name, weight, quantized).items():
             spec = expected[param_name]

@@ -1,0 +1,285 @@
+"""The build pipeline on tiny generated Llamas: numerics against transformers, the artifact formats,
+target reuse, and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tiny_llama import make_tiny_llama
+
+from kiln.cli import main
+from kiln.compile.quantization import QUANTIZATIONS, dequantize_group, quantize_group
+from kiln.runtime import NativeModel
+from kiln.tensor_cache import SHARD_CAP_BYTES
+
+LOGIT_TOLERANCE = 2e-3
+PROMPTS = ([5, 17, 100, 42, 7, 250, 3], [300, 12, 12, 12, 9], list(range(40, 140, 3)))
+KILN = [sys.executable, "-m", "kiln.cli"]
+
+
+def reference_model(source: Path, quantization: str | None = None) -> torch.nn.Module:
+    """transformers on the source weights; with a quantization, on the weights after
+    quantize → dequantize, so any remaining difference is the kernels'."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    if quantization:
+        fmt = QUANTIZATIONS[quantization].group_format
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    weight = module.weight.numpy()
+                    module.weight.copy_(torch.from_numpy(dequantize_group(*quantize_group(weight, fmt), fmt)))
+    return model
+
+
+def last_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+@pytest.mark.parametrize("quantization", ["q0f32", "q4f32_1", pytest.param("q8f32_1", marks=pytest.mark.slow)])
+def test_cpu_logits_match_transformers(tiny_build, tiny_source, quantization):
+    native = NativeModel(tiny_build(quantization))
+    reference = reference_model(tiny_source, None if quantization == "q0f32" else quantization)
+    for ids in PROMPTS:
+        native.reset()
+        diff = np.abs(native.prefill(ids) - last_logits(reference, ids)).max()
+        assert diff <= LOGIT_TOLERANCE, f"{quantization} prompt {ids[:4]}…: max |Δ| = {diff}"
+
+
+@pytest.mark.slow
+def test_untied_embeddings_and_decode_steps_match_transformers(builds, tiny_untied_source):
+    native = NativeModel(builds.model_dir(tiny_untied_source, "tiny-untied", "q0f32", ["cpu"]))
+    reference = reference_model(tiny_untied_source)
+    ids = list(PROMPTS[0])
+    logits = native.prefill(ids)
+    for _ in range(6):
+        assert np.abs(logits - last_logits(reference, ids)).max() <= LOGIT_TOLERANCE
+        ids.append(int(logits.argmax()))
+        logits = native.decode(ids[-1])
+
+
+def test_all_position_logits_match_transformers(tiny_build, tiny_source):
+    native = NativeModel(tiny_build("q0f32"))
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        expected = reference_model(tiny_source)(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(native.all_logits(ids) - expected).max() <= LOGIT_TOLERANCE
+
+
+def test_quantized_parameters_are_packed_like_mlc():
+    """int4, groups of 32 along the input dimension, stored value round(w/scale)+7, 8 nibbles
+    per little-endian uint32 — checked against a hand-computed row."""
+    fmt = QUANTIZATIONS["q4f32_1"].group_format
+    weight = np.zeros((1, 32), np.float32)
+    weight[0, :8] = [-7, -1, 0, 1, 2, 3, 6, 7]
+    q_weight, q_scale = quantize_group(weight, fmt)
+    assert q_scale.tolist() == [[1.0]]
+    assert q_weight.shape == (1, 4) and q_weight.dtype == np.uint32
+    nibbles = [0, 6, 7, 8, 9, 10, 13, 14]
+    assert int(q_weight[0, 0]) == sum(n << (4 * i) for i, n in enumerate(nibbles))
+    assert int(q_weight[0, 1]) == 0x77777777
+    np.testing.assert_array_equal(dequantize_group(q_weight, q_scale, fmt), weight)
+
+
+def test_tensor_cache_reloads_with_tvmjs_to_the_source_weights(tiny_build, tiny_source):
+    from safetensors.numpy import load_file
+    from tvm.contrib.tvmjs import load_tensor_cache
+    import tvm
+
+    model_dir = tiny_build("q0f32")
+    loaded, _ = load_tensor_cache(str(model_dir), tvm.cpu())
+    source = load_file(tiny_source / "model.safetensors")
+    layer = "model.layers.1"
+    expected = {
+        "model.embed_tokens.weight": source["model.embed_tokens.weight"],
+        f"{layer}.self_attn.qkv_proj.weight": np.concatenate(
+            [source[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]),
+        f"{layer}.mlp.gate_up_proj.weight": np.concatenate(
+            [source[f"{layer}.mlp.gate_proj.weight"], source[f"{layer}.mlp.up_proj.weight"]]),
+        f"{layer}.mlp.down_proj.weight": source[f"{layer}.mlp.down_proj.weight"],
+        "model.norm.weight": source["model.norm.weight"],
+    }
+    for name, array in expected.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), array, err_msg=name)
+    metadata = json.loads(str(NativeModel(model_dir).vm["_metadata"]()))
+    assert sorted(loaded) == sorted(p["name"] for p in metadata["params"])
+
+
+def test_every_shard_matches_its_md5_and_size_cap(tiny_build):
+    model_dir = tiny_build("q4f32_1")
+    index = json.loads((model_dir / "tensor-cache.json").read_text())
+    for shard in index["records"]:
+        data = (model_dir / shard["dataPath"]).read_bytes()
+        assert hashlib.md5(data).hexdigest() == shard["md5sum"]
+        assert len(data) == shard["nbytes"]
+        assert len(data) <= SHARD_CAP_BYTES or len(shard["records"]) == 1
+        for record in shard["records"]:
+            assert record["byteOffset"] + record["nbytes"] <= len(data)
+
+
+def test_chat_config_is_what_webllm_reads(tiny_build):
+    config = json.loads((tiny_build("q4f32_1") / "mlc-chat-config.json").read_text())
+    for field in ("model_type", "quantization", "model_config", "vocab_size", "context_window_size",
+                  "prefill_chunk_size", "sliding_window_size", "attention_sink_size", "temperature",
+                  "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "tokenizer_files", "conv_template", "bos_token_id", "eos_token_id", "pad_token_id", "version"):
+        assert field in config, field
+    assert "tokenizer.json" in config["tokenizer_files"]
+    template = config["conv_template"]
+    assert template["system_message"] == "You are a tiny test model."
+    assert template["stop_str"] == ["<|im_end|>"] and template["stop_token_ids"] == [2]
+    for field in ("system_template", "roles", "seps", "stop_str", "stop_token_ids"):
+        assert field in template
+
+
+@pytest.mark.slow
+def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
+    from kiln.compile.pipeline import BuildRequest, build
+
+    first = build(BuildRequest(str(tiny_source), "q4f32_1", ["cpu"], tmp_path, "reuse"))
+    shard = first.model_dir / "params_shard_0.bin"
+    inode = shard.stat().st_ino
+    second = build(BuildRequest(str(tiny_source), "q4f32_1", ["wasm"], tmp_path, "reuse"))
+    record = json.loads((second.model_dir / "kiln-build.json").read_text())
+    assert second.reused_weights and record["reused_weights"]
+    assert "convert" not in record["timings"]
+    assert shard.stat().st_ino == inode
+    assert sorted(record["targets"]) == ["cpu", "wasm"]
+    assert (second.model_dir / record["targets"]["cpu"]["library"]).is_file()
+    assert not list(tmp_path.glob(".kiln-build-*"))
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+@dataclass
+class CommandResult:
+    returncode: int
+    stderr: str
+
+
+@pytest.fixture
+def run_compile(capsys):
+    """Runs `kiln compile … -q q4f32_1 -t cpu --model-id broken` in-process (as the CLI does)."""
+
+    def run(source: Path | str, output: Path, *extra: str) -> CommandResult:
+        args = ["compile", str(source), "-q", "q4f32_1", "-t", "cpu", "-o", str(output), "--model-id", "broken", *extra]
+        capsys.readouterr()
+        code = main(args)
+        return CommandResult(code, capsys.readouterr().err)
+
+    return run
+
+
+def test_errors_exit_non_zero_with_one_line_and_no_traceback(tmp_path, tiny_source):
+    result = subprocess.run([*KILN, "compile", str(tmp_path / "nowhere"), "-q", "q4f32_1", "-o", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"kiln: error: {tmp_path / 'nowhere'}: no such file or folder"
+    assert "Traceback" not in result.stderr
+
+
+def assert_clean_failure(result: CommandResult, output: Path, *mentions: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("kiln: error: "), result.stderr
+    for text in mentions:
+        assert text in lines[-1], (text, lines[-1])
+    assert not (output / "broken").exists()
+    assert not list(output.glob(".kiln-build-*"))
+
+
+@pytest.fixture
+def broken_source(tmp_path, tiny_source) -> Path:
+    folder = tmp_path / "broken-source"
+    shutil.copytree(tiny_source, folder)
+    return folder
+
+
+def test_missing_config_json(broken_source, tmp_path, run_compile):
+    (broken_source / "config.json").unlink()
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "config.json")
+
+
+def test_malformed_config_json(broken_source, tmp_path, run_compile):
+    (broken_source / "config.json").write_text('{"model_type": "llama", ')
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "config.json")
+
+
+def test_config_with_a_wrong_field_type(broken_source, tmp_path, run_compile):
+    config = json.loads((broken_source / "config.json").read_text())
+    config["hidden_size"] = "wide"
+    (broken_source / "config.json").write_text(json.dumps(config))
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "config.json", "hidden_size")
+
+
+def test_unknown_model_type(broken_source, tmp_path, run_compile):
+    config = json.loads((broken_source / "config.json").read_text())
+    config["model_type"] = "mamba9"
+    (broken_source / "config.json").write_text(json.dumps(config))
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "config.json", "mamba9")
+
+
+def test_unknown_quantization(tiny_source, tmp_path, capsys):
+    assert main(["compile", str(tiny_source), "-q", "q3f99", "-o", str(tmp_path / "out"), "--model-id", "broken"]) == 1
+    assert_clean_failure(CommandResult(1, capsys.readouterr().err), tmp_path / "out", "q3f99")
+
+
+def test_unknown_target(tiny_source, tmp_path, run_compile):
+    result = run_compile(tiny_source, tmp_path / "out", "-t", "vulkan")
+    assert_clean_failure(result, tmp_path / "out", "vulkan")
+
+
+def test_truncated_safetensors(broken_source, tmp_path, run_compile):
+    weights = broken_source / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "model.safetensors")
+
+
+def test_no_tokenizer(broken_source, tmp_path, run_compile):
+    (broken_source / "tokenizer.json").unlink()
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "tokenizer")
+
+
+def test_gguf_with_an_unsupported_tensor_type(tmp_path, run_compile):
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_head_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_clean_failure(run_compile(path, tmp_path / "out"), tmp_path / "out", "odd.gguf")
+
+
+@pytest.mark.slow
+def test_a_failed_rebuild_leaves_the_previous_build_intact(tmp_path, tiny_source, broken_source, run_compile):
+    out = tmp_path / "out"
+    assert run_compile(tiny_source, out).returncode == 0
+    before = sorted(p.name for p in (out / "broken").iterdir())
+    (broken_source / "config.json").write_text("{")
+    assert run_compile(broken_source, out).returncode != 0
+    assert sorted(p.name for p in (out / "broken").iterdir()) == before
+
+
+def test_widths_that_cannot_be_grouped_are_refused(tmp_path, run_compile):
+    source = make_tiny_llama(tmp_path / "odd-width", num_layers=1)
+    config = json.loads((source / "config.json").read_text())
+    config["intermediate_size"] = 100
+    (source / "config.json").write_text(json.dumps(config))
+    assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", "group size")
