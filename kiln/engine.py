@@ -1,0 +1,513 @@
+"""Text generation over a compiled model: the API behind `kiln generate`, `kiln chat` and the server.
+
+One `Engine` owns one model and one KV cache sequence, and runs one generation at a time: a second
+caller waits up to `busy_timeout_s` (default 0) and then gets `EngineBusy`. A stream holds the
+engine from the call that creates it until it is exhausted or closed.
+
+Every generation reuses the longest prefix of its prompt that is still in the KV cache and
+prefills only the rest. Chat turns build their prompt from the previous turn's exact token ids
+plus the newly rendered text, so a turn that extends the last conversation prefills only its
+new tokens even when the model's reply would tokenize differently on its own.
+
+Sampling runs in numpy on the step's logits: penalties first (repetition over prompt and output
+as in `transformers`, presence and frequency over the output as in OpenAI's API), then greedy
+at temperature 0, otherwise temperature, top-k, top-p and a draw from a generator seeded by
+`seed` — the same seed gives the same text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+import jinja2
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from kiln.errors import KilnError
+from kiln.runtime import NativeModel, read_json
+
+# Decoding a new token together with the few before it gives the text a full decode would,
+# for decoders that treat the first token specially (SentencePiece drops its leading space).
+DETOKENIZE_CONTEXT_TOKENS = 4
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass
+class GenerationConfig:
+    max_tokens: int = 256
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logits_top_k: int = 0             # >0: record the top-K logits of every step
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        problems = [
+            (self.max_tokens < 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature < 0, f"temperature must be 0 (greedy) or positive, got {self.temperature}"),
+            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k < 0, f"top_k must be 0 (off) or positive, got {self.top_k}"),
+            (self.repetition_penalty <= 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            (self.logits_top_k < 0, f"logits_top_k must be 0 (off) or positive, got {self.logits_top_k}"),
+        ]
+        for failed, problem in problems:
+            if failed:
+                raise KilnError(problem)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    prefilled_tokens: int             # tokens actually prefilled this call (the rest came from the cache)
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    total_s: float
+
+
+@dataclass
+class Delta:
+    """One streamed piece of a generation."""
+
+    text: str                         # never splits a multi-byte character
+    token_ids: list[int]              # tokens generated since the previous delta
+    finish_reason: str | None = None  # "stop" | "length" | "interrupted" on the last delta
+    usage: Usage | None = None        # on the last delta
+    logits: list[dict] | None = None  # with logits_top_k: one record per token in token_ids
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: list[int]
+    tokens: list[int]                 # includes the EOS token that ended the generation, if one did
+    text: str                         # excludes the EOS token and anything from a stop string on
+    finish_reason: str
+    usage: Usage
+    logits: list[dict] | None = None  # per step {"token_ids": [...], "logits": [...]} when logits_top_k
+
+    def to_json(self) -> dict:
+        out = {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
+               "finish_reason": self.finish_reason, "usage": asdict(self.usage)}
+        if self.logits is not None:
+            out["logits"] = self.logits
+        return out
+
+
+class EngineBusy(KilnError):
+    """Another generation is running on this engine."""
+
+
+class Sampler:
+    """Picks each step's token from its logits, per a GenerationConfig."""
+
+    def __init__(self, config: GenerationConfig, prompt_ids: list[int]):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        self.seen = set(prompt_ids)
+        self.output_counts: dict[int, int] = {}
+
+    def record(self, token: int) -> None:
+        self.seen.add(token)
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
+
+    def penalized(self, logits: np.ndarray) -> np.ndarray:
+        c = self.config
+        if c.repetition_penalty == 1 and not (self.output_counts and (c.presence_penalty or c.frequency_penalty)):
+            return logits
+        logits = logits.astype(np.float32, copy=True)
+        if c.repetition_penalty != 1 and self.seen:
+            seen = np.fromiter(self.seen, dtype=np.int64)
+            values = logits[seen]
+            logits[seen] = np.where(values > 0, values / c.repetition_penalty, values * c.repetition_penalty)
+        if self.output_counts:
+            generated = np.fromiter(self.output_counts, dtype=np.int64)
+            counts = np.fromiter(self.output_counts.values(), dtype=np.float32)
+            logits[generated] -= c.presence_penalty + c.frequency_penalty * counts
+        return logits
+
+    def sample(self, logits: np.ndarray) -> int:
+        c = self.config
+        logits = self.penalized(logits)
+        if c.temperature == 0:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / c.temperature
+        if 0 < c.top_k < scaled.size:
+            candidates = np.argpartition(-scaled, c.top_k - 1)[:c.top_k]
+        else:
+            candidates = np.arange(scaled.size)
+        if c.top_p < 1:
+            candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
+        probs = np.exp(scaled[candidates] - scaled[candidates].max())
+        probs /= probs.sum()
+        cumulative = np.cumsum(probs)
+        if c.top_p < 1:
+            # The shortest most-probable prefix whose mass reaches top_p.
+            kept = int(np.searchsorted(cumulative, c.top_p)) + 1
+            cumulative = cumulative[:kept]
+        draw = self.rng.random() * cumulative[-1]
+        return int(candidates[min(int(np.searchsorted(cumulative, draw, side="right")), cumulative.size - 1)])
+
+
+class TextStream:
+    """Turns token ids into text pieces; a piece is held back while it ends in an incomplete
+    multi-byte character (byte-level tokens can split one)."""
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(context_ids[-DETOKENIZE_CONTEXT_TOKENS:])
+        self.emitted_from = 0
+        self.unread_from = len(self.ids)
+
+    def _decoded_window(self) -> tuple[str, str]:
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        return decode(self.ids[self.emitted_from:self.unread_from]), decode(self.ids[self.emitted_from:])
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before, after = self._decoded_window()
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.emitted_from, self.unread_from = self.unread_from, len(self.ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """What is left at the end, incomplete characters as U+FFFD."""
+        before, after = self._decoded_window()
+        self.emitted_from = self.unread_from = len(self.ids)
+        return after[len(before):]
+
+
+class StopStrings:
+    """Cuts the text at the first stop string; holds back a tail that could still become one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text that is safe to emit, whether a stop string was reached)."""
+        self.held += text
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            safe, self.held = self.held[:min(hits)], ""
+            return safe, True
+        keep = self._partial_match_length()
+        safe, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return safe, False
+
+    def _partial_match_length(self) -> int:
+        """The length of the longest tail of the held text that begins a stop string."""
+        longest = min(len(self.held), max((len(s) for s in self.stops), default=1) - 1)
+        for length in range(longest, 0, -1):
+            tail = self.held[-length:]
+            if any(s.startswith(tail) for s in self.stops):
+                return length
+        return 0
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+@dataclass
+class Conversation:
+    """The last chat turn as rendered text and the exact token ids the model saw or produced."""
+
+    text: str
+    token_ids: list[int]
+
+
+class Engine:
+    """A compiled model ready to generate: `tokenizer` (the `tokenizers` library on tokenizer.json),
+    `model_id`, `chat_config` (mlc-chat-config.json) and `model` (the runtime under it)."""
+
+    def __init__(self, model_dir: Path, target: str = "cpu", busy_timeout_s: float = 0.0):
+        self.model_dir = Path(model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer_config = read_json(self.model_dir / "tokenizer_config.json")
+        self.model = NativeModel(self.model_dir, target)
+        self.chat_config = self.model.chat_config
+        build = read_json(self.model_dir / "kiln-build.json")
+        self.model_id = build.get("model_id", self.model_dir.name)
+        conv = self.chat_config.get("conv_template") or {}
+        self.eos_token_ids = set(self.chat_config.get("eos_token_id") or []) | set(conv.get("stop_token_ids") or [])
+        self.chat_stop_strings = list(conv.get("stop_str") or [])
+        self.busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+        self._interrupted = threading.Event()
+        self._cached_ids: list[int] = []
+        self._conversation: Conversation | None = None
+        self._chat_template: jinja2.Template | None = None
+
+    # Prompts
+
+    def encode(self, text: str) -> list[int]:
+        """A raw prompt's ids, with the tokenizer's own special tokens (as `transformers` does)."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        check_messages(messages)
+        special = {key: special_token_text(self.tokenizer_config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+        try:
+            return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        except jinja2.TemplateError as e:
+            raise KilnError(f"the chat template failed on these messages: {e}",
+                            self.model_dir / "tokenizer_config.json") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+
+    def _template(self) -> jinja2.Template:
+        if self._chat_template is None:
+            self._chat_template = compile_chat_template(self.tokenizer_config, self.model_dir / "tokenizer_config.json")
+        return self._chat_template
+
+    # Generation
+
+    def stream(self, prompt: str | list[int], config: GenerationConfig) -> Iterator[Delta]:
+        """Complete a raw prompt (text, or token ids as they are)."""
+        return self._start(self._raw_prompt_ids(prompt), config, list(config.stop), conversation_text=None)
+
+    def stream_chat(self, messages: list[dict], config: GenerationConfig) -> Iterator[Delta]:
+        """Reply to a conversation; stops also at the conversation template's stop strings."""
+        prompt_ids, text = self._chat_prompt_ids(messages)
+        return self._start(prompt_ids, config, [*config.stop, *self.chat_stop_strings], conversation_text=text)
+
+    def generate(self, prompt: str | list[int], config: GenerationConfig) -> GenerationResult:
+        prompt_ids = self._raw_prompt_ids(prompt)
+        return collect(prompt_ids, self._start(prompt_ids, config, list(config.stop), conversation_text=None))
+
+    def generate_chat(self, messages: list[dict], config: GenerationConfig) -> GenerationResult:
+        prompt_ids, text = self._chat_prompt_ids(messages)
+        stops = [*config.stop, *self.chat_stop_strings]
+        return collect(prompt_ids, self._start(prompt_ids, config, stops, conversation_text=text))
+
+    def interrupt(self) -> None:
+        """End the running generation after its current step (finish_reason "interrupted")."""
+        self._interrupted.set()
+
+    def reset(self) -> None:
+        """Forget the KV cache and the conversation."""
+        self._acquire()
+        try:
+            self._forget()
+        finally:
+            self._lock.release()
+
+    def _raw_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+
+    def _chat_prompt_ids(self, messages: list[dict]) -> tuple[list[int], str]:
+        text = self.render_chat(messages)
+        previous = self._conversation
+        if previous is not None and text.startswith(previous.text):
+            new_ids = self.tokenizer.encode(text[len(previous.text):], add_special_tokens=False).ids
+            return previous.token_ids + new_ids, text
+        return self.tokenizer.encode(text, add_special_tokens=False).ids, text
+
+    def _forget(self) -> None:
+        self.model.reset()
+        self._cached_ids = []
+        self._conversation = None
+
+    def _acquire(self) -> None:
+        acquired = (self._lock.acquire(timeout=self.busy_timeout_s) if self.busy_timeout_s > 0
+                    else self._lock.acquire(blocking=False))
+        if not acquired:
+            raise EngineBusy(f"the engine for {self.model_id} is busy with another generation")
+
+    def _start(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
+               conversation_text: str | None) -> Iterator[Delta]:
+        config.check()
+        self._check_prompt(prompt_ids)
+        generation = self._generation(prompt_ids, config, stops, conversation_text)
+        # Run up to the first yield: the engine is taken now, so a busy engine fails at this call
+        # rather than mid-stream, and a started generator releases it when closed or collected.
+        next(generation)
+        return generation
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise KilnError("the prompt is empty")
+        window = self.model.context_window_size
+        if len(prompt_ids) > window:
+            raise KilnError(f"the prompt has {len(prompt_ids)} tokens, more than the context window of "
+                            f"{window}", self.model_dir)
+        vocab = self.model.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):
+            raise KilnError(f"prompt token ids must be in [0, {vocab})")
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[np.ndarray | None, int]:
+        """Bring the cache to `prompt_ids`: keep the common prefix, prefill the rest chunk by chunk.
+        Returns the last logits (None when interrupted) and how many tokens were prefilled."""
+        common = 0
+        for cached, wanted in zip(self._cached_ids, prompt_ids):
+            if cached != wanted:
+                break
+            common += 1
+        common = min(common, len(prompt_ids) - 1)  # the last prompt token must run to give logits
+        self.model.rollback(len(self._cached_ids) - common)
+        del self._cached_ids[common:]
+        logits = None
+        chunk_size = self.model.prefill_chunk_size
+        for start in range(common, len(prompt_ids), chunk_size):
+            if self._interrupted.is_set():
+                return None, len(self._cached_ids) - common
+            chunk = prompt_ids[start:start + chunk_size]
+            logits = self.model.prefill(chunk)
+            self._cached_ids.extend(chunk)
+        return logits, len(prompt_ids) - common
+
+    def _generation(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
+                    conversation_text: str | None) -> Iterator[Delta]:
+        self._acquire()
+        try:
+            self._interrupted.clear()
+            yield  # primed by _start
+            yield from self._run(prompt_ids, config, stops, conversation_text)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            # A step may have stopped halfway (e.g. Ctrl-C inside the VM call): distrust the cache.
+            self._forget()
+            raise
+        finally:
+            self._lock.release()
+
+    def _run(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
+             conversation_text: str | None) -> Iterator[Delta]:
+        started = time.perf_counter()
+        logits, prefilled = self._prefill(prompt_ids)
+        prefill_s = time.perf_counter() - started
+        sampler = Sampler(config, prompt_ids)
+        text_stream = TextStream(self.tokenizer, prompt_ids)
+        stop_strings = StopStrings(stops)
+        tokens: list[int] = []
+        unsent_ids: list[int] = []
+        unsent_logits: list[dict] = []
+        reply: list[str] = []
+        final_text = ""
+        first_token_at = None
+        finish = "interrupted" if logits is None else None
+        hit_stop_string = False
+        while finish is None:
+            if config.logits_top_k:
+                unsent_logits.append(top_logits(logits, config.logits_top_k))
+            token = sampler.sample(logits)
+            first_token_at = first_token_at or time.perf_counter()
+            tokens.append(token)
+            unsent_ids.append(token)
+            sampler.record(token)
+            if token in self.eos_token_ids and not config.ignore_eos:
+                finish = "stop"
+                break
+            piece, hit_stop_string = stop_strings.feed(text_stream.add(token))
+            if hit_stop_string:
+                finish = "stop"
+            elif len(tokens) >= config.max_tokens or len(self._cached_ids) >= self.model.context_window_size:
+                finish = "length"
+            elif self._interrupted.is_set():
+                finish = "interrupted"
+            if finish is not None:
+                final_text = piece
+                break
+            if piece:
+                reply.append(piece)
+                yield Delta(piece, unsent_ids, logits=unsent_logits if config.logits_top_k else None)
+                unsent_ids, unsent_logits = [], []
+            logits = self.model.decode(token)
+            self._cached_ids.append(token)
+        if not hit_stop_string:
+            tail, hit_stop_string = stop_strings.feed(text_stream.flush())
+            final_text += tail if hit_stop_string else tail + stop_strings.flush()
+            finish = "stop" if hit_stop_string else finish
+        reply.append(final_text)
+        if conversation_text is not None:
+            self._remember_conversation(conversation_text, prompt_ids, tokens, "".join(reply))
+        ended = time.perf_counter()
+        decode_s = ended - first_token_at if first_token_at else 0.0
+        usage = Usage(
+            prompt_tokens=len(prompt_ids), completion_tokens=len(tokens), prefilled_tokens=prefilled,
+            ttft_s=(first_token_at or ended) - started,
+            prefill_tokens_per_s=prefilled / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
+            total_s=ended - started,
+        )
+        yield Delta(final_text, unsent_ids, finish, usage, logits=unsent_logits if config.logits_top_k else None)
+
+    def _remember_conversation(self, text: str, prompt_ids: list[int], tokens: list[int], reply: str) -> None:
+        reply_ids = tokens[:-1] if tokens and tokens[-1] in self.eos_token_ids else tokens
+        if self.tokenizer.decode(reply_ids, skip_special_tokens=False) != reply:
+            reply_ids = self.tokenizer.encode(reply, add_special_tokens=False).ids
+        self._conversation = Conversation(text + reply, prompt_ids + reply_ids)
+
+
+def top_logits(logits: np.ndarray, k: int) -> dict:
+    top = np.argsort(-logits, kind="stable")[:k]
+    return {"token_ids": top.tolist(), "logits": logits[top].tolist()}
+
+
+def collect(prompt_ids: list[int], deltas: Iterator[Delta]) -> GenerationResult:
+    texts, tokens, logits = [], [], []
+    for delta in deltas:
+        texts.append(delta.text)
+        tokens.extend(delta.token_ids)
+        logits.extend(delta.logits or [])
+        last = delta
+    return GenerationResult(prompt_ids, tokens, "".join(texts), last.finish_reason, last.usage,
+                            logits if last.logits is not None else None)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise KilnError("missing tokenizer.json: the native engine needs it", path)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
+        raise KilnError(f"cannot read the tokenizer: {e}", path) from None
+
+
+def special_token_text(value) -> str:
+    return value.get("content", "") if isinstance(value, dict) else value or ""
+
+
+def compile_chat_template(tokenizer_config: dict, path: Path) -> jinja2.Template:
+    """The model's chat template, in the environment `transformers` renders it with."""
+    source = tokenizer_config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if not source:
+        raise KilnError("tokenizer_config.json has no chat_template: this model cannot chat", path)
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return environment.from_string(source)
+    except jinja2.TemplateError as e:
+        raise KilnError(f"the chat_template does not parse: {e}", path) from None
+
+
+def check_messages(messages: list[dict]) -> None:
+    if not messages:
+        raise KilnError("the conversation is empty: give at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise KilnError(f"message {i} needs a string 'role' and a string 'content', got {message!r}")
