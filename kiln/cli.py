@@ -68,6 +68,7 @@ def add_bench(sub) -> None:
     c.add_argument("--output", "-o", type=Path, help="where to build (default: a temporary folder)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=run_bench_compile)
+    add_bench_native(bench)
 
 
 def run_bench_compile(args) -> int:
@@ -82,7 +83,97 @@ def run_bench_compile(args) -> int:
     return 0
 
 
-COMMANDS = (add_compile, add_doctor, add_bench)
+def add_sampling_options(p) -> None:
+    p.add_argument("--target", "-t", default="cpu", help="which library to run: cpu (default) or cuda")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 (default) = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument("--stop", nargs="+", default=[], metavar="STR", help="end the text before any of these")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def generation_config(args, logits_top_k: int = 0):
+    from kiln.engine import GenerationConfig
+
+    return GenerationConfig(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+        logits_top_k=logits_top_k, ignore_eos=args.ignore_eos,
+    )
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="complete a prompt with a compiled model on this machine")
+    p.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
+    p.add_argument("--prompt", "-p", required=True, help="the text to complete, as is (see --chat)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print prompt and output token ids, text and usage as JSON")
+    p.add_argument("--logits", type=int, default=0, metavar="K", help="with --json: the top-K logits of every step")
+    add_sampling_options(p)
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    from kiln.engine import Engine
+
+    engine = Engine(args.model_dir, args.target)
+    config = generation_config(args, args.logits)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if args.json:
+        result = engine.generate_chat(prompt, config) if args.chat else engine.generate(prompt, config)
+        print(json.dumps({"model": engine.model_id, **result.to_json()}))
+        return 0
+    for delta in engine.stream_chat(prompt, config) if args.chat else engine.stream(prompt, config):
+        print(delta.text, end="", flush=True)
+    print()
+    return 0
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat with a compiled model in the terminal")
+    p.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
+    add_sampling_options(p)
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args) -> int:
+    from kiln.chat import chat_in_terminal
+    from kiln.engine import Engine
+
+    chat_in_terminal(Engine(args.model_dir, args.target), generation_config(args))
+    return 0
+
+
+def add_bench_native(bench) -> None:
+    n = bench.add_parser("native", help="load time, time to first token, prefill and decode tokens/s, memory")
+    n.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
+    n.add_argument("--target", "-t", default="cpu")
+    n.add_argument("--prompt-tokens", type=int, default=128)
+    n.add_argument("--decode-tokens", type=int, default=128)
+    n.add_argument("--runs", type=int, default=3, help="measured runs, after one warm-up run")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(run=run_bench_native)
+
+
+def run_bench_native(args) -> int:
+    from kiln.native_bench import bench_native
+
+    report = bench_native(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2))
+    else:
+        for line in report["lines"]:
+            print(line)
+    return 0
+
+
+COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat)
 
 
 def main(argv: list[str] | None = None) -> int:
