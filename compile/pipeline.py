@@ -8,6 +8,7 @@ A rebuild of the same source and quantization for another target reuses the conv
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -74,6 +75,22 @@ class StageClock:
         print(f"kiln: {name} done in {self.timings[name]:.1f} s", file=sys.stderr, flush=True)
 
 
+def kiln_code_digest() -> str:
+    """sha256 over the Kiln code that shapes a build's files (model families, build stages, the
+    tensor cache format): finer than the version number while Kiln is developed."""
+    import kiln.compile
+    import kiln.models
+    import kiln.tensor_cache
+
+    files = [Path(kiln.tensor_cache.__file__)]
+    for package in (kiln.models, kiln.compile):
+        files += sorted(Path(package.__file__).parent.rglob("*.py"))
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def config_file(source: SourceModel) -> Path:
     return source.path / "config.json" if source.path.is_dir() else source.path
 
@@ -87,7 +104,7 @@ def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest) 
     same = (record.get("source_hash") == source.source_hash
             and record.get("quantization") == request.quantization
             and record.get("overrides") == request.overrides()
-            and record.get("kiln_version") == kiln.__version__)
+            and record.get("kiln_code_digest") == kiln_code_digest())
     return record if same else None
 
 
@@ -159,6 +176,7 @@ def build(request: BuildRequest) -> BuildResult:
             "targets": built_targets,
             "versions": toolchain_versions(entries),
             "kiln_version": kiln.__version__,
+            "kiln_code_digest": kiln_code_digest(),
             "timings": clock.timings,
             "reused_weights": bool(previous),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

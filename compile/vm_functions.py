@@ -151,45 +151,51 @@ def _bind_to_gpu_threads(kernel: tirx.PrimFunc, block_name: str) -> tirx.PrimFun
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
+def _define(bb: rx.BlockBuilder, name: str, params: list[rx.Var], body) -> None:
+    """A public Relax function whose body (emitted by `body()`) sits in a dataflow block, so
+    operator fusion applies to it."""
+    with bb.function(name, params):
+        with bb.dataflow():
+            output = bb.emit_output(body())
+        bb.emit_func_output(output)
+
+
 def _attach_inplace(bb: rx.BlockBuilder, name: str, kernel, block_name: str, params: list[rx.Var],
                     gpu: bool) -> None:
-    if gpu:
-        kernel = _bind_to_gpu_threads(kernel, block_name)
-    with bb.function(name, params):
-        kernel_var = bb.add_func(kernel, f"{name}_kernel")
-        logits = params[0]
-        out = bb.emit(rx.call_tir_inplace(kernel_var, params, inplace_indices=[0], out_ty=logits.ty))
-        bb.emit_func_output(out)
+    kernel_var = bb.add_func(_bind_to_gpu_threads(kernel, block_name) if gpu else kernel, f"{name}_kernel")
+    _define(bb, name, params, lambda: rx.call_tir_inplace(
+        kernel_var, params, inplace_indices=[0], out_ty=params[0].ty))
 
 
 def _attach_argsort(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
     padded = max(GPU_THREADS_PER_BLOCK, 1 << (vocab_size - 1).bit_length())
     (batch,) = _shape("batch")
     probs = _tensor("probs", [batch, vocab_size], "float32")
-    with bb.function("argsort_probs", [probs]):
-        op = rx.op
+    sort = bb.add_func(_bitonic_argsort_kernel(padded, gpu), "bitonic_argsort")
+    op = rx.op
+
+    def body():
         # Padding with -1 (below every probability) sorts to the end and is cut off again.
         padding = op.full([batch, padded - vocab_size], rx.const(-1.0, "float32"), "float32")
         keys = bb.emit(op.concat([probs, padding], axis=1)) if padded > vocab_size else probs
         values = bb.emit(op.broadcast_to(op.arange(0, padded, 1, "int32"), [batch, padded]))
-        sort = bb.add_func(_bitonic_argsort_kernel(padded, gpu), "bitonic_argsort")
         both = bb.emit(rx.call_tir_inplace(
             sort, [keys, values], inplace_indices=[0, 1],
             out_ty=[rx.TensorType([batch, padded], "float32"), rx.TensorType([batch, padded], "int32")],
         ))
         first = lambda x: op.strided_slice(x, axes=[1], begin=[0], end=[vocab_size])  # noqa: E731
-        sorted_probs = bb.emit(first(rx.TupleGetItem(both, 0)))
-        sorted_indices = bb.emit(first(rx.TupleGetItem(both, 1)))
-        bb.emit_func_output(rx.Tuple([sorted_probs, sorted_indices]))
+        return rx.Tuple([bb.emit(first(rx.TupleGetItem(both, 0))), bb.emit(first(rx.TupleGetItem(both, 1)))])
+
+    _define(bb, "argsort_probs", [probs], body)
 
 
 def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
+    op = rx.op
     num_seq, num_probs, vocab = _shape("num_seq", "num_probs", "vocab")
     logits = _tensor("logits", [num_seq, num_probs, vocab], "float32")
     temperature = _tensor("temperature", [num_seq], "float32")
-    with bb.function("softmax_with_temperature", [logits, temperature]):
-        scaled = bb.emit(rx.op.divide(logits, rx.op.reshape(temperature, [num_seq, 1, 1])))
-        bb.emit_func_output(bb.emit(rx.op.nn.softmax(scaled, axis=-1)))
+    _define(bb, "softmax_with_temperature", [logits, temperature], lambda: op.nn.softmax(
+        bb.emit(op.divide(logits, op.reshape(temperature, [num_seq, 1, 1]))), axis=-1))
 
     _attach_argsort(bb, vocab_size, gpu)
 
@@ -199,24 +205,28 @@ def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
     uniform = _tensor("uniform_samples", [num_samples], "float32")
     sample_rows = _tensor("sample_indices", [num_samples], "int32")
     top_p = _tensor("top_p", [batch], "float32")
-    with bb.function("sample_with_top_p", [sorted_probs, sorted_indices, uniform, sample_rows, top_p]):
+
+    def sample():
         # Keep the shortest prefix of the sorted distribution whose mass reaches top_p, then
-        # pick the first position whose cumulative mass passes u * (kept mass).
-        op = rx.op
+        # pick the first position whose cumulative mass passes u * (kept mass). Comparisons go
+        # straight to int32: WGSL has no 8-bit storage for a materialized bool tensor.
         cumulative = bb.emit(op.cumsum(sorted_probs, axis=1))
-        kept = bb.emit(op.less(op.subtract(cumulative, sorted_probs), op.reshape(top_p, [batch, 1])))
-        kept_mass = bb.emit(op.sum(op.where(kept, sorted_probs, op.zeros_like(sorted_probs)), axis=[1]))
-        kept_count = bb.emit(op.sum(op.astype(kept, "int32"), axis=[1]))
+        kept = bb.emit(op.astype(
+            op.less(op.subtract(cumulative, sorted_probs), op.reshape(top_p, [batch, 1])), "int32"))
+        kept_mass = bb.emit(op.sum(op.multiply(sorted_probs, op.astype(kept, "float32")), axis=[1]))
+        kept_count = bb.emit(op.sum(kept, axis=[1]))
         row_cumulative = bb.emit(op.take(cumulative, sample_rows, axis=0))
         threshold = bb.emit(op.multiply(uniform, op.take(kept_mass, sample_rows, axis=0)))
-        below = bb.emit(op.less(row_cumulative, op.reshape(threshold, [num_samples, 1])))
+        below = bb.emit(op.astype(op.less(row_cumulative, op.reshape(threshold, [num_samples, 1])), "int32"))
         position = bb.emit(op.minimum(
-            op.sum(op.astype(below, "int32"), axis=[1]),
+            op.sum(below, axis=[1]),
             op.subtract(op.take(kept_count, sample_rows, axis=0), rx.const(1, "int32")),
         ))
         row_indices = bb.emit(op.take(sorted_indices, sample_rows, axis=0))
         token = bb.emit(op.gather_elements(row_indices, op.reshape(position, [num_samples, 1]), axis=1))
-        bb.emit_func_output(bb.emit(op.reshape(token, [num_samples])))
+        return op.reshape(token, [num_samples])
+
+    _define(bb, "sample_with_top_p", [sorted_probs, sorted_indices, uniform, sample_rows, top_p], sample)
 
 
 def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:

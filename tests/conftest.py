@@ -16,11 +16,12 @@ import pytest
 from assets import smollm2_gguf
 from tiny_llama import make_tiny_llama
 
-from kiln.compile.pipeline import BuildRequest, build
+from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
 
 
 class SessionBuilds:
-    """Builds (source, quantization) → model folder, adding targets on demand."""
+    """Builds (source, quantization) → model folder, adding targets on demand (and rebuilding
+    them all when a kept build was made by other Kiln code)."""
 
     def __init__(self, dist: Path):
         self.dist = dist
@@ -29,8 +30,9 @@ class SessionBuilds:
         model_id = f"{name}-{quantization}"
         model_dir = self.dist / model_id
         record = model_dir / "kiln-build.json"
-        built = json.loads(record.read_text())["targets"] if record.exists() else {}
-        missing = [t for t in targets if t not in built]
+        previous = json.loads(record.read_text()) if record.exists() else {}
+        current = previous.get("kiln_code_digest") == kiln_code_digest()
+        missing = [t for t in targets if not current or t not in previous.get("targets", {})]
         if missing:
             build(BuildRequest(source=str(source), quantization=quantization, targets=missing,
                                output=self.dist, model_id=model_id))

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import tvm
 from transformers import AutoModelForCausalLM
 
 from tiny_llama import make_tiny_llama
@@ -283,3 +284,63 @@ def test_widths_that_cannot_be_grouped_are_refused(tmp_path, run_compile):
     config["intermediate_size"] = 100
     (source / "config.json").write_text(json.dumps(config))
     assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", "group size")
+
+
+# ---- WebLLM's sampling functions, run natively ------------------------------------------------
+
+
+def test_webllm_sampling_functions_compute_what_webllm_expects(tiny_build):
+    native = NativeModel(tiny_build("q0f32"))
+    vm, vocab = native.vm, native.vocab_size
+    tensor = lambda a, dtype="float32": tvm.runtime.tensor(np.asarray(a, dtype=dtype), native.device)  # noqa: E731
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=(2, 1, vocab)) * 3).astype(np.float32)
+
+    probs = vm["softmax_with_temperature"](tensor(logits), tensor([0.7, 1.3])).numpy().reshape(2, vocab)
+    scaled = logits[:, 0, :] / np.array([[0.7], [1.3]], np.float32)
+    expected = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(probs, expected / expected.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+    sorted_probs, sorted_indices = (x.numpy() for x in vm["argsort_probs"](tensor(probs)))
+    np.testing.assert_array_equal(sorted_probs, -np.sort(-probs, axis=1))
+    np.testing.assert_array_equal(np.take_along_axis(probs, sorted_indices, axis=1), sorted_probs)
+    assert all(sorted(row) == list(range(vocab)) for row in sorted_indices.tolist())
+
+    def sample(uniform, rows, top_p):
+        return vm["sample_with_top_p"](tensor(sorted_probs), tensor(sorted_indices, "int32"), tensor(uniform),
+                                       tensor(rows, "int32"), tensor(top_p)).numpy().tolist()
+
+    argmax = probs.argmax(axis=1).tolist()
+    assert sample([0.0, 0.5, 0.999], [0, 1, 1], [1e-5, 1e-5]) == [argmax[0], argmax[1], argmax[1]]
+    nucleus = set(sorted_indices[1, : int(np.searchsorted(np.cumsum(sorted_probs[1]), 0.5)) + 1].tolist())
+    assert set(sample(np.linspace(0, 0.999, 50), [1] * 50, [1.0, 0.5])) <= nucleus
+    draws = sample(rng.random(4000), [0] * 4000, [1.0, 1.0])
+    for token in sorted_indices[0, :3]:
+        assert abs(draws.count(int(token)) / 4000 - probs[0, token]) < 0.03
+
+    row = (rng.normal(size=(1, vocab))).astype(np.float32)
+    processed = tensor(row)
+    vm["apply_logit_bias_inplace"](processed, tensor([0, 0], "int32"), tensor([3, 7], "int32"), tensor([1.5, -2.0]))
+    expected = row.copy()
+    expected[0, 3] += 1.5
+    expected[0, 7] -= 2.0
+    np.testing.assert_allclose(processed.numpy(), expected, rtol=1e-6)
+
+    processed = tensor(row)
+    # presence 0.5, frequency 0.25, repetition 2.0 on tokens 3 (seen twice) and 7 (once)
+    vm["apply_penalty_inplace"](processed, tensor([0], "int32"), tensor([0, 0], "int32"), tensor([3, 7], "int32"),
+                                tensor([2, 1], "int32"), tensor([[0.5, 0.25, 2.0]]))
+    expected = row.copy()
+    for token, count in ((3, 2), (7, 1)):
+        shifted = row[0, token] - 0.5 - 0.25 * count
+        expected[0, token] = shifted / 2.0 if shifted > 0 else shifted * 2.0
+    np.testing.assert_allclose(processed.numpy(), expected, rtol=1e-6)
+
+    processed = tensor(row)
+    words = (vocab + 31) // 32
+    bitmask = np.zeros((1, words), np.int32)
+    bitmask[0, 0] = -1  # tokens 0..31 allowed
+    vm["apply_bitmask_inplace"](processed, tensor([0], "int32"), tensor(bitmask, "int32"))
+    result = processed.numpy()
+    np.testing.assert_array_equal(result[0, :32], row[0, :32])
+    assert (result[0, 32:] == np.finfo(np.float32).min).all()
