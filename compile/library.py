@@ -52,4 +52,13 @@ def compile_library(model: DecoderModel, entry: TargetEntry, metadata: dict, pat
     with target:
         mod = kiln_pipeline(entry)(mod)
     executable = tvm.compile(mod, target, relax_pipeline=None)
+    if entry.check_kernels:
+        entry.check_kernels(device_source(executable.mod, target.kind.name))
     entry.export(executable, path)
+
+
+def device_source(module: tvm.runtime.Module, kind: str) -> str:
+    """The generated kernel source (WGSL, CUDA, ...) among a library's imported modules."""
+    if module.kind == kind:
+        return module.inspect_source()
+    return "".join(device_source(imported, kind) for imported in module.imports)

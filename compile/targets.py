@@ -13,6 +13,7 @@ from tvm.s_tir import dlight as dl
 from kiln.errors import KilnError
 
 from .cpu_schedule import RowParallelMatmul
+from .webgpu_limits import check_webgpu_limits
 
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
 
@@ -65,6 +66,7 @@ class TargetEntry:
     schedules: Callable[[], tvm.transform.Pass]
     export: Callable[[object, Path], None]
     extension: str
+    check_kernels: Callable[[str], object] | None = None  # given the generated device source
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target())
@@ -79,7 +81,8 @@ TARGETS: dict[str, TargetEntry] = {
                     lambda: {"kind": "cuda", "arch": "sm_80", "host": {"kind": "llvm"}}, gpu_schedules,
                     export_shared_library, "so"),
         TargetEntry("webgpu", "browsers with WebGPU (wasm + WGSL)",
-                    lambda: {"kind": "webgpu", "host": WASM32}, gpu_schedules, export_wasm, "wasm"),
+                    lambda: {"kind": "webgpu", "host": WASM32}, gpu_schedules, export_wasm, "wasm",
+                    check_webgpu_limits),
         TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32, cpu_schedules,
                     export_wasm, "wasm"),
     )
