@@ -344,3 +344,12 @@ def test_webllm_sampling_functions_compute_what_webllm_expects(tiny_build):
     result = processed.numpy()
     np.testing.assert_array_equal(result[0, :32], row[0, :32])
     assert (result[0, 32:] == np.finfo(np.float32).min).all()
+
+
+@pytest.mark.slow
+def test_cuda_library_carries_cuda_kernels(tiny_build):
+    """Codegen only here (no GPU): the kernels travel as CUDA source, compiled when a GPU machine loads them."""
+    model_dir = tiny_build("q4f16_1", ["cuda"])
+    library = model_dir / json.loads((model_dir / "kiln-build.json").read_text())["targets"]["cuda"]["library"]
+    data = library.read_bytes()
+    assert b"__global__" in data and b"dequantize_matmul" in data
