@@ -95,7 +95,7 @@ def config_file(source: SourceModel) -> Path:
     return source.path / "config.json" if source.path.is_dir() else source.path
 
 
-def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest) -> dict | None:
+def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest, code_digest: str) -> dict | None:
     """The previous build record if its weights were made from the same source the same way."""
     try:
         record = json.loads((model_dir / BUILD_RECORD).read_text())
@@ -104,7 +104,7 @@ def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest) 
     same = (record.get("source_hash") == source.source_hash
             and record.get("quantization") == request.quantization
             and record.get("overrides") == request.overrides()
-            and record.get("kiln_code_digest") == kiln_code_digest())
+            and record.get("kiln_code_digest") == code_digest)
     return record if same else None
 
 
@@ -128,6 +128,7 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
 def build(request: BuildRequest) -> BuildResult:
     quantization = quantization_named(request.quantization)
     entries = [target_named(name) for name in request.targets]
+    code_digest = kiln_code_digest()
     request.output.mkdir(parents=True, exist_ok=True)
     clock = StageClock()
     with tempfile.TemporaryDirectory(prefix=".kiln-build-", dir=request.output) as tmp:
@@ -145,7 +146,7 @@ def build(request: BuildRequest) -> BuildResult:
 
         model_id = request.model_id or f"{source.name}-{quantization.name}"
         model_dir = request.output / model_id
-        previous = reusable_build(model_dir, source, request)
+        previous = reusable_build(model_dir, source, request, code_digest)
         if previous:
             carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, "libs/*"])
         else:
@@ -176,7 +177,7 @@ def build(request: BuildRequest) -> BuildResult:
             "targets": built_targets,
             "versions": toolchain_versions(entries),
             "kiln_version": kiln.__version__,
-            "kiln_code_digest": kiln_code_digest(),
+            "kiln_code_digest": code_digest,
             "timings": clock.timings,
             "reused_weights": bool(previous),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -215,14 +215,14 @@ def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
             op.less(op.subtract(cumulative, sorted_probs), op.reshape(top_p, [batch, 1])), "int32"))
         kept_mass = bb.emit(op.sum(op.multiply(sorted_probs, op.astype(kept, "float32")), axis=[1]))
         kept_count = bb.emit(op.sum(kept, axis=[1]))
-        row_cumulative = bb.emit(op.take(cumulative, sample_rows, axis=0))
-        threshold = bb.emit(op.multiply(uniform, op.take(kept_mass, sample_rows, axis=0)))
+        row_cumulative = bb.emit(op.take(cumulative, sample_rows, axis=0, mode="clip"))
+        threshold = bb.emit(op.multiply(uniform, op.take(kept_mass, sample_rows, axis=0, mode="clip")))
         below = bb.emit(op.astype(op.less(row_cumulative, op.reshape(threshold, [num_samples, 1])), "int32"))
         position = bb.emit(op.minimum(
             op.sum(below, axis=[1]),
-            op.subtract(op.take(kept_count, sample_rows, axis=0), rx.const(1, "int32")),
+            op.subtract(op.take(kept_count, sample_rows, axis=0, mode="clip"), rx.const(1, "int32")),
         ))
-        row_indices = bb.emit(op.take(sorted_indices, sample_rows, axis=0))
+        row_indices = bb.emit(op.take(sorted_indices, sample_rows, axis=0, mode="clip"))
         token = bb.emit(op.gather_elements(row_indices, op.reshape(position, [num_samples, 1]), axis=1))
         return op.reshape(token, [num_samples])
 
