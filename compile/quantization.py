@@ -33,8 +33,10 @@ class GroupFormat:
     def max_q(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
-    def packed_shapes(self, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (rows, cols // self.values_per_word), (rows, cols // self.group_size)
+    def packed_parameters(self, rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:
+        """`q_weight` and `q_scale` for a float [rows, cols] weight."""
+        return (nn.Parameter((rows, cols // self.values_per_word), "uint32"),
+                nn.Parameter((rows, cols // self.group_size), self.dtype))
 
     def dequantize_te(self, q_weight: te.Tensor, q_scale: te.Tensor, rows, cols: int) -> te.Tensor:
         mask = tirx.const((1 << self.bits) - 1, "uint32")
@@ -52,9 +54,7 @@ class GroupQuantLinear(nn.Module):
     def __init__(self, linear: Linear, fmt: GroupFormat):
         self.fmt = fmt
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight_shape, scale_shape = fmt.packed_shapes(self.out_features, self.in_features)
-        self.q_weight = nn.Parameter(weight_shape, "uint32")
-        self.q_scale = nn.Parameter(scale_shape, fmt.dtype)
+        self.q_weight, self.q_scale = fmt.packed_parameters(self.out_features, self.in_features)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
@@ -70,9 +70,7 @@ class GroupQuantEmbedding(nn.Module):
     def __init__(self, embedding: Embedding, fmt: GroupFormat):
         self.fmt = fmt
         self.vocab_size, self.hidden_size = embedding.vocab_size, embedding.hidden_size
-        weight_shape, scale_shape = fmt.packed_shapes(self.vocab_size, self.hidden_size)
-        self.q_weight = nn.Parameter(weight_shape, "uint32")
-        self.q_scale = nn.Parameter(scale_shape, fmt.dtype)
+        self.q_weight, self.q_scale = fmt.packed_parameters(self.vocab_size, self.hidden_size)
 
     def forward(self, token_ids: nn.Tensor) -> nn.Tensor:
         def gather_rows(w, s, ids):
