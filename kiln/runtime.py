@@ -7,6 +7,7 @@ generation, sampling and chat on top of it; parity checks use it directly.
 from __future__ import annotations
 
 import json
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from tvm import relax
 from tvm.runtime import ShapeTuple
 
 from kiln.errors import KilnError
-from kiln.tensor_cache import load_arrays
+from kiln.tensor_cache import records, verify_shards
 
 PAGE_SIZE = 16
 SEQUENCE_ID = 0
@@ -53,11 +54,7 @@ class NativeModel:
         self.device = DEVICES[target](0)
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(library_path(self.model_dir, target))), self.device)
         self.metadata = json.loads(str(self.vm["_metadata"]()))
-        arrays = load_arrays(self.model_dir)
-        missing = [p["name"] for p in self.metadata["params"] if p["name"] not in arrays]
-        if missing:
-            raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", self.model_dir / "tensor-cache.json")
-        self.params = [tvm.runtime.tensor(arrays[p["name"]], self.device) for p in self.metadata["params"]]
+        self.params = self._load_params([p["name"] for p in self.metadata["params"]])
         self.context_window_size = int(self.metadata["context_window_size"])
         self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
         self.vocab_size = int(self.chat_config["vocab_size"])
@@ -70,6 +67,23 @@ class NativeModel:
         )
         self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
         self.cached_tokens = 0
+
+    def _load_params(self, names: list[str]) -> list[tvm.runtime.Tensor]:
+        """The library's parameters on the device, md5-checked, read one shard at a time (so the
+        peak memory is the weights plus one shard, not twice the weights)."""
+        verify_shards(self.model_dir)
+        wanted = set(names)
+        loaded = {}
+        for shard, shard_records in groupby(records(self.model_dir), key=lambda r: r.shard):
+            data = shard.read_bytes()
+            for r in shard_records:
+                if r.name in wanted:
+                    array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
+                    loaded[r.name] = tvm.runtime.tensor(array.reshape(r.shape), self.device)
+        missing = [name for name in names if name not in loaded]
+        if missing:
+            raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", self.model_dir / "tensor-cache.json")
+        return [loaded[name] for name in names]
 
     def reset(self) -> None:
         self._kv_builtin["kv_state_remove_sequence"](self.kv_cache, SEQUENCE_ID)
