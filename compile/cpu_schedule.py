@@ -1,12 +1,14 @@
-"""Kiln's CPU schedule for its matmul kernels (decode GEMV and prefill alike).
+"""Kiln's CPU schedule for its matmul kernels.
 
 Every linear layer is `y[m, o] = sum_k x[m, k] * W[o, k]`, with W possibly dequantized on the
-fly. The schedule walks weight rows in parallel and, for each row, runs the dot products of all
-input rows against it with the reduction over k vectorized (rfactor into `VECTOR_LANES` partial
-sums). A weight row is read from memory once per call and stays in L1 while the input rows
-stream past, which is what a memory-bound decode step needs. dlight's CPU GEMV rule instead
-vectorizes the output axis around the whole reduction, which LLVM scalarizes and unrolls into
-bodies of thousands of instructions (minutes to compile, slow to run).
+fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` partial sums (rfactor).
+- decode (one input row): weight rows in parallel, each read from memory exactly once — the step
+  is memory-bound;
+- prefill (a symbolic number of rows): groups of `WEIGHT_ROWS_PER_TILE` weight rows in parallel,
+  kept in L1 while every input row streams past them, with the partial sums of one output at a
+  time (8 floats) instead of a buffer as large as the output.
+dlight's CPU GEMV rule instead vectorizes the output axis around the whole reduction, which LLVM
+scalarizes and unrolls into bodies of thousands of instructions (minutes to compile, slow to run).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tvm.target import Target
 MATMUL_BLOCK_NAMES = ("matmul",)
 INLINED_PRODUCERS = ("dequantize", "rows", "row_scales")
 VECTOR_LANES = 8
+WEIGHT_ROWS_PER_TILE = 4
 
 
 def _block_names(sch: s_tir.Schedule) -> list[str]:
@@ -49,13 +52,31 @@ class RowParallelMatmul(dl.ScheduleRule):
         block = sch.get_sblock(matmuls[0])
         *batch, out, reduce = sch.get_loops(block)
         rows = sch.fuse(*batch) if batch else None
-        if rows is not None:
-            sch.reorder(out, rows)
+        if rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1:
+            self.schedule_single_row(sch, out, reduce)
+        else:
+            self.schedule_many_rows(sch, rows, out, reduce)
+        for name in _block_names(sch):
+            if not name.startswith(matmuls[0]):  # the matmul's own blocks: update, partial sums, init
+                _vectorize_elementwise(sch, name)
+        return sch
+
+    @staticmethod
+    def schedule_single_row(sch: s_tir.Schedule, out, reduce) -> None:
         sch.parallel(out)
         _, lanes = sch.split(reduce, [None, VECTOR_LANES])
         partial = sch.rfactor(lanes, factor_axis=0)
         sch.vectorize(sch.get_loops(partial)[-1])
-        for name in _block_names(sch):
-            if name not in (matmuls[0], sch.get(partial).name_hint):
-                _vectorize_elementwise(sch, name)
-        return sch
+
+    @staticmethod
+    def schedule_many_rows(sch: s_tir.Schedule, rows, out, reduce) -> None:
+        tiles, tile_rows = sch.split(out, [None, WEIGHT_ROWS_PER_TILE])
+        chunks, lanes = sch.split(reduce, [None, VECTOR_LANES])
+        sch.reorder(tiles, rows, tile_rows, chunks, lanes)
+        partial = sch.rfactor(lanes, factor_axis=-1)
+        sch.compute_at(partial, tile_rows)
+        partial_lanes, partial_chunks = sch.get_loops(partial)[-2:]
+        sch.reorder(partial_chunks, partial_lanes)
+        sch.parallel(tiles)
+        sch.vectorize(partial_lanes)
+        sch.decompose_reduction(partial, partial_chunks)
