@@ -36,6 +36,7 @@ from kiln.runtime import NativeModel, read_json
 # for decoders that treat the first token specially (SentencePiece drops its leading space).
 DETOKENIZE_CONTEXT_TOKENS = 4
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+NUCLEUS_FIRST_SLICE = 64
 
 
 @dataclass
@@ -143,21 +144,35 @@ class Sampler:
         if c.temperature == 0:
             return int(np.argmax(logits))
         scaled = logits.astype(np.float64) / c.temperature
-        if 0 < c.top_k < scaled.size:
-            candidates = np.argpartition(-scaled, c.top_k - 1)[:c.top_k]
-        else:
-            candidates = np.arange(scaled.size)
-        if c.top_p < 1:
-            candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
-        probs = np.exp(scaled[candidates] - scaled[candidates].max())
+        candidates = np.argpartition(-scaled, c.top_k - 1)[:c.top_k] if 0 < c.top_k < scaled.size else None
+        if candidates is not None:
+            scaled = scaled[candidates]
+        probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
-        cumulative = np.cumsum(probs)
         if c.top_p < 1:
-            # The shortest most-probable prefix whose mass reaches top_p.
-            kept = int(np.searchsorted(cumulative, c.top_p)) + 1
-            cumulative = cumulative[:kept]
-        draw = self.rng.random() * cumulative[-1]
-        return int(candidates[min(int(np.searchsorted(cumulative, draw, side="right")), cumulative.size - 1)])
+            kept = nucleus(probs, c.top_p)
+            candidates = kept if candidates is None else candidates[kept]
+            probs = probs[kept]
+        cumulative = np.cumsum(probs)
+        position = min(int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right")),
+                       cumulative.size - 1)
+        return int(position if candidates is None else candidates[position])
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the shortest most-probable prefix of `probs` whose mass reaches top_p, most
+    probable first. Sorts only a top slice that already holds that mass (sorting the whole
+    vocabulary every step costs as much as a decode step)."""
+    size = NUCLEUS_FIRST_SLICE
+    while True:
+        # Past a quarter of the vocabulary, selecting costs more than sorting it all.
+        whole = size * 4 >= probs.size
+        top = np.arange(probs.size) if whole else np.sort(np.argpartition(-probs, size - 1)[:size])
+        top = top[np.argsort(-probs[top], kind="stable")]  # ties in index order, as a full sort
+        cumulative = np.cumsum(probs[top])
+        if whole or cumulative[-1] >= top_p:
+            return top[:int(np.searchsorted(cumulative, top_p)) + 1]
+        size *= 8
 
 
 class TextStream:

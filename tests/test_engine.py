@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.engine import Engine, EngineBusy, GenerationConfig, Sampler, StopStrings, TextStream
+from kiln.engine import Engine, EngineBusy, GenerationConfig, Sampler, StopStrings, TextStream, nucleus
 from kiln.errors import KilnError
 
 PROMPT = "The history of the"
@@ -69,6 +69,19 @@ def test_top_k_and_top_p_restrict_the_draw():
     assert draws(GenerationConfig(temperature=1.0, top_k=2)) == {0, 1}
     assert draws(GenerationConfig(temperature=1.0, top_p=0.65)) == {0, 1}
     assert draws(GenerationConfig(temperature=1.0, top_p=0.3)) == {0}
+
+
+def test_nucleus_equals_a_full_sort():
+    rng = np.random.default_rng(1)
+    for trial in range(100):
+        probs = np.exp(rng.normal(size=int(rng.integers(1, 6000))) * rng.uniform(0.1, 5))
+        if trial % 10 == 0:
+            probs = np.round(probs, 1) + 0.1  # ties
+        probs /= probs.sum()
+        top_p = rng.uniform(0.05, 0.999)
+        order = np.argsort(-probs, kind="stable")
+        expected = order[:np.searchsorted(np.cumsum(probs[order]), top_p) + 1]
+        np.testing.assert_array_equal(nucleus(probs, top_p), expected)
 
 
 def test_sampler_draws_are_reproducible_with_a_seed():
