@@ -1,0 +1,597 @@
+// The browser engine: a Kiln model library on tvmjs (@mlc-ai/web-runtime), with its tokenizer,
+// its chat template and OpenAI-shaped chat completions. It runs inside a Web Worker
+// (worker.js); the page talks to it through protocol.js.
+//
+// It drives the library the way kiln/runtime.py does natively: one sequence in TVM's paged KV
+// cache, `embed` then `prefill` (chunked) / `decode` / `prefill_all_logits`, parameters passed
+// as one packed array. Logits come back to the host every step and tokens are chosen there.
+import { formatChat } from "./chat-format.js";
+import { EngineError, asEngineError } from "./errors.js";
+import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
+import { randomSeed, sampleToken, seededRandom, topK } from "./sampler.js";
+
+const PAGE_SIZE = 16;
+const SEQUENCE_ID = 0;
+const REPLACEMENT_CHARACTER = "\uFFFD";
+const KV_BUILTINS = ["kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
+  "kv_state_end_forward", "kv_state_popn"];
+
+const seconds = (start, end = performance.now()) => (end - start) / 1000;
+
+/** Let queued messages (an interrupt) run between steps; the CPU backend never awaits otherwise. */
+function yieldToEventLoop() {
+  return new Promise((resolve) => {
+    const channel = new MessageChannel();
+    channel.port1.onmessage = () => resolve();
+    channel.port2.postMessage(null);
+  });
+}
+
+/**
+ * The compiled model on one device: parameters, KV cache and the token-level steps.
+ * Tracks the token ids held in the KV cache so chats can reuse a cached prefix.
+ */
+class ModelSession {
+  constructor(tvm, device, backend) {
+    this.tvm = tvm;
+    this.device = device;
+    this.backend = backend;
+    this.cachedIds = [];
+  }
+
+  /** Create the VM, upload the weights shard by shard (`shards` yields {shard, bytes}), make the KV cache. */
+  async initialize(shards, onUpload) {
+    const tvm = this.tvm;
+    tvm.beginScope();
+    this.vm = tvm.detachFromCurrentScope(tvm.createVirtualMachine(this.device));
+    this.metadata = JSON.parse(String(this.vm.getFunction("_metadata")()));
+    this.functions = {};
+    for (const name of ["embed", "prefill", "decode", "prefill_all_logits", "create_tir_paged_kv_cache"]) {
+      try {
+        this.functions[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
+      } catch (error) {
+        throw new EngineError("bad-model", `The model library has no function ${name} (${error.message}); rebuild it with kiln compile.`);
+      }
+    }
+    this.kvBuiltins = Object.fromEntries(KV_BUILTINS.map((name) =>
+      [name, tvm.detachFromCurrentScope(tvm.getGlobalFunc(`vm.builtin.${name}`))]));
+    tvm.endScope();
+    this.contextWindowSize = this.metadata.context_window_size;
+    this.prefillChunkSize = this.metadata.prefill_chunk_size;
+
+    const wanted = new Map(this.metadata.params.map((param, index) => [param.name, index]));
+    const tensors = new Array(wanted.size);
+    for await (const { shard, bytes } of shards) {
+      for (const record of shard.records) {
+        if (!wanted.has(record.name)) continue;
+        tensors[wanted.get(record.name)] = this.upload(record, bytes.subarray(record.byteOffset, record.byteOffset + record.nbytes));
+      }
+      onUpload(shard);
+    }
+    const missing = this.metadata.params.find((param, index) => tensors[index] === undefined);
+    if (missing) throw new EngineError("bad-model", `The tensor cache has no weight ${missing.name}; the model folder is from another build.`);
+    await this.device.sync();
+    tvm.beginScope();
+    this.params = tvm.detachFromCurrentScope(tvm.makeTVMArray(tensors));
+    tvm.endScope();
+    tensors.forEach((tensor) => tensor.dispose());
+
+    tvm.beginScope();
+    const shape = (value) => tvm.makeShapeTuple([value]);
+    this.kvCache = tvm.detachFromCurrentScope(this.functions.create_tir_paged_kv_cache(
+      shape(1), shape(this.contextWindowSize), shape(this.prefillChunkSize), shape(PAGE_SIZE), shape(0)));
+    this.kvBuiltins.kv_state_add_sequence(this.kvCache, tvm.scalar(SEQUENCE_ID, "int64"));
+    tvm.endScope();
+  }
+
+  upload(record, bytes) {
+    const tvm = this.tvm;
+    return tvm.withNewScope(() => {
+      const tensor = tvm.detachFromCurrentScope(tvm.empty(record.shape, record.dtype, this.device));
+      if (this.backend === "webgpu" && bytes.length % 4 !== 0) {
+        // WebGPU buffer writes must be whole 4-byte words: stage odd-sized tensors on the CPU.
+        tensor.copyFrom(tvm.empty(record.shape, record.dtype, tvm.cpu()).copyFromRawBytes(bytes));
+      } else {
+        tensor.copyFromRawBytes(bytes);
+      }
+      return tensor;
+    });
+  }
+
+  reset() {
+    this.tvm.withNewScope(() => {
+      this.kvBuiltins.kv_state_remove_sequence(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"));
+      this.kvBuiltins.kv_state_add_sequence(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"));
+    });
+    this.cachedIds = [];
+  }
+
+  /** Forget the last `count` cached tokens. */
+  rollback(count) {
+    if (count <= 0) return;
+    this.tvm.withNewScope(() => {
+      this.kvBuiltins.kv_state_popn(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"), this.tvm.scalar(count, "int32"));
+    });
+    this.cachedIds.length -= count;
+  }
+
+  checkRoom(count) {
+    if (this.cachedIds.length + count > this.contextWindowSize) {
+      throw new EngineError("bad-request", `${this.cachedIds.length + count} tokens exceed the context window of ` +
+        `${this.contextWindowSize}; start a new chat.`);
+    }
+  }
+
+  /** Run `functionName` on `ids` (at most one prefill chunk); logits as [rows, vocab] on the host. */
+  async step(functionName, ids) {
+    const tvm = this.tvm;
+    tvm.beginScope();
+    let logits;
+    try {
+      const idsTensor = tvm.empty([ids.length], "int32", this.device).copyFrom(Int32Array.from(ids));
+      const embeds = this.functions.embed(idsTensor, this.params);
+      const batch = embeds.view([1, ids.length, embeds.shape[embeds.shape.length - 1]]);
+      this.kvBuiltins.kv_state_begin_forward(this.kvCache, tvm.makeShapeTuple([SEQUENCE_ID]), tvm.makeShapeTuple([ids.length]));
+      const result = this.functions[functionName](batch, this.kvCache, this.params);
+      this.kvBuiltins.kv_state_end_forward(this.kvCache);
+      const deviceLogits = result.get(0);
+      logits = tvm.detachFromCurrentScope(this.backend === "webgpu"
+        ? tvm.empty(deviceLogits.shape, deviceLogits.dtype, tvm.cpu()).copyFrom(deviceLogits)
+        : deviceLogits);
+    } finally {
+      tvm.endScope();
+    }
+    this.cachedIds.push(...ids);
+    await this.device.sync();
+    const flat = logits.toArray();
+    const vocab = logits.shape[logits.shape.length - 1];
+    logits.dispose();
+    return Array.from({ length: flat.length / vocab }, (_, row) => flat.subarray(row * vocab, (row + 1) * vocab));
+  }
+
+  /** Append `ids` to the sequence; the logits after the last one. */
+  async prefill(ids) {
+    if (ids.length === 0) throw new EngineError("bad-request", "nothing to prefill: no tokens");
+    this.checkRoom(ids.length);
+    let rows;
+    for (let start = 0; start < ids.length; start += this.prefillChunkSize) {
+      const chunk = ids.slice(start, start + this.prefillChunkSize);
+      rows = await this.step(chunk.length > 1 ? "prefill" : "decode", chunk);
+    }
+    return rows[rows.length - 1];
+  }
+
+  async decode(id) {
+    this.checkRoom(1);
+    return (await this.step("decode", [id]))[0];
+  }
+
+  /**
+   * Logits at every position of `ids` (forced decoding), one row per id. Each call's output is
+   * rows × vocab floats in one buffer, so calls take at most `maxRows` ids (the device's limit).
+   */
+  async allLogits(ids, maxRows) {
+    this.checkRoom(ids.length);
+    const rowsPerCall = Math.max(1, Math.min(this.prefillChunkSize, maxRows));
+    const rows = [];
+    for (let start = 0; start < ids.length; start += rowsPerCall) {
+      rows.push(...await this.step("prefill_all_logits", ids.slice(start, start + rowsPerCall)));
+    }
+    return rows;
+  }
+
+  dispose() {
+    for (const object of [this.kvCache, this.params, ...Object.values(this.functions ?? {}),
+      ...Object.values(this.kvBuiltins ?? {}), this.vm]) object?.dispose();
+  }
+}
+
+/** Incremental text of generated tokens: holds back incomplete UTF-8 and possible stop strings. */
+export class TextStream {
+  constructor(tokenizer, stopStrings) {
+    this.tokenizer = tokenizer;
+    this.stopStrings = stopStrings.filter((stop) => stop.length > 0);
+    this.ids = [];
+    this.emitted = 0;
+    this.text = "";
+  }
+
+  /** Add a token; returns {delta, stopped}. */
+  push(id) {
+    this.ids.push(id);
+    this.text = this.tokenizer.decode(Int32Array.from(this.ids));
+    let stopAt = -1;
+    for (const stop of this.stopStrings) {
+      const at = this.text.indexOf(stop);
+      if (at >= 0 && (stopAt < 0 || at < stopAt)) stopAt = at;
+    }
+    if (stopAt >= 0) {
+      this.text = this.text.slice(0, stopAt);
+      return { delta: this.flush(), stopped: true };
+    }
+    if (this.text.endsWith(REPLACEMENT_CHARACTER)) return { delta: "", stopped: false };
+    let safe = this.text.length;
+    for (const stop of this.stopStrings) {
+      for (let length = Math.min(stop.length - 1, this.text.length); length > 0; --length) {
+        if (this.text.endsWith(stop.slice(0, length))) {
+          safe = Math.min(safe, this.text.length - length);
+          break;
+        }
+      }
+    }
+    const delta = this.text.slice(this.emitted, Math.max(safe, this.emitted));
+    this.emitted += delta.length;
+    return { delta, stopped: false };
+  }
+
+  flush() {
+    const delta = this.text.slice(this.emitted);
+    this.emitted = this.text.length;
+    return delta;
+  }
+}
+
+function completionId() {
+  return `chatcmpl-${Array.from(crypto.getRandomValues(new Uint8Array(12)), (b) => b.toString(16).padStart(2, "0")).join("")}`;
+}
+
+function numberIn(value, name, low, high, { lowOpen = false } = {}) {
+  if (typeof value !== "number" || !Number.isFinite(value) || value > high || (lowOpen ? value <= low : value < low)) {
+    throw new EngineError("bad-request", `${name} must be a number in ${lowOpen ? "(" : "["}${low}, ${high}]`);
+  }
+  return value;
+}
+
+/** The sampling settings of a request, with the model's defaults for what it leaves out. */
+function generationSettings(request, chatConfig) {
+  const settings = {
+    temperature: numberIn(request.temperature ?? chatConfig.temperature ?? 1, "temperature", 0, 2),
+    topP: numberIn(request.top_p ?? chatConfig.top_p ?? 1, "top_p", 0, 1, { lowOpen: true }),
+    maxTokens: request.max_tokens ?? null,
+    seed: request.seed ?? randomSeed(),
+    stop: request.stop ?? [],
+  };
+  if (settings.maxTokens !== null && !(Number.isInteger(settings.maxTokens) && settings.maxTokens > 0)) {
+    throw new EngineError("bad-request", "max_tokens must be a positive integer");
+  }
+  if (!Number.isInteger(settings.seed)) throw new EngineError("bad-request", "seed must be an integer");
+  if (typeof settings.stop === "string") settings.stop = [settings.stop];
+  if (!Array.isArray(settings.stop) || !settings.stop.every((stop) => typeof stop === "string")) {
+    throw new EngineError("bad-request", "stop must be a string or a list of strings");
+  }
+  if (request.n !== undefined && request.n !== 1) throw new EngineError("bad-request", "n must be 1");
+  return settings;
+}
+
+/**
+ * One progress figure for a load whose parts overlap: downloading (or reading the cache),
+ * compiling the GPU shaders, uploading the weights; each part has a share of the whole.
+ */
+class LoadProgress {
+  constructor(onProgress, backend) {
+    this.onProgress = onProgress;
+    this.shares = backend === "webgpu" ? { fetch: 0.5, compile: 0.3, upload: 0.2 } : { fetch: 0.7, compile: 0, upload: 0.3 };
+    this.fractions = { fetch: 0, compile: 0, upload: 0 };
+    this.texts = {};
+  }
+
+  update(part, fraction, text, extra = {}) {
+    this.fractions[part] = Number.isFinite(fraction) ? Math.min(1, fraction) : 0;
+    this.texts[part] = text;
+    const running = Object.keys(this.texts).filter((name) => this.fractions[name] < 1).map((name) => this.texts[name]);
+    this.onProgress({
+      phase: part,
+      text: running.length > 0 ? running.join(" · ") : text,
+      fraction: Object.entries(this.shares).reduce((sum, [name, share]) => sum + share * this.fractions[name], 0),
+      ...extra,
+    });
+  }
+}
+
+export class Engine {
+  /**
+   * Load `modelId` from `appConfig` (a WebLLM-style {model_list}).
+   * `runtime` = {tvmjs, tokenizers}: the UMD modules of @mlc-ai/web-runtime and web-tokenizers.
+   * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load.
+   */
+  static async load({ appConfig, modelId, device = "auto", runtime, onProgress = () => {}, onFatal = () => {} }) {
+    const started = performance.now();
+    const choice = await chooseBackend(appConfig, modelId, device);
+    const engine = new Engine(choice, onFatal);
+    try {
+      await engine.initialize(runtime, onProgress);
+    } catch (error) {
+      engine.dispose();
+      throw engine.failure ?? asEngineError(error);
+    }
+    engine.loadStats.seconds = seconds(started);
+    onProgress({ phase: "ready", text: `Loaded ${engine.record.model_id} (${engine.backend})`, fraction: 1 });
+    return engine;
+  }
+
+  constructor(choice, onFatal) {
+    this.record = choice.record;
+    this.backend = choice.backend;
+    this.libraryUrl = choice.libraryUrl;
+    this.adapter = choice.adapter;
+    this.fallbackReason = choice.fallbackReason;
+    this.onFatal = onFatal;
+    this.failure = null;
+    this.generating = false;
+    this.interruptRequested = false;
+    this.loadStats = {};
+    this.lastRequest = null;
+    this.conversation = null;
+  }
+
+  async initialize({ tvmjs, tokenizers }, onProgress) {
+    const progress = new LoadProgress(onProgress, this.backend);
+    const files = await ModelFiles.open(this.record, (event) => progress.update("fetch", event.fraction, event.text,
+      { loadedBytes: event.loadedBytes, totalBytes: event.totalBytes }));
+    this.chatConfig = files.chatConfig;
+    const tokenizerName = this.chatConfig.tokenizer_files.find((name) => name === "tokenizer.json" || name === "tokenizer.model");
+    if (!tokenizerName) throw new EngineError("bad-model", "mlc-chat-config.json lists no tokenizer.json or tokenizer.model");
+    await files.reserve();
+
+    const libraryBytes = await files.bytes(this.libraryUrl);
+    const tokenizerBytes = await files.bytes(files.url(tokenizerName));
+    this.tokenizer = tokenizerName === "tokenizer.json"
+      ? await tokenizers.Tokenizer.fromJSON(tokenizerBytes.buffer)
+      : await tokenizers.Tokenizer.fromSentencePiece(tokenizerBytes.buffer);
+    this.tvm = await tvmjs.instantiate(libraryBytes.buffer, tvmjs.createPolyfillWASI(), (message) => console.info(message));
+
+    // The weights download while the GPU compiles the shaders.
+    const weightsStored = files.fetchShards();
+    let device = this.tvm.cpu();
+    if (this.backend === "webgpu") {
+      this.gpuDevice = await requestDevice(this.adapter, this.record);
+      this.gpuDevice.lost.then((info) => this.deviceLost(info));
+      this.tvm.initWebGPU(this.gpuDevice);
+      this.tvm.registerInitProgressCallback(({ progress: fraction, text }) => progress.update("compile", fraction, text));
+      this.tvm.beginScope();
+      const shadersCompiled = this.tvm.asyncLoadWebGPUPipelines(this.tvm.systemLib());
+      this.tvm.endScope();
+      await Promise.all([shadersCompiled, weightsStored]);
+      device = this.tvm.webgpu();
+    } else {
+      await weightsStored;
+    }
+
+    this.session = new ModelSession(this.tvm, device, this.backend);
+    const shardCount = files.tensorCache.records.length;
+    let uploaded = 0;
+    await this.session.initialize(files.storedShards(), () => {
+      uploaded += 1;
+      progress.update("upload", uploaded / shardCount, `Loaded weight shard ${uploaded}/${shardCount} onto ${this.backend}`);
+    });
+    this.throwIfFailed();
+    await files.forgetOtherBuilds();
+    Object.assign(this.loadStats, {
+      build_id: files.buildId, from_cache: files.downloadedBytes === 0,
+      downloaded_bytes: files.downloadedBytes, cached_bytes: files.cachedBytes,
+    });
+    this.stopTokenIds = new Set([...(this.chatConfig.conv_template.stop_token_ids ?? []),
+      ...[this.chatConfig.eos_token_id ?? []].flat()]);
+  }
+
+  deviceLost(info) {
+    if (this.disposed) return;
+    this.failure = new EngineError("device-lost", `The GPU device was lost (${info.message || info.reason || "no reason given"}). ` +
+      "This happens when the GPU runs out of memory or its driver restarts. Reload the page to start again.");
+    this.onFatal(this.failure);
+  }
+
+  throwIfFailed() {
+    if (this.failure) throw this.failure;
+  }
+
+  // ---- token level: what parity checks drive (see protocol.js `engine.session`) ----
+
+  encode(text) {
+    return Array.from(this.tokenizer.encode(text));
+  }
+
+  decodeText(ids) {
+    return this.tokenizer.decode(Int32Array.from(ids));
+  }
+
+  /** Token ids of the prompt for `messages`: the chat template applied, then encoded. */
+  encodeChat(messages) {
+    const prefix = this.chatConfig.conv_template.system_prefix_token_ids ?? [];
+    return [...prefix, ...this.encode(formatChat(this.chatConfig.conv_template, messages))];
+  }
+
+  /** Run a token-level step under the engine's guards; `call(session)` returns rows of logits. */
+  async sessionStep(call, { topK: k = 0, full = false } = {}) {
+    this.throwIfFailed();
+    if (this.generating) throw new EngineError("busy", "A generation is running; interrupt it first.");
+    this.generating = true;
+    try {
+      const rows = await call(this.session);
+      return rows.map((row) => ({ ...(k > 0 ? { top: topK(row, k) } : {}), ...(full ? { logits: row } : {}) }));
+    } catch (error) {
+      throw this.failure ?? asEngineError(error);
+    } finally {
+      this.generating = false;
+    }
+  }
+
+  prefill(ids, options) {
+    return this.sessionStep(async (session) => [await session.prefill(ids)], options).then((rows) => rows[0]);
+  }
+
+  decode(id, options) {
+    return this.sessionStep(async (session) => [await session.decode(id)], options).then((rows) => rows[0]);
+  }
+
+  allLogits(ids, options) {
+    const bufferLimit = this.gpuDevice?.limits.maxStorageBufferBindingSize ?? Infinity;
+    const maxRows = Math.floor(bufferLimit / (this.chatConfig.vocab_size * Float32Array.BYTES_PER_ELEMENT));
+    return this.sessionStep((session) => session.allLogits(ids, maxRows), options);
+  }
+
+  rollback(count) {
+    this.throwIfFailed();
+    this.session.rollback(count);
+  }
+
+  cachedTokenIds() {
+    return [...this.session.cachedIds];
+  }
+
+  // ---- chat level ----
+
+  /**
+   * The prompt of a chat request. A conversation that continues the previous one (its text
+   * starts with the last prompt and reply) keeps that turn's exact token ids and encodes only
+   * the new text, as the native engine does: the model sees its own reply as it produced it,
+   * and the KV cache covers all of it.
+   */
+  chatPrompt(messages) {
+    const text = formatChat(this.chatConfig.conv_template, messages);
+    const previous = this.conversation;
+    if (previous && text.startsWith(previous.text)) {
+      return { text, ids: [...previous.ids, ...this.encode(text.slice(previous.text.length))] };
+    }
+    return { text, ids: this.encodeChat(messages) };
+  }
+
+  rememberConversation(promptText, promptIds, reply) {
+    const replyIds = this.decodeText(reply.ids) === reply.text ? reply.ids : this.encode(reply.text);
+    this.conversation = { text: promptText + reply.text, ids: [...promptIds, ...replyIds] };
+  }
+
+  /** Bring the KV cache to `ids` minus its last token, reusing the longest cached prefix; the logits after `ids`. */
+  async prefillPrompt(ids) {
+    const cached = this.session.cachedIds;
+    let common = 0;
+    while (common < cached.length && common < ids.length - 1 && cached[common] === ids[common]) ++common;
+    this.session.rollback(cached.length - common);
+    const logits = await this.session.prefill(ids.slice(common));
+    return { logits, prefilled: ids.length - common };
+  }
+
+  /**
+   * An OpenAI chat completion. With `stream: true`, `onChunk` receives each
+   * `chat.completion.chunk` (the last one carries `usage`); the full completion is returned either way.
+   */
+  async chatCompletion(request, onChunk = () => {}) {
+    this.throwIfFailed();
+    if (this.generating) throw new EngineError("busy", "A generation is already running; wait for it or interrupt it.");
+    const settings = generationSettings(request, this.chatConfig);
+    const { text: promptText, ids: promptIds } = this.chatPrompt(request.messages);
+    const room = this.session.contextWindowSize - promptIds.length;
+    if (room <= 0) {
+      throw new EngineError("bad-request", `The conversation has ${promptIds.length} tokens; the context window holds ` +
+        `${this.session.contextWindowSize}. Start a new chat.`);
+    }
+    const maxTokens = Math.min(settings.maxTokens ?? room, room);
+    this.generating = true;
+    this.interruptRequested = false;
+    const id = completionId();
+    const created = Math.floor(Date.now() / 1000);
+    const chunk = (choices, extra = {}) => ({ id, object: "chat.completion.chunk", created, model: this.record.model_id, choices, ...extra });
+    const random = seededRandom(settings.seed);
+    const text = new TextStream(this.tokenizer, [...this.chatConfig.conv_template.stop_str ?? [], ...settings.stop]);
+    const started = performance.now();
+    let finishReason = null;
+    let firstTokenAt = null;
+    let prefillSeconds = 0;
+    let prefilled = 0;
+    let decodeSeconds = 0;
+    let decodeSteps = 0;
+    try {
+      if (request.stream) onChunk(chunk([{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null, logprobs: null }]));
+      const prompt = await this.prefillPrompt(promptIds);
+      prefillSeconds = seconds(started);
+      prefilled = prompt.prefilled;
+      let logits = prompt.logits;
+      for (;;) {
+        const token = sampleToken(logits, settings, random);
+        firstTokenAt ??= performance.now();
+        if (this.stopTokenIds.has(token)) {
+          finishReason = "stop";
+          break;
+        }
+        const { delta, stopped } = text.push(token);
+        if (delta && request.stream) onChunk(chunk([{ index: 0, delta: { content: delta }, finish_reason: null, logprobs: null }]));
+        if (stopped) finishReason = "stop";
+        else if (text.ids.length >= maxTokens) finishReason = "length";
+        else if (this.interruptRequested) finishReason = "abort";
+        if (finishReason) break;
+        const stepStarted = performance.now();
+        logits = await this.session.decode(token);
+        decodeSeconds += seconds(stepStarted);
+        decodeSteps += 1;
+        await yieldToEventLoop();
+        this.throwIfFailed();
+      }
+    } catch (error) {
+      throw this.failure ?? asEngineError(error);
+    } finally {
+      this.generating = false;
+    }
+    const tail = text.flush();
+    this.rememberConversation(promptText, promptIds, text);
+    if (tail && request.stream) onChunk(chunk([{ index: 0, delta: { content: tail }, finish_reason: null, logprobs: null }]));
+    const finished = performance.now();
+    const usage = {
+      prompt_tokens: promptIds.length,
+      completion_tokens: text.ids.length,
+      total_tokens: promptIds.length + text.ids.length,
+      extra: {
+        prefilled_tokens: prefilled,
+        time_to_first_token_s: seconds(started, firstTokenAt),
+        prefill_tokens_per_s: prefilled / prefillSeconds,
+        decode_tokens_per_s: decodeSteps > 0 ? decodeSteps / decodeSeconds : null,
+        e2e_latency_s: seconds(started, finished),
+      },
+    };
+    this.lastRequest = { finish_reason: finishReason, ...usage };
+    if (request.stream) {
+      onChunk(chunk([{ index: 0, delta: {}, finish_reason: finishReason, logprobs: null }]));
+      onChunk(chunk([], { usage }));
+    }
+    return {
+      id, object: "chat.completion", created, model: this.record.model_id,
+      choices: [{ index: 0, message: { role: "assistant", content: text.text }, finish_reason: finishReason, logprobs: null }],
+      usage,
+    };
+  }
+
+  interrupt() {
+    this.interruptRequested = true;
+  }
+
+  resetChat() {
+    this.throwIfFailed();
+    if (this.generating) throw new EngineError("busy", "A generation is running; interrupt it first.");
+    this.session.reset();
+    this.conversation = null;
+    this.lastRequest = null;
+  }
+
+  stats() {
+    const adapterInfo = this.adapter?.info;
+    return {
+      model_id: this.record.model_id,
+      backend: this.backend,
+      library: this.libraryUrl,
+      quantization: this.chatConfig?.quantization,
+      adapter: adapterInfo ? { vendor: adapterInfo.vendor, architecture: adapterInfo.architecture, description: adapterInfo.description } : null,
+      fallback_reason: this.fallbackReason,
+      context_window_size: this.session?.contextWindowSize,
+      cached_tokens: this.session?.cachedIds.length ?? 0,
+      load: this.loadStats,
+      last_request: this.lastRequest,
+    };
+  }
+
+  dispose() {
+    this.disposed = true;
+    this.session?.dispose();
+    this.tokenizer?.dispose();
+    this.tvm?.dispose();
+    this.gpuDevice?.destroy();
+  }
+}

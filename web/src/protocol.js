@@ -1,0 +1,214 @@
+// The page ↔ worker protocol. The page calls `createEngine`, which starts the engine in a
+// dedicated Web Worker and returns an object with the engine's API; every call becomes a
+// message {id, method, params}, answered by {id, kind: "event" | "result" | "error", ...}.
+// A worker-wide failure (the GPU device lost) arrives as {kind: "fatal", error}.
+import { EngineError, asEngineError } from "./errors.js";
+
+/** Make the app config's URLs absolute (the worker resolves against its own URL otherwise). */
+function absoluteAppConfig(appConfig, base) {
+  const absolute = (url) => (url ? new URL(url, base).href : url);
+  return {
+    ...appConfig,
+    model_list: (appConfig.model_list ?? []).map((record) => ({
+      ...record,
+      model: absolute(record.model),
+      model_lib: absolute(record.model_lib),
+      ...(record.kiln ? {
+        kiln: {
+          ...record.kiln,
+          libraries: Object.fromEntries(Object.entries(record.kiln.libraries ?? {}).map(([target, url]) => [target, absolute(url)])),
+        },
+      } : {}),
+    })),
+  };
+}
+
+/** Values pushed by one side and pulled with `for await` by the other. */
+class AsyncQueue {
+  constructor() {
+    this.items = [];
+    this.waiters = [];
+    this.closed = false;
+    this.failure = null;
+  }
+
+  push(item) {
+    const waiter = this.waiters.shift();
+    if (waiter) waiter.resolve({ value: item, done: false });
+    else this.items.push(item);
+  }
+
+  close(failure = null) {
+    this.closed = true;
+    this.failure = failure;
+    for (const waiter of this.waiters.splice(0)) {
+      if (failure) waiter.reject(failure);
+      else waiter.resolve({ value: undefined, done: true });
+    }
+  }
+
+  next() {
+    if (this.items.length > 0) return Promise.resolve({ value: this.items.shift(), done: false });
+    if (this.closed) return this.failure ? Promise.reject(this.failure) : Promise.resolve({ value: undefined, done: true });
+    return new Promise((resolve, reject) => this.waiters.push({ resolve, reject }));
+  }
+
+  [Symbol.asyncIterator]() {
+    return this;
+  }
+}
+
+class WorkerConnection {
+  constructor(worker, onFatal) {
+    this.worker = worker;
+    this.pending = new Map();
+    this.nextId = 1;
+    this.failure = null;
+    worker.onmessage = ({ data }) => this.receive(data, onFatal);
+    worker.onerror = (event) => {
+      event.preventDefault?.();
+      this.fail(new EngineError("internal", `The engine worker failed: ${event.message ?? "it could not start"}`), onFatal);
+    };
+  }
+
+  receive(message, onFatal) {
+    if (message.kind === "fatal") {
+      this.fail(EngineError.fromJSON(message.error), onFatal);
+      return;
+    }
+    const call = this.pending.get(message.id);
+    if (!call) return;
+    if (message.kind === "event") {
+      call.onEvent(message.data);
+      return;
+    }
+    this.pending.delete(message.id);
+    if (message.kind === "result") call.resolve(message.data);
+    else call.reject(EngineError.fromJSON(message.error));
+  }
+
+  fail(error, onFatal) {
+    this.failure = error;
+    for (const call of this.pending.values()) call.reject(error);
+    this.pending.clear();
+    onFatal(error);
+  }
+
+  call(method, params = {}, onEvent = () => {}) {
+    if (this.failure) return Promise.reject(this.failure);
+    const id = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject, onEvent });
+      this.worker.postMessage({ id, method, params });
+    });
+  }
+}
+
+/**
+ * Start the engine for `modelId` of `appConfig` ({model_list: [...]}, WebLLM's format) in a worker.
+ *
+ * options: onProgress({phase, text, fraction, loadedBytes, totalBytes}); device: "auto" (WebGPU,
+ * else the CPU wasm library), "webgpu" or "wasm"; onError(EngineError) for failures outside a
+ * call (the GPU device lost); workerUrl to host worker.js elsewhere.
+ */
+export async function createEngine(appConfig, modelId, { onProgress = () => {}, device = "auto", onError = () => {}, workerUrl } = {}) {
+  const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
+  const connection = new WorkerConnection(worker, onError);
+  const base = globalThis.location?.href;
+  let loaded;
+  try {
+    loaded = await connection.call("load", { appConfig: absoluteAppConfig(appConfig, base), modelId, device }, onProgress);
+  } catch (error) {
+    worker.terminate();
+    throw error;
+  }
+  const call = (method, params) => connection.call(method, params);
+  return {
+    modelId: loaded.model_id,
+    backend: loaded.backend,
+    chat: {
+      completions: {
+        /** OpenAI's chat.completions.create: a completion, or with `stream: true` an async iterable of chunks. */
+        async create(request) {
+          if (!request.stream) return call("chatCompletion", { request });
+          const chunks = new AsyncQueue();
+          connection.call("chatCompletion", { request }, (chunk) => chunks.push(chunk))
+            .then(() => chunks.close(), (error) => chunks.close(error));
+          return chunks;
+        },
+      },
+    },
+    /** Stop the running generation after its current token (finish_reason "abort"). */
+    interrupt: () => call("interrupt"),
+    /** Forget the conversation (clears the KV cache). */
+    resetChat: () => call("resetChat"),
+    stats: () => call("stats"),
+    /** Token-level access to the model's one sequence, for parity checks and benchmarks. */
+    session: {
+      encode: (text) => call("encode", { text }),
+      decodeText: (ids) => call("decodeText", { ids }),
+      encodeChat: (messages) => call("encodeChat", { messages }),
+      /** Append ids; {top: {ids, logits}} with options.topK, {logits: Float32Array} with options.full. */
+      prefill: (ids, options = {}) => call("prefill", { ids, options }),
+      decode: (id, options = {}) => call("decode", { id, options }),
+      /** One result per id (the logits after each position), as prefill's. */
+      allLogits: (ids, options = {}) => call("allLogits", { ids, options }),
+      rollback: (count) => call("rollback", { count }),
+      cachedTokenIds: () => call("cachedTokenIds"),
+    },
+    /** Release the GPU and the worker. */
+    unload: async () => {
+      await call("unload").catch(() => {});
+      worker.terminate();
+    },
+  };
+}
+
+/**
+ * The worker side: answer messages on `scope` (the worker's global) with an engine made by
+ * `loadEngine({appConfig, modelId, device, onProgress, onFatal})`.
+ */
+export function serveEngine(scope, loadEngine) {
+  let engine = null;
+  const loaded = () => {
+    if (!engine) throw new EngineError("not-loaded", "The model is not loaded.");
+    return engine;
+  };
+  const methods = {
+    load: async ({ appConfig, modelId, device }, emit) => {
+      engine?.dispose();
+      engine = null;
+      engine = await loadEngine({
+        appConfig, modelId, device, onProgress: emit,
+        onFatal: (error) => scope.postMessage({ kind: "fatal", error: error.toJSON() }),
+      });
+      return engine.stats();
+    },
+    chatCompletion: ({ request }, emit) => loaded().chatCompletion(request, emit),
+    interrupt: () => loaded().interrupt(),
+    resetChat: () => loaded().resetChat(),
+    stats: () => loaded().stats(),
+    encode: ({ text }) => loaded().encode(text),
+    decodeText: ({ ids }) => loaded().decodeText(ids),
+    encodeChat: ({ messages }) => loaded().encodeChat(messages),
+    prefill: ({ ids, options }) => loaded().prefill(ids, options),
+    decode: ({ id, options }) => loaded().decode(id, options),
+    allLogits: ({ ids, options }) => loaded().allLogits(ids, options),
+    rollback: ({ count }) => loaded().rollback(count),
+    cachedTokenIds: () => loaded().cachedTokenIds(),
+    unload: () => {
+      engine?.dispose();
+      engine = null;
+    },
+  };
+  scope.onmessage = async ({ data: { id, method, params } }) => {
+    const emit = (event) => scope.postMessage({ id, kind: "event", data: event });
+    try {
+      if (!(method in methods)) throw new EngineError("bad-request", `unknown method ${method}`);
+      const result = await methods[method](params, emit);
+      scope.postMessage({ id, kind: "result", data: result });
+    } catch (error) {
+      scope.postMessage({ id, kind: "error", error: asEngineError(error).toJSON() });
+    }
+  };
+}
