@@ -1,0 +1,188 @@
+// The chat harness page: picks a model from the app config, loads it with the browser engine
+// and chats with it. Model output is only ever set as textContent, never parsed as HTML.
+import { createEngine } from "/web/src/index.js";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const page = {
+  appConfig: null,
+  engine: null,
+  history: [],
+};
+
+function setState(state) {
+  document.body.dataset.state = state;
+  const ready = state === "ready";
+  const generating = state === "generating";
+  $("prompt").disabled = !(ready || generating);
+  $("send-button").disabled = !ready;
+  $("reset-button").disabled = !ready;
+  $("stop-button").disabled = !generating;
+  $("load-button").disabled = state === "loading" || generating;
+  $("model-select").disabled = state === "loading" || generating;
+}
+
+function showError(error) {
+  $("error").textContent = error ? (error.message ?? String(error)) : "";
+  $("error").hidden = !error;
+}
+
+function showProgress({ phase, text, fraction }) {
+  $("load-status").hidden = phase === "ready";
+  $("load-text").textContent = text ?? phase;
+  $("load-progress").value = Number.isFinite(fraction) ? fraction : 0;
+}
+
+function addTurn(role, text) {
+  const item = document.createElement("li");
+  item.className = `turn ${role}`;
+  const who = document.createElement("span");
+  who.className = "role";
+  who.textContent = role === "user" ? "You" : "Model";
+  const body = document.createElement("div");
+  body.className = "content";
+  body.textContent = text;
+  item.append(who, body);
+  $("transcript").append(item);
+  item.scrollIntoView({ block: "end" });
+  return body;
+}
+
+function formatRate(value) {
+  return Number.isFinite(value) ? value.toFixed(1) : "–";
+}
+
+function showStats(usage, backend) {
+  const extra = usage.extra;
+  $("stats").textContent = `${backend} · ${usage.prompt_tokens} prompt tokens (${extra.prefilled_tokens} prefilled, ` +
+    `${formatRate(extra.prefill_tokens_per_s)} tok/s) · ${usage.completion_tokens} generated ` +
+    `(${formatRate(extra.decode_tokens_per_s)} tok/s) · first token after ${extra.time_to_first_token_s.toFixed(2)} s`;
+}
+
+function numberSetting(id) {
+  const input = $(id);
+  return input.value === "" ? undefined : Number(input.value);
+}
+
+async function loadModel(modelId) {
+  showError(null);
+  setState("loading");
+  showProgress({ phase: "fetch", text: `Loading ${modelId}…`, fraction: 0 });
+  await page.engine?.unload();
+  page.engine = null;
+  try {
+    page.engine = await createEngine(page.appConfig, modelId, {
+      onProgress: showProgress,
+      onError: (error) => {
+        showError(error);
+        setState("error");
+      },
+    });
+  } catch (error) {
+    $("load-status").hidden = true;
+    showError(error);
+    setState("error");
+    return;
+  }
+  const stats = await page.engine.stats();
+  const note = stats.fallback_reason ? ` (CPU fallback: ${stats.fallback_reason})` : "";
+  $("stats").textContent = `Loaded ${stats.model_id} on ${stats.backend} in ${stats.load.seconds.toFixed(1)} s` +
+    `${stats.load.from_cache ? " from the browser cache" : ""}${note}`;
+  resetConversation();
+  setState("ready");
+  $("prompt").placeholder = "Type a message (Enter sends, Shift+Enter adds a line, Esc stops the reply)";
+  $("prompt").focus();
+}
+
+function resetConversation() {
+  page.history = [];
+  $("transcript").replaceChildren();
+}
+
+async function send(text) {
+  page.history.push({ role: "user", content: text });
+  addTurn("user", text);
+  const reply = addTurn("assistant", "");
+  setState("generating");
+  const system = $("system-prompt").value.trim();
+  const request = {
+    messages: system ? [{ role: "system", content: system }, ...page.history] : [...page.history],
+    stream: true,
+    temperature: numberSetting("temperature"),
+    top_p: numberSetting("top-p"),
+    max_tokens: numberSetting("max-tokens"),
+  };
+  let answer = "";
+  try {
+    for await (const chunk of await page.engine.chat.completions.create(request)) {
+      const delta = chunk.choices[0]?.delta?.content;
+      if (delta) {
+        answer += delta;
+        reply.textContent = answer;
+        reply.scrollIntoView({ block: "end" });
+      }
+      if (chunk.usage) showStats(chunk.usage, page.engine.backend);
+    }
+    page.history.push({ role: "assistant", content: answer });
+    setState("ready");
+  } catch (error) {
+    page.history.pop();
+    showError(error);
+    setState(error.code === "device-lost" || error.code === "not-loaded" ? "error" : "ready");
+  }
+  $("prompt").focus();
+}
+
+async function start() {
+  setState("idle");
+  try {
+    const response = await fetch(params.get("config") ?? "/api/app-config.json", { cache: "no-cache" });
+    page.appConfig = await response.json();
+  } catch (error) {
+    showError(new Error(`Could not read the app config: ${error.message}`));
+    return;
+  }
+  const select = $("model-select");
+  for (const record of page.appConfig.model_list ?? []) {
+    const option = document.createElement("option");
+    option.value = record.model_id;
+    option.textContent = `${record.model_id} (${Math.ceil(record.vram_required_MB)} MB)`;
+    select.append(option);
+  }
+  if (select.options.length === 0) {
+    showError(new Error("No browser-ready models are served here: compile one with `kiln compile SOURCE -t webgpu,wasm`."));
+    $("load-button").disabled = true;
+    return;
+  }
+  if (params.has("model")) select.value = params.get("model");
+
+  $("model-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    loadModel(select.value);
+  });
+  $("chat-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = $("prompt").value.trim();
+    if (!text || document.body.dataset.state !== "ready") return;
+    $("prompt").value = "";
+    send(text);
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $("chat-form").requestSubmit();
+    }
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && document.body.dataset.state === "generating") page.engine.interrupt();
+  });
+  $("stop-button").addEventListener("click", () => page.engine.interrupt());
+  $("reset-button").addEventListener("click", async () => {
+    await page.engine.resetChat();
+    resetConversation();
+    $("stats").textContent = "";
+    $("prompt").focus();
+  });
+}
+
+start();
