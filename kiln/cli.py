@@ -69,6 +69,7 @@ def add_bench(sub) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=run_bench_compile)
     add_bench_native(bench)
+    add_bench_browser(bench)
 
 
 def run_bench_compile(args) -> int:
@@ -173,7 +174,47 @@ def run_bench_native(args) -> int:
     return 0
 
 
-COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat)
+def add_bench_browser(bench) -> None:
+    b = bench.add_parser("browser", help="cold/warm load, time to first token, prefill and decode tokens/s "
+                                         "in headless Chromium")
+    b.add_argument("model_dir", type=Path, help="a compiled model folder with a webgpu or wasm library")
+    b.add_argument("--device", choices=("auto", "webgpu", "wasm"), default="auto",
+                   help="auto: WebGPU when Chromium has it, else the CPU wasm library")
+    b.add_argument("--prompt-tokens", type=int, default=32)
+    b.add_argument("--decode-tokens", type=int, default=16)
+    b.add_argument("--runs", type=int, default=1, help="measured runs, after one warm-up run")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=run_bench_browser)
+
+
+def run_bench_browser(args) -> int:
+    from kiln.server.browser_bench import bench_browser
+
+    report = bench_browser(args.model_dir, args.device, args.prompt_tokens, args.decode_tokens, args.runs)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2))
+    else:
+        for line in report["lines"]:
+            print(line)
+    return 0
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the chat harness, the models and an OpenAI-compatible API")
+    p.add_argument("--dist", type=Path, default=Path("dist"), help="folder of compiled models (default dist/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    from kiln.server import ServerConfig, serve
+
+    serve(ServerConfig(dist=args.dist), args.host, args.port)
+    return 0
+
+
+COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

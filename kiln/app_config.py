@@ -1,0 +1,122 @@
+"""The app config: a WebLLM-style `model_list` describing the compiled models of a dist folder.
+
+WebLLM reads `model` (the model folder's URL; it appends `resolve/main/`), `model_id`,
+`model_lib` (the WebGPU library), `vram_required_MB`, `low_resource_required`,
+`required_features`, `buffer_size_required_bytes` and `overrides`. Kiln's browser engine also
+reads `kiln`: the model's `family` (variants built from the same source share it, so the engine
+can pick the f16 or f32 variant), its quantization and its browser libraries by target.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+BROWSER_TARGETS = ("webgpu", "wasm")
+PAGE_SIZE = 16
+F32_BYTES = 4
+# A GPU budget most phones and integrated GPUs grant a tab; WebLLM's low-resource models fit it.
+LOW_RESOURCE_MB = 2048
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    """A model folder under a dist folder, with what the app config and the server need to know."""
+
+    model_id: str
+    path: Path
+    build: dict
+    chat_config: dict
+    tensor_cache: dict
+
+    @property
+    def libraries(self) -> dict[str, str]:
+        """Built targets → library path relative to the model folder (only files that exist)."""
+        return {target: entry["library"] for target, entry in self.build.get("targets", {}).items()
+                if (self.path / entry["library"]).is_file()}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise KilnError(f"malformed JSON: {e}", path) from None
+
+
+def compiled_models(dist: Path) -> list[CompiledModel]:
+    """Every model folder directly under `dist` (hidden build folders are skipped), by model id."""
+    if not dist.is_dir():
+        raise KilnError("not a folder of compiled models", dist)
+    models = []
+    for folder in sorted(dist.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        files = [folder / name for name in ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")]
+        if all(f.is_file() for f in files):
+            build, chat_config, tensor_cache = (read_json(f) for f in files)
+            models.append(CompiledModel(folder.name, folder, build, chat_config, tensor_cache))
+    return models
+
+
+def float_bytes(quantization: str) -> int:
+    return 2 if "f16" in quantization else F32_BYTES
+
+
+def memory_needs(model: CompiledModel) -> tuple[int, int]:
+    """(bytes the model needs on the GPU, the largest single buffer a kernel binds), estimated
+    for chatting: prefill keeps only the last position's logits.
+
+    Weights are exact; the KV cache is TVM's paged cache for the whole context window; the
+    activations are those of one prefill chunk, dominated by the MLP's gate and up projections.
+    (Forced decoding through `prefill_all_logits` needs rows × vocab × 4 bytes more; the browser
+    engine splits it into calls that fit the device.)
+    """
+    config = model.chat_config
+    layers = config["model_config"]
+    hidden, intermediate = layers["hidden_size"], layers["intermediate_size"]
+    head_dim = layers.get("head_dim") or hidden // layers["num_attention_heads"]
+    kv_heads = layers.get("num_key_value_heads") or layers["num_attention_heads"]
+    element = float_bytes(config["quantization"])
+    pages = -(-config["context_window_size"] // PAGE_SIZE)
+    kv_layer_bytes = pages * 2 * kv_heads * PAGE_SIZE * head_dim * element
+    mlp_bytes = config["prefill_chunk_size"] * 2 * intermediate * element
+    logits_bytes = config["vocab_size"] * F32_BYTES
+    records = [r for shard in model.tensor_cache["records"] for r in shard["records"]]
+    weight_bytes = sum(r["nbytes"] for r in records)
+    largest_weight = max((r["nbytes"] for r in records), default=0)
+    total = weight_bytes + layers["num_hidden_layers"] * kv_layer_bytes + mlp_bytes + logits_bytes
+    return total, max(largest_weight, kv_layer_bytes, mlp_bytes, logits_bytes)
+
+
+def model_record(model: CompiledModel, models_url: str) -> dict | None:
+    """The app-config entry of `model`, with URLs under `models_url`; None without a browser library."""
+    browser_libraries = {t: path for t, path in model.libraries.items() if t in BROWSER_TARGETS}
+    if not browser_libraries:
+        return None
+    folder_url = f"{models_url}{model.model_id}/"
+    quantization = model.chat_config["quantization"]
+    total_bytes, largest_buffer = memory_needs(model)
+    vram_mb = round(total_bytes / 2**20, 1)
+    return {
+        "model": folder_url,
+        "model_id": model.model_id,
+        "model_lib": folder_url + browser_libraries.get("webgpu", browser_libraries.get("wasm")),
+        "vram_required_MB": vram_mb,
+        "low_resource_required": vram_mb <= LOW_RESOURCE_MB,
+        "required_features": ["shader-f16"] if float_bytes(quantization) == 2 else [],
+        "buffer_size_required_bytes": largest_buffer,
+        "overrides": {key: model.chat_config[key] for key in ("context_window_size", "prefill_chunk_size")},
+        "kiln": {
+            "family": model.build.get("source_hash", model.model_id)[:16],
+            "quantization": quantization,
+            "libraries": {target: folder_url + path for target, path in browser_libraries.items()},
+        },
+    }
+
+
+def app_config(models: list[CompiledModel], models_url: str) -> dict:
+    """The app config for `models`, their folders served under `models_url` (ends with '/')."""
+    return {"model_list": [r for r in (model_record(m, models_url) for m in models) if r is not None]}

@@ -1,0 +1,150 @@
+"""`kiln bench browser`: the browser engine's speed in headless Chromium (WebGPU, or the CPU
+wasm library), with the keys of `kiln bench native` plus the cold and warm load times.
+
+Cold load is a first visit (download, md5 check, shader compilation, upload); warm load is the
+next visit, from the Cache API — comparable to the native engine's load from disk, so `load_s`
+is the warm one. The prompt is the native benchmark's (the same seeded random ordinary tokens);
+generation is greedy through the engine's token-level API, timed inside the page.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from kiln.app_config import read_json
+from kiln.errors import KilnError
+
+from .app import ServerConfig, create_app
+from .browser import PageEngine, chromium, serving
+
+PROMPT_SEED = 0
+RSS_SAMPLE_S = 0.25
+RUN_JS = """async ({promptIds, decodeTokens}) => {
+  const engine = globalThis.kilnDriven;
+  await engine.resetChat();
+  const started = performance.now();
+  const first = await engine.session.prefill(promptIds, { topK: 1 });
+  const firstTokenAt = performance.now();
+  let token = first.top.ids[0];
+  for (let i = 1; i < decodeTokens; ++i) token = (await engine.session.decode(token, { topK: 1 })).top.ids[0];
+  const ended = performance.now();
+  return {
+    ttft_s: (firstTokenAt - started) / 1000,
+    prefill_tokens_per_s: promptIds.length / ((firstTokenAt - started) / 1000),
+    decode_tokens_per_s: decodeTokens > 1 ? (decodeTokens - 1) / ((ended - firstTokenAt) / 1000) : null,
+  };
+}"""
+
+
+def benchmark_prompt(model_dir: Path, prompt_tokens: int) -> list[int]:
+    """The native benchmark's prompt: seeded random tokens that are not special tokens."""
+    from tokenizers import Tokenizer
+
+    special = set(Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_added_tokens_decoder())
+    vocab_size = read_json(model_dir / "mlc-chat-config.json")["vocab_size"]
+    ordinary = np.array([t for t in range(vocab_size) if t not in special])
+    return np.random.default_rng(PROMPT_SEED).choice(ordinary, prompt_tokens).tolist()
+
+
+class PeakMemory:
+    """The largest total RSS of this process's Chromium processes, sampled in the background.
+
+    RSS double-counts memory the processes share, so this is an upper bound.
+    """
+
+    def __init__(self):
+        self.peak_bytes = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.stopped.wait(RSS_SAMPLE_S):
+            total = 0
+            for process in me.children(recursive=True):
+                try:
+                    if "chrom" in process.name():
+                        total += process.memory_info().rss
+                except psutil.Error:
+                    continue
+            self.peak_bytes = max(self.peak_bytes, total)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join()
+
+    @property
+    def peak_mb(self) -> float | None:
+        return self.peak_bytes / 2**20 if self.peak_bytes else None
+
+
+def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32, decode_tokens: int = 16,
+                  runs: int = 1) -> dict:
+    model_dir = Path(model_dir)
+    if not (model_dir / "kiln-build.json").is_file():
+        raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
+    model_id = model_dir.name
+    prompt = benchmark_prompt(model_dir, prompt_tokens)
+    app = create_app(ServerConfig(dist=model_dir.parent))
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-profile-") as profile, serving(app) as url, \
+            chromium(Path(profile), webgpu=device != "wasm") as context, PeakMemory() as memory:
+        page = context.pages[0] if context.pages else context.new_page()
+        page.goto(url)
+        engine = PageEngine(page)
+        cold = engine.load(model_id, device)
+        page.reload()
+        warm = engine.load(model_id, device)
+        if not warm["stats"]["load"]["from_cache"]:
+            raise KilnError("the second load did not come from the browser cache", model_dir)
+        measured = [page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens})
+                    for _ in range(runs + 1)][1:]  # the first run warms up and is not counted
+    stats = warm["stats"]
+
+    def median(key: str) -> float | None:
+        values = [run[key] for run in measured if run[key] is not None]
+        return statistics.median(values) if values else None
+
+    report = {
+        "model_id": stats["model_id"],
+        "device": stats["backend"],
+        "adapter": stats["adapter"],
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "load_s": warm["seconds"],
+        "cold_load_s": cold["seconds"],
+        "warm_load_s": warm["seconds"],
+        "ttft_s": median("ttft_s"),
+        "prefill_tokens_per_s": median("prefill_tokens_per_s"),
+        "decode_tokens_per_s": median("decode_tokens_per_s"),
+        "peak_rss_mb": memory.peak_mb,
+        "bandwidth_fraction": None,
+    }
+    adapter = stats["adapter"]
+    on = f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip() if adapter else "CPU wasm"
+
+    def rate(value: float | None) -> str:
+        return "       –" if value is None else f"{value:8.1f}"
+
+    report["lines"] = [
+        f"{report['model_id']} in headless Chromium on {on}: {prompt_tokens} prompt + {decode_tokens} decoded "
+        f"tokens, median of {runs} run(s) after a warm-up",
+        f"  cold load            {report['cold_load_s']:8.2f} s   (download, md5, shaders, upload)",
+        f"  warm load            {report['warm_load_s']:8.2f} s   (from the Cache API)",
+        f"  time to first token  {report['ttft_s']:8.3f} s",
+        f"  prefill              {rate(report['prefill_tokens_per_s'])} tokens/s",
+        f"  decode               {rate(report['decode_tokens_per_s'])} tokens/s",
+        f"  peak RSS             {rate(report['peak_rss_mb'])} MB   (all Chromium processes, shared pages counted twice)",
+    ]
+    return report
