@@ -1,0 +1,271 @@
+"""The browser engine and the chat harness in headless Chromium (SwiftShader WebGPU, or the CPU
+wasm library with WebGPU off), on the tiny Llama: loading with progress and the Cache API,
+chat completions against the native build, multi-turn KV reuse, interrupts, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from web_helpers import RequestLog, browser_page, driver, served  # noqa: F401 (driver is a fixture)
+
+from kiln.runtime import NativeModel
+from kiln.server.browser import BrowserEngineError, PageEngine
+
+pytestmark = pytest.mark.browser
+
+MODEL_ID = "tiny-llama-q4f32_1"
+QUESTION = [{"role": "user", "content": "Tell me about the history of the city"}]
+GREEDY_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_build) -> Path:
+    return tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir) -> str:
+    with served(tiny_dir.parent) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def webgpu_engine(driver, tmp_path_factory, url) -> PageEngine:
+    """The tiny model loaded once on WebGPU (compiling its shaders on SwiftShader takes ~25 s);
+    tests start from a fresh chat."""
+    with browser_page(driver, tmp_path_factory.mktemp("profile"), url) as (_, page):
+        engine = PageEngine(page)
+        engine.load(MODEL_ID)
+        yield engine
+
+
+@pytest.fixture
+def engine(webgpu_engine) -> PageEngine:
+    webgpu_engine.call("resetChat")
+    return webgpu_engine
+
+
+def native_greedy(model_dir: Path, prompt_ids: list[int], count: int) -> list[int]:
+    model = NativeModel(model_dir)
+    logits = model.prefill(prompt_ids)
+    tokens = []
+    for _ in range(count):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.decode(tokens[-1])
+    return tokens
+
+
+def streamed_text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+def wait_for_state(page, state: str, timeout_s: float = 300) -> None:
+    page.wait_for_function(f"document.body.dataset.state === {json.dumps(state)} "
+                           "|| document.body.dataset.state === 'error'", timeout=timeout_s * 1000)
+    if state != "error":
+        assert page.evaluate("document.body.dataset.state") == state, page.inner_text("#error")
+
+
+def check_greedy_parity(engine: PageEngine, model_dir: Path) -> None:
+    prompt_ids = engine.call("session.encodeChat", QUESTION)
+    expected = native_greedy(model_dir, prompt_ids, GREEDY_TOKENS)
+    first = engine.call("session.prefill", prompt_ids, {"topK": 3})
+    tokens = [first["top"]["ids"][0]]
+    while len(tokens) < GREEDY_TOKENS:
+        tokens.append(engine.call("session.decode", tokens[-1], {"topK": 1})["top"]["ids"][0])
+    assert tokens == expected
+
+    # The chat API picks the same tokens at temperature 0 and streams their text.
+    engine.call("resetChat")
+    result = engine.chat({"messages": QUESTION, "stream": True, "temperature": 0, "max_tokens": GREEDY_TOKENS})
+    stop_token = json.loads((model_dir / "mlc-chat-config.json").read_text())["conv_template"]["stop_token_ids"][0]
+    replied = expected[:expected.index(stop_token)] if stop_token in expected else expected
+    assert streamed_text(result["chunks"]) == engine.call("session.decodeText", replied)
+    usage = result["chunks"][-1]["usage"]
+    assert usage["prompt_tokens"] == len(prompt_ids)
+    assert usage["completion_tokens"] == len(replied)
+
+
+def test_webgpu_generates_what_the_native_build_generates(engine, tiny_dir):
+    assert engine.call("stats")["backend"] == "webgpu"
+    check_greedy_parity(engine, tiny_dir)
+
+
+def test_without_webgpu_the_cpu_library_generates_the_same(driver, tmp_path, url, tiny_dir):
+    with browser_page(driver, tmp_path / "profile", url, webgpu=False) as (_, page):
+        engine = PageEngine(page)
+        stats = engine.load(MODEL_ID)["stats"]
+        assert stats["backend"] == "wasm"
+        assert "WebGPU" in stats["fallback_reason"]
+        check_greedy_parity(engine, tiny_dir)
+
+
+def test_all_logits_match_step_by_step_logits(engine):
+    ids = engine.call("session.encode", "The history of the city is long")
+    forced = engine.call("session.allLogits", ids, {"full": True})
+    engine.call("resetChat")
+    stepwise = [engine.call("session.prefill", ids[:1], {"full": True})]
+    stepwise += [engine.call("session.decode", token, {"full": True}) for token in ids[1:]]
+    assert len(forced) == len(ids)
+    for row, (a, b) in enumerate(zip(forced, stepwise)):
+        assert np.abs(np.array(a["logits"]) - np.array(b["logits"])).max() < 1e-3, row
+
+
+def test_multi_turn_chat_reuses_the_kv_cache(engine):
+    first = engine.chat({"messages": QUESTION, "temperature": 0, "max_tokens": 6})["completion"]
+    cached = engine.call("stats")["cached_tokens"]
+    conversation = QUESTION + [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+    second = engine.chat({"messages": conversation, "temperature": 0, "max_tokens": 6})["completion"]
+    prompt_tokens = second["usage"]["prompt_tokens"]
+    # Everything of the first turn stayed in the cache; only the new turn's tokens ran.
+    assert cached >= first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
+    assert second["usage"]["extra"]["prefilled_tokens"] == prompt_tokens - cached
+
+    # The reply from the reused cache is the one a fresh start on the same tokens gives.
+    sequence = engine.call("session.cachedTokenIds")
+    prompt, reply = sequence[:prompt_tokens], sequence[prompt_tokens:]
+    engine.call("resetChat")
+    fresh = [engine.call("session.prefill", prompt, {"topK": 1})["top"]["ids"][0]]
+    while len(fresh) < len(reply):
+        fresh.append(engine.call("session.decode", fresh[-1], {"topK": 1})["top"]["ids"][0])
+    assert fresh == reply
+
+
+def test_interrupt_ends_a_generation(engine):
+    result = engine.page.evaluate("""async (messages) => {
+      const chunks = [];
+      const stream = await globalThis.kilnDriven.chat.completions.create(
+        { messages, stream: true, temperature: 1, seed: 3, max_tokens: 400 });
+      for await (const chunk of stream) {
+        chunks.push(chunk);
+        if (chunks.length === 3) await globalThis.kilnDriven.interrupt();
+      }
+      return chunks;
+    }""", QUESTION)
+    finish = [c["choices"][0]["finish_reason"] for c in result if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish == ["abort"]
+    assert result[-1]["usage"]["completion_tokens"] < 20
+
+
+def test_sampling_is_seeded(engine):
+    request = {"messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "max_tokens": 12}
+    texts = [engine.chat({**request, "seed": seed})["completion"]["choices"][0]["message"]["content"]
+             for seed in (1, 1, 2)]
+    assert texts[0] == texts[1] != texts[2]
+    with pytest.raises(BrowserEngineError) as bad:
+        engine.chat({**request, "top_p": 0})
+    assert bad.value.code == "bad-request"
+
+
+def test_harness_chats_and_loads_from_cache_on_the_next_visit(driver, tmp_path, url):
+    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}") as (context, page):
+        requests = RequestLog(context)
+        page.click("#load-button")
+        wait_for_state(page, "ready")
+        assert len(requests.matching("params_shard_")) == 1
+        assert "from the browser cache" not in page.inner_text("#stats")
+        page.click(".settings summary")
+        page.fill("#system-prompt", "You are a tiny test model.")
+        page.fill("#max-tokens", "10")
+        page.fill("#prompt", "Tell me about the history of the city")
+        page.keyboard.press("Enter")
+        wait_for_state(page, "ready")
+        turns = page.locator("#transcript .turn")
+        assert turns.count() == 2
+        assert turns.nth(0).inner_text().endswith("Tell me about the history of the city")
+        assert len(turns.nth(1).locator(".content").inner_text()) > 0
+        assert "tok/s" in page.inner_text("#stats")
+
+        # Text is text: markup typed by the user (or produced by the model) is never parsed.
+        markup = "<img src=x onerror=\"document.body.dataset.hacked=1\"><b>bold</b>"
+        page.fill("#max-tokens", "2")
+        page.fill("#prompt", markup)
+        page.click("#send-button")
+        wait_for_state(page, "ready")
+        assert page.locator("#transcript .turn.user .content").nth(1).inner_text() == markup
+        assert page.locator("#transcript img, #transcript b").count() == 0
+        assert page.evaluate("document.body.dataset.hacked") is None
+
+        requests.clear()
+        page.reload()
+        page.click("#load-button")
+        wait_for_state(page, "ready")
+        assert requests.matching("params_shard_") == [], "the weights must come from the Cache API"
+        assert requests.matching("-webgpu.wasm") == []
+        assert "from the browser cache" in page.inner_text("#stats")
+
+
+def test_a_rebuilt_model_is_fetched_again_and_a_corrupt_shard_is_refused(driver, tmp_path, tiny_dir):
+    dist = tmp_path / "dist"
+    copy = dist / MODEL_ID
+    shutil.copytree(tiny_dir, copy)
+    with served(dist) as url, browser_page(driver, tmp_path / "profile", url) as (context, page):
+        requests = RequestLog(context)
+        engine = PageEngine(page)
+        # The CPU library: no shaders to compile, and files are cached the same way.
+        engine.load(MODEL_ID, device="wasm")
+        build_id = engine.call("stats")["load"]["build_id"]
+
+        record = json.loads((copy / "kiln-build.json").read_text())
+        record["created"] = "a later build"
+        (copy / "kiln-build.json").write_text(json.dumps(record))
+        requests.clear()
+        reloaded = engine.load(MODEL_ID, device="wasm")["stats"]["load"]
+        assert reloaded["build_id"] != build_id and not reloaded["from_cache"]
+        assert len(requests.matching("params_shard_")) == 1
+        assert page.evaluate("caches.keys()") == [f"kiln-model:{MODEL_ID}:{reloaded['build_id']}"]
+
+        shard = copy / "params_shard_0.bin"
+        data = bytearray(shard.read_bytes())
+        data[123] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        record["created"] = "a corrupt build"
+        (copy / "kiln-build.json").write_text(json.dumps(record))
+        with pytest.raises(BrowserEngineError) as corrupt:
+            engine.load(MODEL_ID, device="wasm")
+        assert corrupt.value.code == "integrity" and "md5" in str(corrupt.value)
+
+
+def test_full_storage_is_a_clear_error(driver, tmp_path, url):
+    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}") as (context, page):
+        session = context.new_cdp_session(page)
+        session.send("Storage.overrideQuotaForOrigin", {"origin": url.rstrip("/"), "quotaSize": 4096})
+        page.click("#load-button")
+        wait_for_state(page, "error")
+        message = page.inner_text("#error")
+        assert "Not enough browser storage" in message and "MB" in message
+
+
+def test_no_webgpu_and_no_cpu_library_is_a_clear_error(driver, tmp_path, url):
+    with browser_page(driver, tmp_path / "profile", url, webgpu=False) as (_, page):
+        config = page.evaluate("fetch('/api/app-config.json').then((r) => r.json())")
+        for record in config["model_list"]:
+            record["kiln"]["libraries"].pop("wasm")
+        with pytest.raises(BrowserEngineError) as failed:
+            PageEngine(page).load(MODEL_ID, app_config=config)
+        assert failed.value.code == "no-webgpu"
+        assert "kiln compile" in str(failed.value) and "-t wasm" in str(failed.value)
+        with pytest.raises(BrowserEngineError) as unknown:
+            PageEngine(page).load("no-such-model")
+        assert unknown.value.code == "model-not-found"
+
+
+def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
+    kiln = Path(sys.executable).with_name("kiln")
+    result = subprocess.run([str(kiln), "bench", "browser", str(tiny_dir), "--device", "wasm", "--json",
+                             "--prompt-tokens", "16", "--decode-tokens", "8"],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["device"] == "wasm" and report["bandwidth_fraction"] is None
+    for key in ("load_s", "cold_load_s", "warm_load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+                "peak_rss_mb"):
+        assert isinstance(report[key], (int, float)) and report[key] > 0, key  # JSON from JS: 3200.0 → 3200
+    assert report["load_s"] == report["warm_load_s"]

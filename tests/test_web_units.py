@@ -1,0 +1,157 @@
+"""The browser engine's pure parts, run in Node: md5, token choice, chat prompts from conv_template
+(token ids compared with `transformers`' jinja chat template), streamed text and stop strings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from web_helpers import run_node_module
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a joke about GPUs 🎮 — ünïcödé, 12345."}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "  spaced  \n\nlines\n"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}]}],
+]
+
+
+def test_md5_matches_hashlib():
+    generator = random.Random(7)
+    # Lengths around the 64-byte block and the 56-byte padding boundary, and a few large ones.
+    payloads = [bytes(generator.getrandbits(8) for _ in range(n)) for n in (0, 1, 55, 56, 57, 63, 64, 65, 119, 120, 1000)]
+    payloads.append(bytes(range(256)) * 4099)
+    result = run_node_module("""
+        import { Md5, md5Hex } from "./src/md5.js";
+        const out = input.map((hex) => {
+          const bytes = Uint8Array.from(hex.match(/../g) ?? [], (pair) => parseInt(pair, 16));
+          const streamed = new Md5();
+          for (let at = 0; at < bytes.length; at += 1009) streamed.update(bytes.subarray(at, at + 1009));
+          return [md5Hex(bytes), streamed.hexdigest()];
+        });
+        console.log(JSON.stringify(out));
+    """, [p.hex() for p in payloads])
+    for payload, (whole, streamed) in zip(payloads, result):
+        assert whole == streamed == hashlib.md5(payload).hexdigest()
+
+
+def test_token_choice():
+    result = run_node_module("""
+        import { argmax, topK, sampleToken, seededRandom } from "./src/sampler.js";
+        const logits = Float32Array.from([1, 5, 3, 5, -2, 4]);
+        const counts = (settings, seed) => {
+          const random = seededRandom(seed);
+          const seen = {};
+          for (let i = 0; i < 2000; ++i) {
+            const token = sampleToken(logits, settings, random);
+            seen[token] = (seen[token] ?? 0) + 1;
+          }
+          return seen;
+        };
+        const sequence = (seed) => { const r = seededRandom(seed); return [r(), r(), r()]; };
+        console.log(JSON.stringify({
+          argmax: argmax(logits),
+          top3: topK(logits, 3),
+          greedy: sampleToken(logits, { temperature: 0, topP: 1 }, seededRandom(1)),
+          nucleus: counts({ temperature: 1, topP: 0.5 }, 3),
+          hot: counts({ temperature: 1, topP: 1 }, 3),
+          sameSeed: JSON.stringify(sequence(42)) === JSON.stringify(sequence(42)),
+          otherSeed: JSON.stringify(sequence(42)) !== JSON.stringify(sequence(43)),
+        }));
+    """, None)
+    assert result["argmax"] == 1  # the first of two equal maxima, as numpy's argmax
+    assert result["top3"] == {"ids": [1, 3, 5], "logits": [5, 5, 4]}
+    assert result["greedy"] == 1
+    # p(1) = p(3) ≈ 0.39 each: together they pass top_p 0.5, so nothing else is ever drawn.
+    assert set(result["nucleus"]) == {"1", "3"}
+    assert {"0", "1", "2", "3", "5"} <= set(result["hot"])
+    assert abs(result["hot"]["5"] / 2000 - 0.144) < 0.03  # e^4 / Σ e^x
+    assert result["sameSeed"] and result["otherSeed"]
+
+
+def reference_ids(model_dir: Path, messages: list[dict]) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def browser_prompt_ids(model_dir: Path, conversations: list[list[dict]]) -> list[list[int]]:
+    chat_config = json.loads((model_dir / "mlc-chat-config.json").read_text())
+    return run_node_module("""
+        import { createRequire } from "node:module";
+        import { formatChat } from "./src/chat-format.js";
+        // The tokenizers' UMD bundle expects CommonJS globals when it runs under Node.
+        globalThis.require = createRequire(import.meta.url);
+        globalThis.__filename = "node_modules/@mlc-ai/web-tokenizers/lib/index.js";
+        await import("./node_modules/@mlc-ai/web-tokenizers/lib/index.js");
+        const json = new Uint8Array(readFileSync(input.tokenizer)).buffer;
+        const tokenizer = await globalThis.tokenizers.Tokenizer.fromJSON(json);
+        const ids = input.conversations.map((messages) => [
+          ...(input.conv.system_prefix_token_ids ?? []),
+          ...tokenizer.encode(formatChat(input.conv, messages)),
+        ]);
+        console.log(JSON.stringify(ids));
+    """, {"tokenizer": str(model_dir / "tokenizer.json"), "conv": chat_config["conv_template"],
+          "conversations": conversations})
+
+
+def plain(messages: list[dict]) -> list[dict]:
+    """The messages with list contents joined, as transformers' templates expect strings."""
+    return [{**m, "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
+            for m in messages]
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_chat_prompt_ids_match_the_jinja_template(model, tiny_build, request):
+    if model == "tiny":
+        model_dir = tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+    else:
+        model_dir = request.getfixturevalue("smollm2_build")("q4f32_1", ["webgpu", "wasm"])
+    ours = browser_prompt_ids(model_dir, CONVERSATIONS)
+    for messages, ids in zip(CONVERSATIONS, ours):
+        assert ids == reference_ids(model_dir, plain(messages)), messages
+
+
+def test_bad_messages_are_rejected():
+    result = run_node_module("""
+        import { formatChat } from "./src/chat-format.js";
+        const conv = { system_template: "{system_message}", system_message: "", roles: { user: "U", assistant: "A" },
+                       seps: ["\\n"], role_content_sep: ":", role_empty_sep: ":" };
+        const errors = input.map((messages) => {
+          try { formatChat(conv, messages); return null; } catch (error) { return [error.code, error.message]; }
+        });
+        console.log(JSON.stringify(errors));
+    """, [[], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 3}],
+          [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]])
+    assert [code for code, _ in result] == ["bad-request"] * 4
+    assert "role" in result[1][1] and "content" in result[2][1] and "first" in result[3][1]
+
+
+def test_streamed_text_holds_back_stop_strings_and_split_characters():
+    # A fake tokenizer whose tokens are byte strings: decoding an incomplete UTF-8 sequence gives U+FFFD.
+    result = run_node_module("""
+        import { TextStream } from "./src/engine.js";
+        const pieces = input.pieces.map((hex) => Uint8Array.from(hex.match(/../g), (pair) => parseInt(pair, 16)));
+        const tokenizer = { decode: (ids) => new TextDecoder().decode(Uint8Array.from(Array.from(ids).flatMap((id) => [...pieces[id]]))) };
+        const stream = new TextStream(tokenizer, ["<END>"]);
+        const deltas = [];
+        for (const id of input.ids) {
+          const { delta, stopped } = stream.push(id);
+          deltas.push(delta);
+          if (stopped) break;
+        }
+        console.log(JSON.stringify({ deltas, text: stream.text }));
+    """, {"pieces": [p.encode().hex() if isinstance(p, str) else p.hex() for p in
+                     ["Hello", " wor", "ld <", "EN", "D> never", "é".encode()[:1], "é".encode()[1:]]],
+          "ids": [0, 5, 6, 1, 2, 3, 4]})
+    # "é" arrives in two tokens: nothing is emitted for the first half. "<", "<EN" could start
+    # the stop string, so they wait; the stop string and what follows it are never emitted.
+    assert result["deltas"] == ["Hello", "", "é", " wor", "ld ", "", ""]
+    assert result["text"] == "Helloé world "

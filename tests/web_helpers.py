@@ -1,0 +1,78 @@
+"""Helpers for tests of the browser engine, the harness and the server: running JS in Node,
+serving a dist folder, a headless Chromium with a fresh profile."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kiln.server import ServerConfig, create_app
+from kiln.server.browser import chromium, playwright_driver, serving
+
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+ARTIFACTS_DIR = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+
+def require_web_packages() -> None:
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed (apt-get install -y nodejs)")
+    if not (WEB_DIR / "node_modules" / "@mlc-ai" / "web-runtime").is_dir():
+        pytest.fail(f"npm packages are not installed: run `cd {WEB_DIR} && npm ci`")
+
+
+def run_node_module(source: str, data) -> object:
+    """Run ES-module `source` in Node (from web/) with `data` as the global `input`; it prints one JSON result."""
+    require_web_packages()
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as data_file:
+        json.dump(data, data_file)
+        data_file.flush()
+        script = (f'import {{ readFileSync }} from "node:fs";\n'
+                  f'globalThis.input = JSON.parse(readFileSync({json.dumps(data_file.name)}, "utf8"));\n{source}')
+        result = subprocess.run(["node", "--input-type=module"], input=script, capture_output=True, text=True,
+                                cwd=WEB_DIR, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@contextmanager
+def served(dist: Path, **config):
+    """The Kiln server for `dist` on a free port; yields its base URL (ends with '/')."""
+    with serving(create_app(ServerConfig(dist=dist, **config))) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def driver():
+    """One Playwright driver for the whole session: every test's browser is launched from it."""
+    require_web_packages()
+    with playwright_driver() as running:
+        yield running
+
+
+@contextmanager
+def browser_page(driver, profile_dir: Path, url: str, webgpu: bool = True):
+    """A page of a headless Chromium (profile in `profile_dir`) opened at `url`; yields (context, page)."""
+    with chromium(profile_dir, webgpu=webgpu, driver=driver) as context:
+        page = context.pages[0] if context.pages else context.new_page()
+        page.goto(url)
+        yield context, page
+
+
+class RequestLog:
+    """URLs a browser context requested (workers' fetches included)."""
+
+    def __init__(self, context):
+        self.urls: list[str] = []
+        context.on("request", lambda request: self.urls.append(request.url))
+
+    def matching(self, fragment: str) -> list[str]:
+        return [url for url in self.urls if fragment in url]
+
+    def clear(self) -> None:
+        self.urls.clear()
