@@ -107,6 +107,19 @@ def test_without_webgpu_the_cpu_library_generates_the_same(driver, tmp_path, url
         check_greedy_parity(engine, tiny_dir)
 
 
+def test_swiftshader_has_no_shader_f16_so_the_f32_variant_is_chosen(engine):
+    choice = engine.page.evaluate("""async (modelId) => {
+      const { chooseBackend } = await import("/web/src/loader.js");
+      const config = await (await fetch("/api/app-config.json")).json();
+      const f32 = config.model_list.find((record) => record.model_id === modelId);
+      const f16 = { ...f32, model_id: f32.model_id.replace("f32", "f16"), required_features: ["shader-f16"] };
+      config.model_list.push(f16);
+      const { record, backend } = await chooseBackend(config, f16.model_id);
+      return { model_id: record.model_id, backend };
+    }""", MODEL_ID)
+    assert choice == {"model_id": MODEL_ID, "backend": "webgpu"}
+
+
 def test_all_logits_match_step_by_step_logits(engine):
     ids = engine.call("session.encode", "The history of the city is long")
     forced = engine.call("session.allLogits", ids, {"full": True})

@@ -155,3 +155,53 @@ def test_streamed_text_holds_back_stop_strings_and_split_characters():
     # the stop string, so they wait; the stop string and what follows it are never emitted.
     assert result["deltas"] == ["Hello", "", "é", " wor", "ld ", "", ""]
     assert result["text"] == "Helloé world "
+
+
+def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_1", libraries=("webgpu", "wasm")):
+    """Run chooseBackend against a fake navigator.gpu whose adapter has `adapter`'s features and limits."""
+    def record(model_id: str, f16: bool, buffer_bytes: int) -> dict:
+        return {"model": f"https://x/{model_id}/", "model_id": model_id, "model_lib": f"https://x/{model_id}.wasm",
+                "required_features": ["shader-f16"] if f16 else [], "buffer_size_required_bytes": buffer_bytes,
+                "kiln": {"family": model_id.split("-")[0],
+                         "libraries": {t: f"https://x/{model_id}-{t}.wasm" for t in libraries}}}
+
+    # Two variants of model "m", and an unrelated model that any GPU could run.
+    config = {"model_list": [record("m-q4f32_1", False, 200 << 20), record("m-q4f16_1", True, 100 << 20),
+                             record("other-q4f32_1", False, 1)]}
+    return run_node_module("""
+        import { chooseBackend } from "./src/loader.js";
+        const { adapter, config, modelId, device } = input;
+        const fake = adapter && { features: new Set(adapter.features), limits: adapter.limits, info: {} };
+        Object.defineProperty(globalThis, "navigator", { value: { gpu: { requestAdapter: async () => fake } } });
+        try {
+          const { record, backend, fallbackReason } = await chooseBackend(config, modelId, device);
+          console.log(JSON.stringify({ model_id: record.model_id, backend, fallbackReason }));
+        } catch (error) {
+          console.log(JSON.stringify({ code: error.code, message: error.message }));
+        }
+    """, {"adapter": adapter, "config": config, "modelId": model_id, "device": device})
+
+
+def test_the_library_is_chosen_by_what_the_gpu_offers():
+    limits = {"maxStorageBufferBindingSize": 1 << 30, "maxStorageBuffersPerShaderStage": 10,
+              "maxComputeInvocationsPerWorkgroup": 256, "maxComputeWorkgroupStorageSize": 32 << 10}
+    with_f16 = {"features": ["shader-f16"], "limits": limits}
+    without_f16 = {"features": [], "limits": limits}
+    assert choose(with_f16, model_id="m-q4f32_1")["model_id"] == "m-q4f16_1"
+    assert choose(without_f16) == {"model_id": "m-q4f32_1", "backend": "webgpu", "fallbackReason": None}
+
+    small_buffers = {"features": [], "limits": {**limits, "maxStorageBufferBindingSize": 128 << 20}}
+    fallback = choose(small_buffers)
+    assert fallback["backend"] == "wasm"
+    assert "maxStorageBufferBindingSize" in fallback["fallbackReason"] and "200 MB" in fallback["fallbackReason"]
+    refused = choose(small_buffers, device="webgpu")
+    assert refused["code"] == "unsupported-gpu" and "128 MB" in refused["message"]
+
+    few_buffers = {"features": [], "limits": {**limits, "maxStorageBuffersPerShaderStage": 8}}
+    assert "maxStorageBuffersPerShaderStage" in choose(few_buffers)["fallbackReason"]
+
+    assert choose(None)["backend"] == "wasm"
+    assert choose(with_f16, device="wasm")["backend"] == "wasm"
+    no_gpu = choose(None, libraries=("webgpu",))
+    assert no_gpu["code"] == "no-webgpu" and "-t wasm" in no_gpu["message"]
+    assert choose(None, model_id="nope")["code"] == "model-not-found"
