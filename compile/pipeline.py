@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 import tvm
 
 import kiln
+from kiln.errors import KilnError
 from kiln.models import architecture_for
 
 from .configure import write_chat_config
@@ -34,6 +36,7 @@ from .targets import TargetEntry, target_named
 
 BUILD_RECORD = "kiln-build.json"
 WEIGHT_FILES_GLOB = ("tensor-cache.json", "params_shard_*.bin")
+MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass
@@ -109,11 +112,22 @@ def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest, 
 
 
 def carry_over(previous_dir: Path, staging: Path, names: list[str]) -> None:
+    """Hard-link (or copy) files of the previous build into the new one. Only files the build
+    will not write again: a rewrite through a shared inode would change the previous build too."""
     for name in names:
         for path in previous_dir.glob(name):
             target = staging / path.relative_to(previous_dir)
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, target) if path.stat().st_dev == staging.stat().st_dev else shutil.copy2(path, target)
+            if path.stat().st_dev == staging.stat().st_dev:
+                os.link(path, target)
+            else:
+                shutil.copy2(path, target)
+
+
+def checked_model_id(model_id: str) -> str:
+    if not MODEL_ID.fullmatch(model_id):
+        raise KilnError(f"model id {model_id!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
+    return model_id
 
 
 def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
@@ -144,11 +158,13 @@ def build(request: BuildRequest) -> BuildResult:
             model = quantization.quantize_model(arch.build(config, quantization.model_dtype))
             params = param_specs(model, entries[0])
 
-        model_id = request.model_id or f"{source.name}-{quantization.name}"
+        model_id = checked_model_id(request.model_id or f"{source.name}-{quantization.name}")
         model_dir = request.output / model_id
         previous = reusable_build(model_dir, source, request, code_digest)
+        kept_targets = {name: target for name, target in (previous or {}).get("targets", {}).items()
+                        if name not in request.targets}
         if previous:
-            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, "libs/*"])
+            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *(t["library"] for t in kept_targets.values())])
         else:
             with clock.stage("convert"):
                 convert_weights(source, arch, config, quantization, params, staging)
@@ -163,7 +179,7 @@ def build(request: BuildRequest) -> BuildResult:
                 compile_library(model, entry, metadata, path)
             libraries[entry.name] = path
 
-        built_targets = dict(previous.get("targets", {})) if previous else {}
+        built_targets = dict(kept_targets)
         for entry in entries:
             built_targets[entry.name] = {"library": f"libs/{libraries[entry.name].name}",
                                          "seconds": clock.timings[f"compile {entry.name}"]}

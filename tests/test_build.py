@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,13 @@ def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
     assert "convert" not in record["timings"]
     assert shard.stat().st_ino == inode
     assert sorted(record["targets"]) == ["cpu", "wasm"]
+    previous_library = tmp_path / "previous-cpu.so"
+    os.link(second.model_dir / record["targets"]["cpu"]["library"], previous_library)
+    before = previous_library.read_bytes()
+    third = build(BuildRequest(str(tiny_source), "q4f32_1", ["cpu"], tmp_path, "reuse"))
+    assert third.reused_weights
+    assert previous_library.read_bytes() == before, "rebuilding a target must not write through the old file"
+    assert sorted(json.loads((third.model_dir / "kiln-build.json").read_text())["targets"]) == ["cpu", "wasm"]
     assert (second.model_dir / record["targets"]["cpu"]["library"]).is_file()
     assert not list(tmp_path.glob(".kiln-build-*"))
 
@@ -276,6 +284,12 @@ def test_a_failed_rebuild_leaves_the_previous_build_intact(tmp_path, tiny_source
     (broken_source / "config.json").write_text("{")
     assert run_compile(broken_source, out).returncode != 0
     assert sorted(p.name for p in (out / "broken").iterdir()) == before
+
+
+def test_a_model_id_that_is_not_a_plain_folder_name_is_refused(tiny_source, tmp_path, capsys):
+    assert main(["compile", str(tiny_source), "-q", "q0f32", "-o", str(tmp_path / "out"), "--model-id", "../escape"]) == 1
+    assert "model id '../escape'" in capsys.readouterr().err
+    assert not (tmp_path / "escape").exists()
 
 
 def test_widths_that_cannot_be_grouped_are_refused(tmp_path, run_compile):
