@@ -73,3 +73,14 @@ def smollm2_build(builds, smollm2_source):
     """smollm2_build(quantization, targets) → model folder of SmolLM2-135M-Instruct."""
     return lambda quantization, targets=("cpu",): builds.model_dir(smollm2_source, "SmolLM2-135M-Instruct",
                                                                    quantization, list(targets))
+
+
+@pytest.fixture(scope="session")
+def driver():
+    """One Playwright driver for the whole session (a second sync driver cannot start while one
+    runs): every browser test launches its Chromium from it."""
+    from web_helpers import playwright_driver, require_web_packages
+
+    require_web_packages()
+    with playwright_driver() as running:
+        yield running

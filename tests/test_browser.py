@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from playwright.sync_api import Error as PlaywrightError
 
-from web_helpers import RequestLog, browser_page, driver, served  # noqa: F401 (driver is a fixture)
+from web_helpers import RequestLog, browser_page, served
 
 from kiln.runtime import NativeModel
 from kiln.server.browser import BrowserEngineError, PageEngine
@@ -167,6 +168,21 @@ def test_interrupt_ends_a_generation(engine):
     assert result[-1]["usage"]["completion_tokens"] < 20
 
 
+def test_leaving_a_stream_early_stops_the_generation(engine):
+    result = engine.page.evaluate("""async (messages) => {
+      const engine = globalThis.kilnDriven;
+      const stream = await engine.chat.completions.create({ messages, stream: true, temperature: 1, seed: 3, max_tokens: 400 });
+      let seen = 0;
+      for await (const chunk of stream) if (++seen === 3) break;
+      const stopped = (await engine.stats()).last_request;
+      const next = await engine.chat.completions.create({ messages, temperature: 0, max_tokens: 2 });
+      return { stopped, next };
+    }""", QUESTION)
+    assert result["stopped"]["finish_reason"] == "abort"
+    assert result["stopped"]["completion_tokens"] < 20
+    assert result["next"]["usage"]["completion_tokens"] == 2  # not refused as busy
+
+
 def test_sampling_is_seeded(engine):
     request = {"messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "max_tokens": 12}
     texts = [engine.chat({**request, "seed": seed})["completion"]["choices"][0]["message"]["content"]
@@ -282,3 +298,17 @@ def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
                 "peak_rss_mb"):
         assert isinstance(report[key], (int, float)) and report[key] > 0, key  # JSON from JS: 3200.0 → 3200
     assert report["load_s"] == report["warm_load_s"]
+
+
+def test_a_lost_gpu_is_a_clear_error(driver, tmp_path, url):
+    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}") as (context, page):
+        page.click("#load-button")
+        wait_for_state(page, "ready")
+        # Chromium's debug URL crashes the GPU process: every WebGPU device in the browser is lost.
+        crasher = context.new_page()
+        try:
+            crasher.goto("chrome://gpucrash", timeout=10_000)
+        except PlaywrightError:
+            pass  # the navigation itself may fail; the crash is what matters
+        wait_for_state(page, "error", timeout_s=60)
+        assert "GPU device was lost" in page.inner_text("#error")

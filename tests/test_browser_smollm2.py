@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from web_helpers import ARTIFACTS_DIR, RequestLog, browser_page, driver, served  # noqa: F401 (driver is a fixture)
+from web_helpers import ARTIFACTS_DIR, RequestLog, browser_page, served
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

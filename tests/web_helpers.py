@@ -47,14 +47,6 @@ def served(dist: Path, **config):
         yield url
 
 
-@pytest.fixture(scope="session")
-def driver():
-    """One Playwright driver for the whole session: every test's browser is launched from it."""
-    require_web_packages()
-    with playwright_driver() as running:
-        yield running
-
-
 @contextmanager
 def browser_page(driver, profile_dir: Path, url: str, webgpu: bool = True):
     """A page of a headless Chromium (profile in `profile_dir`) opened at `url`; yields (context, page)."""
