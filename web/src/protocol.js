@@ -23,9 +23,11 @@ function absoluteAppConfig(appConfig, base) {
   };
 }
 
-/** Values pushed by one side and pulled with `for await` by the other. */
+/** Values pushed by one side and pulled with `for await` by the other; `onCancel` runs when the
+ * consumer stops early (a `break` out of the loop). */
 class AsyncQueue {
-  constructor() {
+  constructor(onCancel = () => {}) {
+    this.onCancel = onCancel;
     this.items = [];
     this.waiters = [];
     this.closed = false;
@@ -51,6 +53,12 @@ class AsyncQueue {
     if (this.items.length > 0) return Promise.resolve({ value: this.items.shift(), done: false });
     if (this.closed) return this.failure ? Promise.reject(this.failure) : Promise.resolve({ value: undefined, done: true });
     return new Promise((resolve, reject) => this.waiters.push({ resolve, reject }));
+  }
+
+  async return() {
+    if (!this.closed) await this.onCancel();
+    this.items = [];
+    return { value: undefined, done: true };
   }
 
   [Symbol.asyncIterator]() {
@@ -131,8 +139,14 @@ export async function createEngine(appConfig, modelId, { onProgress = () => {}, 
         /** OpenAI's chat.completions.create: a completion, or with `stream: true` an async iterable of chunks. */
         async create(request) {
           if (!request.stream) return call("chatCompletion", { request });
-          const chunks = new AsyncQueue();
-          connection.call("chatCompletion", { request }, (chunk) => chunks.push(chunk))
+          // Leaving the loop early ends the generation (as closing an OpenAI stream does) and
+          // waits for it to stop, so the next request does not find the engine busy.
+          let finished = null;
+          const chunks = new AsyncQueue(async () => {
+            await call("interrupt");
+            await finished;
+          });
+          finished = connection.call("chatCompletion", { request }, (chunk) => chunks.push(chunk))
             .then(() => chunks.close(), (error) => chunks.close(error));
           return chunks;
         },
