@@ -100,8 +100,9 @@ function resetConversation() {
 }
 
 async function send(text) {
+  showError(null);
   page.history.push({ role: "user", content: text });
-  addTurn("user", text);
+  const question = addTurn("user", text);
   const reply = addTurn("assistant", "");
   setState("generating");
   const system = $("system-prompt").value.trim();
@@ -126,7 +127,11 @@ async function send(text) {
     page.history.push({ role: "assistant", content: answer });
     setState("ready");
   } catch (error) {
+    // The turn did not happen: take it back and leave the question in the box to send again.
     page.history.pop();
+    question.parentElement.remove();
+    reply.parentElement.remove();
+    $("prompt").value = text;
     showError(error);
     setState(error.code === "device-lost" || error.code === "not-loaded" ? "error" : "ready");
   }
