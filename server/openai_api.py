@@ -126,9 +126,10 @@ def generation_config(body: dict, chat_config: dict, context_window: int):
 
     if field(body, "n", (int,), 1) != 1:
         raise ApiError(400, "Only n=1 is supported.", "n")
-    max_tokens = field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,), context_window)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = field(body, name, (int,), context_window)
     if max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}.", "max_tokens")
+        raise ApiError(400, f"{name!r} must be at least 1, got {max_tokens}.", name)
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stop):
