@@ -275,7 +275,7 @@ def test_no_webgpu_and_no_cpu_library_is_a_clear_error(driver, tmp_path, url):
     with browser_page(driver, tmp_path / "profile", url, webgpu=False) as (_, page):
         config = page.evaluate("fetch('/api/app-config.json').then((r) => r.json())")
         for record in config["model_list"]:
-            record["kiln"]["libraries"].pop("wasm")
+            record["kiln"]["libraries"].pop("wasm", None)
         with pytest.raises(BrowserEngineError) as failed:
             PageEngine(page).load(MODEL_ID, app_config=config)
         assert failed.value.code == "no-webgpu"
