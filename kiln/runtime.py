@@ -60,7 +60,7 @@ class NativeModel:
         self.vocab_size = int(self.chat_config["vocab_size"])
         self._kv_builtin = {name: tvm.get_global_func(f"vm.builtin.{name}") for name in (
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
-            "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_get_total_sequence_length")}
+            "kv_state_end_forward", "kv_state_popn")}
         self.kv_cache = self.vm["create_tir_paged_kv_cache"](
             ShapeTuple([1]), ShapeTuple([self.context_window_size]), ShapeTuple([self.prefill_chunk_size]),
             ShapeTuple([PAGE_SIZE]), ShapeTuple([0]),

@@ -116,17 +116,3 @@ def records(model_dir: Path) -> list[TensorRecord]:
         for shard in index["records"]
         for r in shard["records"]
     ]
-
-
-def load_arrays(model_dir: Path, verify: bool = True) -> dict[str, np.ndarray]:
-    """All tensors as numpy arrays (md5-checked first unless `verify` is False)."""
-    if verify:
-        verify_shards(model_dir)
-    arrays = {}
-    shard_bytes: dict[Path, bytes] = {}
-    for record in records(model_dir):
-        if record.shard not in shard_bytes:
-            shard_bytes[record.shard] = record.shard.read_bytes()
-        raw = shard_bytes[record.shard][record.byte_offset: record.byte_offset + record.nbytes]
-        arrays[record.name] = np.frombuffer(raw, dtype=record.dtype).reshape(record.shape)
-    return arrays
