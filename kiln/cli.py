@@ -151,6 +151,15 @@ def run_chat(args) -> int:
     return 0
 
 
+def print_report(report: dict, as_json: bool) -> None:
+    """A benchmark report: its numbers as JSON, or its lines for people."""
+    if as_json:
+        print(json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2))
+    else:
+        for line in report["lines"]:
+            print(line)
+
+
 def add_bench_native(bench) -> None:
     n = bench.add_parser("native", help="load time, time to first token, prefill and decode tokens/s, memory")
     n.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
@@ -166,11 +175,7 @@ def run_bench_native(args) -> int:
     from kiln.native_bench import bench_native
 
     report = bench_native(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
-    if args.json:
-        print(json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2))
-    else:
-        for line in report["lines"]:
-            print(line)
+    print_report(report, args.json)
     return 0
 
 
@@ -191,11 +196,7 @@ def run_bench_browser(args) -> int:
     from kiln.server.browser_bench import bench_browser
 
     report = bench_browser(args.model_dir, args.device, args.prompt_tokens, args.decode_tokens, args.runs)
-    if args.json:
-        print(json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2))
-    else:
-        for line in report["lines"]:
-            print(line)
+    print_report(report, args.json)
     return 0
 
 
