@@ -84,3 +84,18 @@ def driver():
     require_web_packages()
     with playwright_driver() as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_build) -> Path:
+    """The tiny Llama at q4f32_1 with every library the server and the browser use."""
+    return tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir) -> str:
+    """`kiln serve` over the folder holding the tiny model."""
+    from web_helpers import served
+
+    with served(tiny_dir.parent) as base:
+        yield base

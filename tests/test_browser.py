@@ -26,17 +26,6 @@ GREEDY_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tiny_build) -> Path:
-    return tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
-
-
-@pytest.fixture(scope="module")
-def url(tiny_dir) -> str:
-    with served(tiny_dir.parent) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
 def webgpu_engine(driver, tmp_path_factory, url) -> PageEngine:
     """The tiny model loaded once on WebGPU (compiling its shaders on SwiftShader takes ~25 s);
     tests start from a fresh chat."""

@@ -18,23 +18,12 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from web_helpers import WEB_DIR, served
+from web_helpers import WEB_DIR
 
 MODEL_ID = "tiny-llama-q4f32_1"
 SECRET = b"KILN-SECRET-3141592653"
 KILN = str(Path(sys.executable).with_name("kiln"))
 QUESTION = [{"role": "user", "content": "Tell me about the history of the city"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_build) -> Path:
-    return tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
-
-
-@pytest.fixture(scope="module")
-def url(tiny_dir) -> str:
-    with served(tiny_dir.parent) as base:
-        yield base
 
 
 def raw_get(base: str, path: str) -> tuple[int, bytes]:
