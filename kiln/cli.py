@@ -86,6 +86,10 @@ def run_bench_compile(args) -> int:
 
 def add_sampling_options(p) -> None:
     p.add_argument("--target", "-t", default="cpu", help="which library to run: cpu (default) or cuda")
+    add_generation_options(p)
+
+
+def add_generation_options(p) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -116,19 +120,37 @@ def add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat template")
     p.add_argument("--json", action="store_true", help="print prompt and output token ids, text and usage as JSON")
     p.add_argument("--logits", type=int, default=0, metavar="K", help="with --json: the top-K logits of every step")
-    add_sampling_options(p)
+    p.add_argument("--device", choices=("native", "browser"), default="native",
+                   help="native (default): the TVM runtime here; browser: the browser engine in headless Chromium")
+    p.add_argument("--target", "-t", help="the library to run: cpu (default) or cuda natively; "
+                                          "auto (default), webgpu or wasm in the browser")
+    add_generation_options(p)
     p.set_defaults(run=run_generate)
 
 
 def run_generate(args) -> int:
+    from contextlib import nullcontext
+
     from kiln.engine import Engine
 
-    engine = Engine(args.model_dir, args.target)
+    if args.device == "browser":
+        from kiln.server.browser_model import browser_model
+
+        running = browser_model(args.model_dir, args.target or "auto")
+    else:
+        running = nullcontext()
+    with running as model:
+        engine = Engine(args.model_dir, args.target or "cpu", model=model)
+        device = model.device if model else args.target or "cpu"
+        return generate(engine, args, device)
+
+
+def generate(engine, args, device: str) -> int:
     config = generation_config(args, args.logits)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if args.json:
         result = engine.generate_chat(prompt, config) if args.chat else engine.generate(prompt, config)
-        print(json.dumps({"model": engine.model_id, **result.to_json()}))
+        print(json.dumps({"model": engine.model_id, "device": device, **result.to_json()}))
         return 0
     for delta in engine.stream_chat(prompt, config) if args.chat else engine.stream(prompt, config):
         print(delta.text, end="", flush=True)
@@ -200,6 +222,32 @@ def run_bench_browser(args) -> int:
     return 0
 
 
+def add_parity(sub) -> None:
+    p = sub.add_parser("parity", help="check that the browser engine generates what the native build generates")
+    p.add_argument("model_dir", type=Path, help="a compiled model folder with a cpu and a webgpu or wasm library")
+    p.add_argument("--prompts", type=Path, help="a text file with one prompt per line (default: 4 built-in prompts)")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    p.add_argument("--forced-positions", type=int,
+                   help="compare forced-decoding argmax at the last N positions (default: all)")
+    p.add_argument("--target", "-t", choices=("auto", "webgpu", "wasm"), default="auto",
+                   help="the browser library: auto (default: WebGPU when Chromium has it), webgpu or wasm")
+    p.add_argument("--native-target", default="cpu", help="the native library: cpu (default) or cuda")
+    p.add_argument("--browser-model-dir", type=Path,
+                   help="the folder the browser loads (default MODEL_DIR), e.g. the copy deployed to a site")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_parity)
+
+
+def run_parity(args) -> int:
+    from kiln.server.parity import DEFAULT_PROMPTS, read_prompts, run_parity as parity
+
+    prompts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    report = parity(args.model_dir, prompts, args.max_tokens, args.forced_positions, args.target,
+                    args.native_target, browser_model_dir=args.browser_model_dir)
+    print_report(report, args.json)
+    return 0 if report["passed"] else 1
+
+
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the chat harness, the models and an OpenAI-compatible API")
     p.add_argument("--dist", type=Path, default=Path("dist"), help="folder of compiled models (default dist/)")
@@ -215,7 +263,7 @@ def run_serve(args) -> int:
     return 0
 
 
-COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_serve)
+COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_parity, add_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -248,11 +248,12 @@ class Engine:
     """A compiled model ready to generate: `tokenizer` (the `tokenizers` library on tokenizer.json),
     `model_id`, `chat_config` (mlc-chat-config.json) and `model` (the runtime under it)."""
 
-    def __init__(self, model_dir: Path, target: str = "cpu", busy_timeout_s: float = 0.0):
+    def __init__(self, model_dir: Path, target: str = "cpu", busy_timeout_s: float = 0.0, model=None):
+        """`model` replaces the native runtime with another of its interface (a BrowserModel)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.tokenizer_config = read_json(self.model_dir / "tokenizer_config.json")
-        self.model = NativeModel(self.model_dir, target)
+        self.model = model or NativeModel(self.model_dir, target)
         self.chat_config = self.model.chat_config
         build = read_json(self.model_dir / "kiln-build.json")
         self.model_id = build.get("model_id", self.model_dir.name)

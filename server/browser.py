@@ -7,11 +7,14 @@ profile folder, so the Cache API starts empty unless a run reuses the folder on 
 
 from __future__ import annotations
 
+import base64
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 from werkzeug.serving import WSGIRequestHandler, make_server
 
 from kiln.compile.wasm_toolchain import CHROMIUM_FIX, find_chromium
@@ -125,7 +128,15 @@ CHAT_JS = """async (request) => {
            seconds: (performance.now() - started) / 1000 };
 }"""
 CALL_JS = """async ({path, args}) => {
-  const plain = (value) => ArrayBuffer.isView(value) ? Array.from(value)
+  // Logits go to Python as base64 float32 (a JSON array of 49152 numbers per step is slow).
+  const float32Base64 = (array) => {
+    const bytes = new Uint8Array(array.buffer, array.byteOffset, array.byteLength);
+    let text = "";
+    for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+    return { float32_base64: btoa(text) };
+  };
+  const plain = (value) => value instanceof Float32Array ? float32Base64(value)
+    : ArrayBuffer.isView(value) ? Array.from(value)
     : Array.isArray(value) ? value.map(plain)
     : value && typeof value === "object" ? Object.fromEntries(Object.entries(value).map(([k, v]) => [k, plain(v)]))
     : value;
@@ -146,6 +157,17 @@ def _unwrap(answer: dict):
     return answer
 
 
+def _arrays(value):
+    """CALL_JS's answer with its base64 float32 arrays as numpy arrays."""
+    if isinstance(value, dict):
+        if set(value) == {"float32_base64"}:
+            return np.frombuffer(base64.b64decode(value["float32_base64"]), dtype=np.float32)
+        return {key: _arrays(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_arrays(item) for item in value]
+    return value
+
+
 class PageEngine:
     """The browser engine (web/src) in a Playwright page served by Kiln's server, driven from Python."""
 
@@ -164,4 +186,18 @@ class PageEngine:
 
     def call(self, path: str, *args):
         """Call an engine method by path, e.g. call("session.encodeChat", messages)."""
-        return _unwrap(self.page.evaluate(CALL_JS, {"path": path, "args": list(args)}))["result"]
+        return _arrays(_unwrap(self.page.evaluate(CALL_JS, {"path": path, "args": list(args)}))["result"])
+
+
+@contextmanager
+def page_engine(dist: Path, webgpu: bool = True, driver=None) -> Iterator[PageEngine]:
+    """Kiln's server for `dist` and a fresh headless Chromium on its harness page; yields a
+    PageEngine with no model loaded yet."""
+    from .app import ServerConfig, create_app
+
+    app = create_app(ServerConfig(dist=dist))
+    with tempfile.TemporaryDirectory(prefix="kiln-browser-profile-") as profile, serving(app) as url, \
+            chromium(Path(profile), webgpu=webgpu, driver=driver) as context:
+        page = context.pages[0] if context.pages else context.new_page()
+        page.goto(url)
+        yield PageEngine(page)

@@ -10,7 +10,6 @@ generation is greedy through the engine's token-level API, timed inside the page
 from __future__ import annotations
 
 import statistics
-import tempfile
 import threading
 from pathlib import Path
 
@@ -19,8 +18,7 @@ import numpy as np
 from kiln.app_config import read_json
 from kiln.errors import KilnError
 
-from .app import ServerConfig, create_app
-from .browser import PageEngine, chromium, serving
+from .browser import page_engine
 
 PROMPT_SEED = 0
 RSS_SAMPLE_S = 0.25
@@ -96,12 +94,8 @@ def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
     model_id = model_dir.name
     prompt = benchmark_prompt(model_dir, prompt_tokens)
-    app = create_app(ServerConfig(dist=model_dir.parent))
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-profile-") as profile, serving(app) as url, \
-            chromium(Path(profile), webgpu=device != "wasm") as context, PeakMemory() as memory:
-        page = context.pages[0] if context.pages else context.new_page()
-        page.goto(url)
-        engine = PageEngine(page)
+    with page_engine(model_dir.resolve().parent, webgpu=device != "wasm") as engine, PeakMemory() as memory:
+        page = engine.page
         cold = engine.load(model_id, device)
         page.reload()
         warm = engine.load(model_id, device)
