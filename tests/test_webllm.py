@@ -1,0 +1,76 @@
+"""A Kiln-built model in WebLLM (@mlc-ai/web-llm, the version pinned in web/package.json): it
+loads through the app config `kiln serve` publishes and its greedy replies are Kiln's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from web_helpers import WEB_DIR, browser_page, served
+
+from kiln.engine import Engine, GenerationConfig
+
+pytestmark = pytest.mark.browser
+
+MAX_TOKENS = 8
+WEBLLM_TIMEOUT_MS = 30 * 60_000
+# WebLLM from `kiln serve`, configured with nothing but the server's app config.
+WEBLLM_CHAT_JS = """async ({modelId, conversations, maxTokens}) => {
+  const webllm = await import("/web/node_modules/@mlc-ai/web-llm/lib/index.js");
+  const appConfig = await (await fetch("/api/app-config.json")).json();
+  const engine = await webllm.CreateMLCEngine(modelId, { appConfig, logLevel: "WARN" });
+  const replies = [];
+  for (const messages of conversations) {
+    await engine.resetChat();
+    const reply = await engine.chat.completions.create({ messages, temperature: 0, max_tokens: maxTokens });
+    replies.push({ text: reply.choices[0].message.content, usage: reply.usage });
+  }
+  await engine.unload();
+  return replies;
+}"""
+
+
+def webllm_version() -> str:
+    return json.loads((WEB_DIR / "node_modules/@mlc-ai/web-llm/package.json").read_text())["version"]
+
+
+def webllm_replies(driver, profile: Path, model_dir: Path, conversations: list[list[dict]]) -> list[dict]:
+    with served(model_dir.parent) as url, browser_page(driver, profile, url) as (_, page):
+        page.set_default_timeout(WEBLLM_TIMEOUT_MS)
+        return page.evaluate(WEBLLM_CHAT_JS, {"modelId": model_dir.name, "conversations": conversations,
+                                              "maxTokens": MAX_TOKENS})
+
+
+def assert_kiln_replies_the_same(model_dir: Path, conversations: list[list[dict]], replies: list[dict]) -> None:
+    engine = Engine(model_dir)
+    for messages, reply in zip(conversations, replies, strict=True):
+        engine.reset()
+        expected = engine.generate_chat(messages, GenerationConfig(max_tokens=MAX_TOKENS))
+        assert reply["text"] == expected.text
+        assert reply["usage"]["prompt_tokens"] == len(expected.prompt_tokens)
+        assert reply["usage"]["completion_tokens"] == len(expected.tokens)
+
+
+def test_webllm_is_the_pinned_version():
+    package = json.loads((WEB_DIR / "package.json").read_text())
+    assert package["devDependencies"]["@mlc-ai/web-llm"] == webllm_version() == "0.2.86"
+
+
+def test_webllm_generates_what_kiln_generates_on_the_tiny_model(driver, tmp_path, tiny_dir):
+    conversations = [[{"role": "user", "content": "Tell me about the history of the city"}],
+                     [{"role": "system", "content": "You answer in one line."},
+                      {"role": "user", "content": "What is in the old market?"}]]
+    replies = webllm_replies(driver, tmp_path / "profile", tiny_dir, conversations)
+    assert all(reply["text"] for reply in replies)
+    assert_kiln_replies_the_same(tiny_dir, conversations, replies)
+
+
+@pytest.mark.slow
+def test_webllm_generates_what_kiln_generates_on_smollm2(driver, tmp_path, smollm2_build):
+    model_dir = smollm2_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}]]
+    replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
+    assert "Paris" in replies[0]["text"]
+    assert_kiln_replies_the_same(model_dir, conversations, replies)
