@@ -70,6 +70,7 @@ def add_bench(sub) -> None:
     c.set_defaults(run=run_bench_compile)
     add_bench_native(bench)
     add_bench_browser(bench)
+    add_bench_report(bench)
 
 
 def run_bench_compile(args) -> int:
@@ -246,6 +247,29 @@ def run_parity(args) -> int:
                     args.native_target, browser_model_dir=args.browser_model_dir)
     print_report(report, args.json)
     return 0 if report["passed"] else 1
+
+
+def add_bench_report(bench) -> None:
+    r = bench.add_parser("report", help="bench native and bench browser on one model, side by side: "
+                                        "a JSON file and a PNG chart with browser ÷ native ratios")
+    r.add_argument("model_dir", type=Path, help="a compiled model folder with a cpu and a webgpu and/or wasm library")
+    r.add_argument("--device", type=comma_list, help="browser libraries to run: wasm, webgpu (default: all built)")
+    r.add_argument("--output", "-o", type=Path,
+                   help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)")
+    r.add_argument("--prompt-tokens", type=int, default=32)
+    r.add_argument("--decode-tokens", type=int, default=16)
+    r.add_argument("--runs", type=int, default=1, help="measured runs, after one warm-up run")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(run=run_bench_report)
+
+
+def run_bench_report(args) -> int:
+    from kiln.server.bench_report import bench_report
+
+    output = args.output or Path(f"bench-report-{args.model_dir.resolve().name}")
+    report = bench_report(args.model_dir, output, args.device, args.prompt_tokens, args.decode_tokens, args.runs)
+    print_report(report, args.json)
+    return 0
 
 
 def add_serve(sub) -> None:

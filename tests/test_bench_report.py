@@ -1,0 +1,43 @@
+"""`kiln bench report`: the native and browser benchmarks side by side, as JSON and a PNG chart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+pytestmark = pytest.mark.browser
+
+
+def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
+    output = tmp_path / "reports" / "tiny"
+    result = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "report", str(tiny_dir), "--device", "wasm",
+                             "--output", str(output), "--prompt-tokens", "16", "--decode-tokens", "8"],
+                            capture_output=True, text=True, timeout=1200, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wasm decode is" in result.stdout and "× native" in result.stdout
+
+    report = json.loads(output.with_suffix(".json").read_text())
+    native, wasm = report["native"], report["browser"]["wasm"]
+    assert (native["target"], wasm["device"]) == ("cpu", "wasm")
+    for key in ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert native[key] > 0 and wasm[key] > 0
+        assert report["ratios"]["wasm"][key] == pytest.approx(wasm[key] / native[key])
+
+    with Image.open(output.with_suffix(".png")) as chart:
+        chart.verify()
+    with Image.open(output.with_suffix(".png")) as chart:
+        assert chart.format == "PNG" and chart.width >= 1000 and chart.height >= 300
+        # A chart, not a blank canvas: bars in several colors.
+        assert len(chart.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 10
+    assert sorted(p.name for p in output.parent.iterdir()) == ["tiny.json", "tiny.png"]
+
+
+def test_report_refuses_an_unknown_browser_device(tiny_dir, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "report", str(tiny_dir), "--device", "vulkan",
+                             "--output", str(tmp_path / "r")], capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 1 and "vulkan" in result.stderr
+    assert list(tmp_path.iterdir()) == []
