@@ -101,7 +101,8 @@ def test_generate_in_the_browser_prints_the_native_json(tiny_dir):
 def test_parity_holds_on_smollm2_on_webgpu(smollm2_build, tmp_path):
     model_dir = smollm2_build("q4f32_1", ["cpu", "webgpu", "wasm"])
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The capital of France is\nWrite a short poem about the sea.\n")
+    prompts.write_text("The capital of France is a city with a long history, and its most famous landmark is\n"
+                       "Write a short poem about the sea, the wind and the boats that sail home at night.\n")
     code, report = parity(model_dir, "--prompts", str(prompts), "--max-tokens", "8", "--forced-positions", "16",
                           "--target", "webgpu")
     print(json.dumps({k: v for k, v in report.items() if k != "prompts"}, indent=2))
