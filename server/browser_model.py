@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.runtime import read_json
+from kiln.runtime import library_path, read_json
 
 from .browser import PageEngine, page_engine
 
@@ -59,6 +59,14 @@ class BrowserModel:
         self.engine.call("resetChat")
 
 
+def check_browser_library(model_dir: Path, backend: str) -> None:
+    """Fail before starting Chromium when the folder has no library for `backend`."""
+    if backend == "auto":
+        built = read_json(model_dir / "kiln-build.json").get("targets", {})
+        backend = next((device for device in ("webgpu", "wasm") if device in built), "webgpu")
+    library_path(model_dir, backend)
+
+
 @contextmanager
 def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterator[BrowserModel]:
     """Serve `model_dir` to a fresh headless Chromium and load it there (`backend` auto picks
@@ -68,5 +76,6 @@ def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterat
         raise KilnError(f"the browser runs a webgpu or wasm library (or auto), not {backend!r}")
     if not (model_dir / "kiln-build.json").is_file():
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
+    check_browser_library(model_dir, backend)
     with page_engine(model_dir.resolve().parent, webgpu=backend != "wasm", driver=driver) as engine:
         yield BrowserModel(engine, model_dir, engine.load(model_dir.name, backend))

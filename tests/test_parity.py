@@ -118,3 +118,10 @@ def test_a_missing_or_empty_prompts_file_is_a_clear_error(tiny_dir, tmp_path):
     empty.write_text("\n\n")
     result = kiln("parity", str(tiny_dir), "--prompts", str(empty))
     assert result.returncode == 1 and "no prompts" in result.stderr
+
+
+def test_a_model_without_a_browser_library_is_a_clear_error(tiny_build):
+    cpu_only = tiny_build("q0f32", ["cpu"])
+    result = kiln("generate", str(cpu_only), "--prompt", "hi", "--device", "browser")
+    assert result.returncode == 1
+    assert "no webgpu library" in result.stderr and "--target webgpu" in result.stderr
