@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,8 +51,12 @@ def bench_report(model_dir: Path, output: Path, devices: list[str] | None = None
     if unknown or not devices:
         raise KilnError(f"the browser runs {' or '.join(BROWSER_DEVICES)} libraries; this report was asked for "
                         f"{', '.join(unknown) or 'none'}", model_dir)
+    announce("native cpu")
     native = bench_native(model_dir, "cpu", prompt_tokens, decode_tokens, runs)
-    browsers = {device: bench_browser(model_dir, device, prompt_tokens, decode_tokens, runs) for device in devices}
+    browsers = {}
+    for device in devices:
+        announce(f"browser {device}")
+        browsers[device] = bench_browser(model_dir, device, prompt_tokens, decode_tokens, runs)
     report = {
         "model_id": native["model_id"],
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
@@ -71,6 +76,10 @@ def bench_report(model_dir: Path, output: Path, devices: list[str] | None = None
         {k: v for k, v in report.items() if k != "lines"}, indent=2)))
     write_atomically(Path(report["png"]), lambda path: draw_chart(report, path))
     return report
+
+
+def announce(what: str) -> None:
+    print(f"kiln: benchmarking {what} …", file=sys.stderr, flush=True)
 
 
 def without_lines(report: dict) -> dict:
