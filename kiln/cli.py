@@ -130,19 +130,9 @@ def add_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from contextlib import nullcontext
+    from kiln.server.browser_model import engine_on
 
-    from kiln.engine import Engine
-
-    if args.device == "browser":
-        from kiln.server.browser_model import browser_model
-
-        running = browser_model(args.model_dir, args.target or "auto")
-    else:
-        running = nullcontext()
-    with running as model:
-        engine = Engine(args.model_dir, args.target or "cpu", model=model)
-        device = model.device if model else args.target or "cpu"
+    with engine_on(args.model_dir, args.device, args.target) as (engine, device):
         return generate(engine, args, device)
 
 

@@ -20,6 +20,8 @@ from werkzeug.serving import WSGIRequestHandler, make_server
 from kiln.compile.wasm_toolchain import CHROMIUM_FIX, find_chromium
 from kiln.errors import KilnError
 
+from .app import ServerConfig, create_app
+
 OFFLINE_FLAGS = [
     "--no-sandbox", "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--disable-quic", "--disable-extensions",
@@ -193,8 +195,6 @@ class PageEngine:
 def page_engine(dist: Path, webgpu: bool = True, driver=None) -> Iterator[PageEngine]:
     """Kiln's server for `dist` and a fresh headless Chromium on its harness page; yields a
     PageEngine with no model loaded yet."""
-    from .app import ServerConfig, create_app
-
     app = create_app(ServerConfig(dist=dist))
     with tempfile.TemporaryDirectory(prefix="kiln-browser-profile-") as profile, serving(app) as url, \
             chromium(Path(profile), webgpu=webgpu, driver=driver) as context:

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from kiln.engine import Engine
 from kiln.errors import KilnError
 from kiln.runtime import library_path, read_json
 
@@ -79,3 +80,14 @@ def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterat
     check_browser_library(model_dir, backend)
     with page_engine(model_dir.resolve().parent, webgpu=backend != "wasm", driver=driver) as engine:
         yield BrowserModel(engine, model_dir, engine.load(model_dir.name, backend))
+
+
+@contextmanager
+def engine_on(model_dir: Path, device: str, target: str | None = None) -> Iterator[tuple[Engine, str]]:
+    """An Engine on the native runtime (`device` "native", `target` cpu or cuda) or on the browser
+    engine (`device` "browser", `target` auto, webgpu or wasm), and the name of what it runs on."""
+    if device == "native":
+        yield Engine(model_dir, target or "cpu"), target or "cpu"
+        return
+    with browser_model(model_dir, target or "auto") as model:
+        yield Engine(model_dir, model=model), model.device
