@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
-from tvm.s_tir.dlight.analysis import get_root_block
+from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.target import Target
 
 MATMUL_BLOCK_NAMES = ("matmul",)
@@ -80,3 +81,27 @@ class RowParallelMatmul(dl.ScheduleRule):
         sch.parallel(tiles)
         sch.vectorize(partial_lanes)
         sch.decompose_reduction(partial, partial_chunks)
+
+
+class RowNorm(dl.ScheduleRule):
+    """A reduction over the last axis feeding an elementwise output of the same rows (rms_norm):
+    rows in parallel, the reduction once per row, the output vectorized. dlight's CPU Reduction
+    rule nests the whole reduction inside the output's element loop when the row count is static
+    (decode), computing the sum of squares once per element instead of once per row."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        sch = s_tir.Schedule(func)
+        blocks = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+        if blocks is None or len(blocks) != 2 or not blocks[0].is_reduction() or not blocks[1].is_injective():
+            return None
+        reduction, output = blocks
+        *row_loops, inner = sch.get_loops(output.block_rv)
+        _, vector = sch.split(inner, [None, VECTOR_LANES])
+        sch.vectorize(vector)
+        if row_loops:  # a static single row has none left after normalization: the reduction runs once
+            rows = sch.fuse(*row_loops)
+            sch.parallel(rows)
+            sch.compute_at(reduction.block_rv, rows)
+        return sch

@@ -12,7 +12,7 @@ from tvm.s_tir import dlight as dl
 
 from kiln.errors import KilnError
 
-from .cpu_schedule import RowParallelMatmul
+from .cpu_schedule import RowNorm, RowParallelMatmul
 from .webgpu_limits import check_webgpu_limits
 
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
@@ -43,7 +43,7 @@ def gpu_schedules() -> tvm.transform.Pass:
 
 
 def cpu_schedules() -> tvm.transform.Pass:
-    return dl.ApplyDefaultSchedule(RowParallelMatmul(), dl.cpu.Reduction())
+    return dl.ApplyDefaultSchedule(RowParallelMatmul(), RowNorm(), dl.cpu.Reduction())
 
 
 def export_shared_library(executable, path: Path) -> None:
