@@ -22,6 +22,8 @@ from tvm.target import Target
 MATMUL_BLOCK_NAMES = ("matmul",)
 INLINED_PRODUCERS = ("dequantize", "rows", "row_scales")
 VECTOR_LANES = 8
+ACCUMULATORS = 2
+OUTPUTS_PER_STEP = 2
 WEIGHT_ROWS_PER_TILE = 4
 
 
@@ -54,20 +56,37 @@ class RowParallelMatmul(dl.ScheduleRule):
         *batch, out, reduce = sch.get_loops(block)
         rows = sch.fuse(*batch) if batch else None
         if rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1:
-            self.schedule_single_row(sch, out, reduce)
-        else:
-            self.schedule_many_rows(sch, rows, out, reduce)
+            self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
+            return sch
+        self.schedule_many_rows(sch, rows, out, reduce)
         for name in _block_names(sch):
             if not name.startswith(matmuls[0]):  # the matmul's own blocks: update, partial sums, init
                 _vectorize_elementwise(sch, name)
         return sch
 
     @staticmethod
-    def schedule_single_row(sch: s_tir.Schedule, out, reduce) -> None:
-        sch.parallel(out)
-        _, lanes = sch.split(reduce, [None, VECTOR_LANES])
-        partial = sch.rfactor(lanes, factor_axis=0)
-        sch.vectorize(sch.get_loops(partial)[-1])
+    def schedule_single_row(sch: s_tir.Schedule, block, rows, out, reduce, lanes_axis: int) -> None:
+        """Decode: `OUTPUTS_PER_STEP` weight rows at a time in parallel, each dot product in
+        `ACCUMULATORS` vectors of partial sums held in registers (one vector would make every
+        multiply-add wait for the previous one); the lane sum and any epilogue (a fused residual
+        add) run in the same parallel loop, so the kernel is one parallel region."""
+        out_outer, out_inner = sch.split(out, [None, OUTPUTS_PER_STEP])
+        if rows is not None:
+            sch.reorder(out_outer, rows, out_inner)
+        _, lanes = sch.split(reduce, [None, ACCUMULATORS * VECTOR_LANES])
+        partial = sch.rfactor(lanes, factor_axis=lanes_axis)
+        loops = sch.get_loops(partial)
+        outer, *unit_rows, inner, chunks, partial_lanes = loops
+        accumulator, vector = sch.split(partial_lanes, [ACCUMULATORS, VECTOR_LANES])
+        sch.reorder(outer, *unit_rows, chunks, inner, accumulator, vector)
+        sch.parallel(outer)
+        sch.unroll(inner)
+        sch.unroll(accumulator)
+        sch.vectorize(vector)
+        sch.reverse_compute_at(block, outer)
+        for name in _block_names(sch):
+            if name not in (sch.get(block).name_hint, sch.get(partial).name_hint):
+                sch.reverse_compute_at(sch.get_sblock(name), outer)
 
     @staticmethod
     def schedule_many_rows(sch: s_tir.Schedule, rows, out, reduce) -> None:
