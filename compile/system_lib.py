@@ -18,13 +18,32 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import KilnError
 
-LLVM_FIX = "apt-get install -y llvm"
 # The symbol an app's runtime looks up to find a model: `<prefix>__tvm_ffi__library_bin`.
 LIBRARY_BIN_SYMBOL = "__tvm_ffi__library_bin"
+
+
+@dataclass(frozen=True)
+class ObjectFormat:
+    archive_format: str  # llvm-ar --format: the symbol index the platform's linker reads
+    symbol_prefix: str  # what the format puts before a C name
+
+
+OBJECT_FORMATS = {"elf": ObjectFormat("gnu", ""), "macho": ObjectFormat("darwin", "_")}
+
+
+def object_format(obj: Path) -> str:
+    with open(obj, "rb") as f:
+        magic = f.read(4)
+    if magic == b"\x7fELF":
+        return "elf"
+    if magic == b"\xcf\xfa\xed\xfe":
+        return "macho"
+    raise KilnError("not an ELF or 64-bit Mach-O object", obj)
 
 
 def system_lib_prefix(model_id: str) -> str:
@@ -42,13 +61,13 @@ def static_archive_path(library: Path) -> Path:
     return library.with_name(f"lib{library.stem}.a")
 
 
-def llvm_tool(name: str) -> str:
-    """An LLVM binutil (`llvm-ar`, `llvm-nm`, `llvm-objcopy`): they read ELF and Mach-O objects of
-    any architecture, unlike the host's GNU binutils."""
+def llvm_tool(name: str, package: str = "llvm") -> str:
+    """An LLVM tool (`llvm-ar`, `llvm-nm`, `llvm-objcopy`, `ld.lld`), unversioned or the newest
+    versioned one: they read ELF and Mach-O objects of any architecture, unlike GNU binutils."""
     found = shutil.which(name) or next(
         (shutil.which(f"{name}-{v}") for v in range(30, 13, -1) if shutil.which(f"{name}-{v}")), None)
     if not found:
-        raise KilnError(f"{name} is missing (it archives objects for phones); fix: {LLVM_FIX}")
+        raise KilnError(f"{name} is missing (it handles objects for phones); fix: apt-get install -y {package}")
     return found
 
 
@@ -65,9 +84,9 @@ def defined_globals(obj: Path) -> list[str]:
     return [line for line in out.splitlines() if line]
 
 
-def namespace_symbols(obj: Path, prefix: str, symbol_prefix: str) -> None:
-    """Rename every defined global of `obj` not yet under `prefix` to `prefix + name`.
-    `symbol_prefix` is what the object format puts before C names ('_' on Mach-O)."""
+def namespace_symbols(obj: Path, prefix: str) -> None:
+    """Rename every defined global of `obj` not yet under `prefix` to `prefix + name`."""
+    symbol_prefix = OBJECT_FORMATS[object_format(obj)].symbol_prefix
     renames = []
     for symbol in defined_globals(obj):
         name = symbol[len(symbol_prefix):] if symbol.startswith(symbol_prefix) else symbol
@@ -80,8 +99,9 @@ def namespace_symbols(obj: Path, prefix: str, symbol_prefix: str) -> None:
             run_tool([llvm_tool("llvm-objcopy"), f"--redefine-syms={table.name}", str(obj)])
 
 
-def write_static_archive(path: Path, objects: list[Path], archive_format: str) -> None:
-    """An `ar` archive with a symbol index (`darwin` for Apple's linker, `gnu` for Android's)."""
+def write_static_archive(path: Path, objects: list[Path]) -> None:
+    """An `ar` archive with a symbol index in the layout the objects' linker expects."""
+    archive_format = OBJECT_FORMATS[object_format(objects[0])].archive_format
     partial = path.with_name(path.name + ".partial")
     partial.unlink(missing_ok=True)
     run_tool([llvm_tool("llvm-ar"), f"--format={archive_format}", "rcsD", str(partial), *map(str, objects)])
@@ -107,7 +127,7 @@ def host_system_lib_prefix(executable) -> str:
     return str(host.get_function("__tvm_get_system_lib_prefix")())
 
 
-def export_system_library(executable, path: Path, archive_format: str, symbol_prefix: str) -> None:
+def export_system_library(executable, path: Path) -> None:
     """Write `path` (.tar of objects) and its static archive; object names and global symbols
     carry the system-lib prefix so that several models link into one app."""
     prefix = host_system_lib_prefix(executable)
@@ -116,10 +136,10 @@ def export_system_library(executable, path: Path, archive_format: str, symbol_pr
         objects = []
         for file in map(Path, files):
             obj = file if file.name.startswith(prefix) else file.rename(file.with_name(prefix + file.name))
-            namespace_symbols(obj, prefix, symbol_prefix)
+            namespace_symbols(obj, prefix)
             objects.append(obj)
         write_object_tar(path, objects)
-        write_static_archive(static_archive_path(path), objects, archive_format)
+        write_static_archive(static_archive_path(path), objects)
 
     write_tar_and_archive.object_format = "o"
     executable.export_library(str(path), fcompile=write_tar_and_archive)

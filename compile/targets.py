@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -90,10 +89,6 @@ def android_target() -> dict:
             "host": {"kind": "llvm", "mtriple": "aarch64-linux-android"}}
 
 
-export_elf_system_library = partial(export_system_library, archive_format="gnu", symbol_prefix="")
-export_macho_system_library = partial(export_system_library, archive_format="darwin", symbol_prefix="_")
-
-
 @dataclass(frozen=True)
 class TargetEntry:
     name: str
@@ -128,12 +123,12 @@ TARGETS: dict[str, TargetEntry] = {
         TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32, cpu_schedules,
                     export_wasm, "wasm"),
         TargetEntry("android", "Android phones (OpenCL; static library for aarch64, build-only here)",
-                    android_target, gpu_schedules, export_elf_system_library, "tar", system_lib=True),
+                    android_target, gpu_schedules, export_system_library, "tar", system_lib=True),
         TargetEntry("iphone", "iPhones and iPads (Metal; static library for arm64 iOS, build-only here)",
-                    lambda: metal_target("arm64-apple-ios14.0"), metal_schedules, export_macho_system_library,
+                    lambda: metal_target("arm64-apple-ios14.0"), metal_schedules, export_system_library,
                     "tar", system_lib=True),
         TargetEntry("metal", "Macs with Apple silicon (Metal; static library for arm64 macOS, build-only here)",
-                    lambda: metal_target("arm64-apple-macosx11.0"), metal_schedules, export_macho_system_library,
+                    lambda: metal_target("arm64-apple-macosx11.0"), metal_schedules, export_system_library,
                     "tar", system_lib=True),
     )
 }

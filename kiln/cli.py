@@ -215,7 +215,24 @@ def run_serve(args) -> int:
     return 0
 
 
-COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_serve)
+def add_package(sub) -> None:
+    p = sub.add_parser("package", help="app bundles (static library, weights, app config) for android, iphone, metal")
+    p.add_argument("--config", "-c", type=Path, default=Path("kiln-package.json"),
+                   help="the package config (default kiln-package.json)")
+    p.add_argument("--output", "-o", type=Path, default=Path("dist"),
+                   help="where bundle-<platform>/ folders go (default dist/)")
+    p.set_defaults(run=run_package)
+
+
+def run_package(args) -> int:
+    from kiln.compile.package import package
+
+    for platform, bundle in package(args.config, args.output).items():
+        print(f"{platform}: {bundle}")
+    return 0
+
+
+COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_serve, add_package)
 
 
 def main(argv: list[str] | None = None) -> int:
