@@ -127,7 +127,7 @@ def carry_over(previous_dir: Path, staging: Path, names: list[str]) -> None:
 
 def target_files(record: dict) -> list[str]:
     """The files a target's entry in the build record names."""
-    return [record[key] for key in ("library", "static_library") if key in record]
+    return [record[key] for key in ("library", "static_library", "kernel_source") if key in record]
 
 
 def checked_model_id(model_id: str) -> str:
@@ -193,6 +193,8 @@ def build(request: BuildRequest) -> BuildResult:
                 built_targets[entry.name] |= {
                     "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",
                     "system_lib_prefix": system_lib_prefix(model_id)}
+            if entry.kernel_source:
+                built_targets[entry.name]["kernel_source"] = f"libs/{entry.kernel_source_path(libraries[entry.name]).name}"
         record = {
             "model_id": model_id,
             "source": str(request.source),

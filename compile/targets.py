@@ -102,9 +102,15 @@ class TargetEntry:
     # of objects plus a static archive `lib<model-id>-<target>.a` beside it. Build-only here: this
     # machine's TVM runtime has no OpenCL or Metal device.
     system_lib: bool = False
+    # Also write the generated kernel source beside the library, with this extension (so that
+    # kernels can be read and checked without a device: `kiln.compile.opencl_check`).
+    kernel_source: str | None = None
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target())
+
+    def kernel_source_path(self, library: Path) -> Path:
+        return library.with_suffix(f".{self.kernel_source}")
 
 
 TARGETS: dict[str, TargetEntry] = {
@@ -123,7 +129,8 @@ TARGETS: dict[str, TargetEntry] = {
         TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32, cpu_schedules,
                     export_wasm, "wasm"),
         TargetEntry("android", "Android phones (OpenCL; static library for aarch64, build-only here)",
-                    android_target, gpu_schedules, export_system_library, "tar", system_lib=True),
+                    android_target, gpu_schedules, export_system_library, "tar", system_lib=True,
+                    kernel_source="cl"),
         TargetEntry("iphone", "iPhones and iPads (Metal; static library for arm64 iOS, build-only here)",
                     lambda: metal_target("arm64-apple-ios14.0"), metal_schedules, export_system_library,
                     "tar", system_lib=True),
