@@ -197,3 +197,14 @@ def run_on_opencl(func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: list
             results.append(arg)
     queue.finish()
     return results
+
+
+def pocl_status():
+    """The `kiln doctor` line for PoCL, which checks Android's OpenCL kernels."""
+    from .wasm_toolchain import ToolStatus
+
+    try:
+        (device,) = pocl_context().devices
+    except KilnError as error:
+        return ToolStatus("PoCL (OpenCL check)", False, error.problem.split(";")[0], POCL_FIX)
+    return ToolStatus("PoCL (OpenCL check)", True, f"{device.version} on {device.name}")

@@ -143,3 +143,19 @@ def export_system_library(executable, path: Path) -> None:
 
     write_tar_and_archive.object_format = "o"
     executable.export_library(str(path), fcompile=write_tar_and_archive)
+
+
+def toolchain_status() -> list:
+    """`kiln doctor` lines for the mobile targets: the LLVM tools that archive their objects, and
+    what this machine can do with the result (build and check, not run)."""
+    from .wasm_toolchain import ToolStatus
+
+    statuses = []
+    for name in ("llvm-ar", "llvm-nm", "llvm-objcopy"):
+        try:
+            statuses.append(ToolStatus(name, True, llvm_tool(name)))
+        except KilnError:
+            statuses.append(ToolStatus(name, False, "not found on PATH", "apt-get install -y llvm"))
+    statuses.append(ToolStatus("mobile targets", True, "android, iphone and metal build here; the TVM runtime "
+                               "here has no OpenCL or Metal device, so their libraries are checked, not run"))
+    return statuses

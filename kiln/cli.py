@@ -41,17 +41,17 @@ def run_compile(args) -> int:
 
 
 def add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime)")
+    p = sub.add_parser("doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)")
     p.add_argument("--build-runtime", action="store_true", help="build the TVM web runtime if it is missing")
     p.set_defaults(run=run_doctor)
 
 
 def run_doctor(args) -> int:
-    from kiln.compile import wasm_toolchain
+    from kiln.compile import opencl_check, system_lib, wasm_toolchain
 
     if args.build_runtime:
         wasm_toolchain.build_web_runtime()
-    statuses = wasm_toolchain.toolchain_status()
+    statuses = [*wasm_toolchain.toolchain_status(), *system_lib.toolchain_status(), opencl_check.pocl_status()]
     for s in statuses:
         print(f"{'ok ' if s.ok else 'MISSING'} {s.name}: {s.detail}" + ("" if s.ok else f"\n        fix: {s.fix}"))
     return 0 if all(s.ok for s in statuses) else 1
