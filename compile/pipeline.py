@@ -32,7 +32,7 @@ from .convert import convert_weights
 from .ingest import SourceModel, ingest
 from .library import compile_library, library_metadata, param_specs
 from .quantization import quantization_named
-from .system_lib import static_archive_path, system_lib_prefix
+from .system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
 from .targets import TargetEntry, target_named
 
 BUILD_RECORD = "kiln-build.json"
@@ -142,6 +142,8 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
         from .wasm_toolchain import emcc_version
 
         versions["emscripten"] = emcc_version()
+    if any(e.system_lib for e in entries):
+        versions["llvm-ar"] = llvm_tool_version("llvm-ar")
     return versions
 
 

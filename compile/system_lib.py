@@ -71,6 +71,12 @@ def llvm_tool(name: str, package: str = "llvm") -> str:
     return found
 
 
+def llvm_tool_version(name: str) -> str:
+    """The tool's version line (`LLVM version 14.0.6`), for the build record."""
+    lines = run_tool([llvm_tool(name), "--version"]).splitlines()
+    return next((line.strip() for line in lines if "version" in line), lines[0].strip())
+
+
 def run_tool(command: list[str]) -> str:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:

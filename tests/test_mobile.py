@@ -26,7 +26,9 @@ SYMBOL_PREFIX = {"android": "", "iphone": "_", "metal": "_"}
 
 
 def check_system_library(model_dir: Path, target: str, tmp_path: Path) -> None:
-    record = json.loads((model_dir / "kiln-build.json").read_text())["targets"][target]
+    build = json.loads((model_dir / "kiln-build.json").read_text())
+    assert "LLVM version" in build["versions"]["llvm-ar"]
+    record = build["targets"][target]
     prefix = system_lib_prefix(model_dir.name)
     assert record["system_lib_prefix"] == prefix
     archive = model_dir / record["static_library"]
