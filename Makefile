@@ -12,7 +12,7 @@ setup: system python web
 
 # Debian packages: emscripten (the TVM web runtime and model wasm), Chromium (browser tests),
 # Node.js + npm (the web package), LLVM's binutils (static archives for phones) and lld (the
-# tests link them), PoCL (the OpenCL kernel check). Installed only when missing.
+# tests link them), PoCL and clang (the OpenCL kernel checks). Installed only when missing.
 system:
 	@missing=""; \
 	command -v emcc >/dev/null || missing="$$missing emscripten"; \
@@ -22,6 +22,7 @@ system:
 	command -v llvm-objcopy >/dev/null || missing="$$missing llvm"; \
 	ls /usr/bin/ld.lld* >/dev/null 2>&1 || missing="$$missing lld"; \
 	[ -e /etc/OpenCL/vendors/pocl.icd ] || missing="$$missing pocl-opencl-icd"; \
+	ls /usr/bin/clang* >/dev/null 2>&1 || missing="$$missing clang"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \

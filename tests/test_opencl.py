@@ -1,8 +1,8 @@
 """Android's OpenCL kernels on PoCL, the CPU OpenCL driver: every kernel compiles as OpenCL C, and
 one decoder layer of the tiny Llama computes on PoCL what the CPU build computes.
 
-PoCL's CPU device has no half precision (cl_khr_fp16), so the kernels checked here are those of
-f32 builds; f16 builds are refused with that reason rather than reported as broken."""
+PoCL's CPU device has no half precision (cl_khr_fp16), so PoCL compiles f32 builds and refuses f16
+ones with that reason; f16 kernels are checked by clang's OpenCL C front end for a SPIR device."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tvm.runtime.vm import VMInstrumentReturnKind
 
 from kiln.compile.ingest import ingest
 from kiln.compile.library import library_metadata, param_specs, scheduled_module
-from kiln.compile.opencl_check import check_opencl_kernels, kernel_programs, pocl_context, run_on_opencl
+from kiln.compile.opencl_check import (check_opencl_c, check_opencl_kernels, kernel_programs, pocl_context,
+                                       run_on_opencl)
 from kiln.compile.pipeline import config_file
 from kiln.compile.quantization import quantization_named
 from kiln.compile.targets import TARGETS
@@ -52,11 +53,25 @@ def test_smollm2_kernels_compile_on_pocl(smollm2_build, pocl):
     assert count == len(kernel_programs(source)) > 40
 
 
-def test_a_broken_kernel_is_named_with_its_build_log(pocl):
+@pytest.mark.slow
+def test_smollm2_f16_kernels_are_valid_opencl_c(smollm2_build):
+    source = kernel_source(smollm2_build("q4f16_1", ["android"]))
+    count = check_opencl_c(source)
+    print(f"SmolLM2 q4f16_1: {count} OpenCL kernels valid OpenCL C (clang, SPIR)")
+    assert count == len(kernel_programs(source)) > 40
+
+
+def test_tiny_f16_kernels_are_valid_opencl_c(tiny_build):
+    source = kernel_source(tiny_build("q4f16_1", ["android"]))
+    assert "half" in source and check_opencl_c(source) == len(kernel_programs(source))
+
+
+@pytest.mark.parametrize("check", [check_opencl_kernels, check_opencl_c])
+def test_a_broken_kernel_is_named_with_its_build_log(pocl, check):
     good = "// Function: good_kernel\n__kernel void good_kernel(__global float* a) { a[0] = 1.0f; }\n"
     broken = "// Function: broken_kernel\n__kernel void broken_kernel(__global float* a) { a[0] = missing_name; }\n"
     with pytest.raises(KilnError) as error:
-        check_opencl_kernels(good + broken)
+        check(good + broken)
     message = str(error.value)
     assert "1 of 2 OpenCL kernels" in message and "broken_kernel" in message and "missing_name" in message
     assert "good_kernel" not in message
