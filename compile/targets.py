@@ -83,7 +83,8 @@ def metal_target(host_triple: str) -> dict:
 
 
 def android_target() -> dict:
-    # Adreno and Mali grant 256 work-items and 16-32 KB local memory to a work-group; 16 KB fits both.
+    # 256 work-items and 16 KB of local memory per work-group: within what Adreno and Mali GPUs
+    # allow (MLC's generic Android target leaves these to TVM's OpenCL defaults, the same numbers).
     return {"kind": "opencl", "max_num_threads": 256, "max_threads_per_block": 256,
             "max_shared_memory_per_block": 16384, "thread_warp_size": 1,
             "host": {"kind": "llvm", "mtriple": "aarch64-linux-android"}}
