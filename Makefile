@@ -11,13 +11,18 @@ SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 setup: system python web
 
 # Debian packages: emscripten (the TVM web runtime and model wasm), Chromium (browser tests),
-# Node.js + npm (the web package). Installed only when the command is missing.
+# Node.js + npm (the web package), LLVM's binutils (static archives for phones) and lld (the
+# tests link them), PoCL and clang (the OpenCL kernel checks). Installed only when missing.
 system:
 	@missing=""; \
 	command -v emcc >/dev/null || missing="$$missing emscripten"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v node >/dev/null || missing="$$missing nodejs"; \
 	command -v npm >/dev/null || missing="$$missing npm"; \
+	command -v llvm-objcopy >/dev/null || missing="$$missing llvm"; \
+	ls /usr/bin/ld.lld* >/dev/null 2>&1 || missing="$$missing lld"; \
+	[ -e /etc/OpenCL/vendors/pocl.icd ] || missing="$$missing pocl-opencl-icd"; \
+	ls /usr/bin/clang* >/dev/null 2>&1 || missing="$$missing clang"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \

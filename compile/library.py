@@ -9,6 +9,7 @@ import tvm
 
 from kiln.models import DecoderModel, export_spec
 
+from .system_lib import system_lib_prefix
 from .targets import TargetEntry, kiln_pipeline
 from .vm_functions import attach_vm_functions
 
@@ -43,17 +44,27 @@ def library_metadata(model: DecoderModel, quantization: str, params: list[ParamS
     }
 
 
-def compile_library(model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path) -> None:
+def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
+    """The model's Relax functions and scheduled kernels for `entry`, ready for code generation."""
     target = entry.target()
     # Exporting under the target makes TVM pick that target's attention kernels.
     with target:
         mod, _ = model.export_tvm(spec=export_spec(model))
     mod = attach_vm_functions(mod, metadata, target, model.config.vocab_size)
     with target:
-        mod = kiln_pipeline(entry)(mod)
+        return kiln_pipeline(entry)(mod)
+
+
+def compile_library(model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path, model_id: str) -> None:
+    target = entry.target()
+    mod = scheduled_module(model, entry, metadata)
+    if entry.system_lib:
+        mod = mod.with_attr("system_lib_prefix", system_lib_prefix(model_id))
     executable = tvm.compile(mod, target, relax_pipeline=None)
     if entry.check_kernels:
         entry.check_kernels(device_source(executable.mod, target.kind.name))
+    if entry.kernel_source:
+        entry.kernel_source_path(path).write_text(device_source(executable.mod, target.kind.name))
     entry.export(executable, path)
 
 

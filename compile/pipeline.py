@@ -32,6 +32,7 @@ from .convert import convert_weights
 from .ingest import SourceModel, ingest
 from .library import compile_library, library_metadata, param_specs
 from .quantization import quantization_named
+from .system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
 from .targets import TargetEntry, target_named
 
 BUILD_RECORD = "kiln-build.json"
@@ -124,6 +125,11 @@ def carry_over(previous_dir: Path, staging: Path, names: list[str]) -> None:
                 shutil.copy2(path, target)
 
 
+def target_files(record: dict) -> list[str]:
+    """The files a target's entry in the build record names."""
+    return [record[key] for key in ("library", "static_library", "kernel_source") if key in record]
+
+
 def checked_model_id(model_id: str) -> str:
     if not MODEL_ID.fullmatch(model_id):
         raise KilnError(f"model id {model_id!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
@@ -136,6 +142,8 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
         from .wasm_toolchain import emcc_version
 
         versions["emscripten"] = emcc_version()
+    if any(e.system_lib for e in entries):
+        versions["llvm-ar"] = llvm_tool_version("llvm-ar")
     return versions
 
 
@@ -164,7 +172,7 @@ def build(request: BuildRequest) -> BuildResult:
         kept_targets = {name: target for name, target in (previous or {}).get("targets", {}).items()
                         if name not in request.targets}
         if previous:
-            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *(t["library"] for t in kept_targets.values())])
+            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *(f for t in kept_targets.values() for f in target_files(t))])
         else:
             with clock.stage("convert"):
                 convert_weights(source, arch, config, quantization, params, staging)
@@ -176,13 +184,19 @@ def build(request: BuildRequest) -> BuildResult:
         for entry in entries:
             path = staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}"
             with clock.stage(f"compile {entry.name}"):
-                compile_library(model, entry, metadata, path)
+                compile_library(model, entry, metadata, path, model_id)
             libraries[entry.name] = path
 
         built_targets = dict(kept_targets)
         for entry in entries:
             built_targets[entry.name] = {"library": f"libs/{libraries[entry.name].name}",
                                          "seconds": clock.timings[f"compile {entry.name}"]}
+            if entry.system_lib:
+                built_targets[entry.name] |= {
+                    "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",
+                    "system_lib_prefix": system_lib_prefix(model_id)}
+            if entry.kernel_source:
+                built_targets[entry.name]["kernel_source"] = f"libs/{entry.kernel_source_path(libraries[entry.name]).name}"
         record = {
             "model_id": model_id,
             "source": str(request.source),

@@ -13,6 +13,7 @@ from tvm.s_tir import dlight as dl
 from kiln.errors import KilnError
 
 from .cpu_schedule import RowNorm, RowParallelMatmul
+from .system_lib import export_system_library
 from .webgpu_limits import check_webgpu_limits
 
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
@@ -36,10 +37,25 @@ class Declining(dl.ScheduleRule):
             return None
 
 
-def gpu_schedules() -> tvm.transform.Pass:
-    rules = (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
+class MatmulWithoutSimdgroup(dl.ScheduleRule):
+    """dlight's Matmul without its Metal path: that path's simdgroup tensorization crashes this
+    TVM (a segfault in Tensorize, which no try/except catches). Giving the rule a generic GPU
+    target takes the tiled schedule dlight itself falls back to when tensorization declines."""
+
+    def apply(self, func, target, tunable):
+        generic = tvm.target.Target({"kind": "opencl", "max_num_threads": int(target.attrs["max_num_threads"]),
+                                     "max_shared_memory_per_block": int(target.attrs["max_shared_memory_per_block"])})
+        return dl.gpu.Matmul().apply(func, generic, tunable)
+
+
+def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
+    rules = (matmul or dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
              dl.gpu.GeneralReduction(), dl.gpu.Fallback())
     return dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])
+
+
+def metal_schedules() -> tvm.transform.Pass:
+    return gpu_schedules(MatmulWithoutSimdgroup())
 
 
 def cpu_schedules() -> tvm.transform.Pass:
@@ -61,6 +77,22 @@ def host_cpu_target() -> dict:
     return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
 
 
+def metal_target(host_triple: str) -> dict:
+    # Apple GPUs: 32 KB threadgroup memory; 256 threads fits every A- and M-series GPU. Warp size 1
+    # (no simdgroup shuffles), as MLC builds for iPhones: nothing here can compile Metal to check more.
+    return {"kind": "metal", "max_num_threads": 256, "max_threads_per_block": 256,
+            "max_shared_memory_per_block": 32768, "thread_warp_size": 1,
+            "host": {"kind": "llvm", "mtriple": host_triple}}
+
+
+def android_target() -> dict:
+    # 256 work-items and 16 KB of local memory per work-group: within what Adreno and Mali GPUs
+    # allow (MLC's generic Android target leaves these to TVM's OpenCL defaults, the same numbers).
+    return {"kind": "opencl", "max_num_threads": 256, "max_threads_per_block": 256,
+            "max_shared_memory_per_block": 16384, "thread_warp_size": 1,
+            "host": {"kind": "llvm", "mtriple": "aarch64-linux-android"}}
+
+
 @dataclass(frozen=True)
 class TargetEntry:
     name: str
@@ -70,9 +102,19 @@ class TargetEntry:
     export: Callable[[object, Path], None]
     extension: str
     check_kernels: Callable[[str], object] | None = None  # given the generated device source
+    # A system library for an app to link: built under the model's prefix, written as the `.tar`
+    # of objects plus a static archive `lib<model-id>-<target>.a` beside it. Build-only here: this
+    # machine's TVM runtime has no OpenCL or Metal device.
+    system_lib: bool = False
+    # Also write the generated kernel source beside the library, with this extension (so that
+    # kernels can be read and checked without a device: `kiln.compile.opencl_check`).
+    kernel_source: str | None = None
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target())
+
+    def kernel_source_path(self, library: Path) -> Path:
+        return library.with_suffix(f".{self.kernel_source}")
 
 
 TARGETS: dict[str, TargetEntry] = {
@@ -90,6 +132,15 @@ TARGETS: dict[str, TargetEntry] = {
                     check_webgpu_limits),
         TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32_SIMD, cpu_schedules,
                     export_wasm, "wasm"),
+        TargetEntry("android", "Android phones (OpenCL; static library for aarch64, build-only here)",
+                    android_target, gpu_schedules, export_system_library, "tar", system_lib=True,
+                    kernel_source="cl"),
+        TargetEntry("iphone", "iPhones and iPads (Metal; static library for arm64 iOS, build-only here)",
+                    lambda: metal_target("arm64-apple-ios14.0"), metal_schedules, export_system_library,
+                    "tar", system_lib=True),
+        TargetEntry("metal", "Macs with Apple silicon (Metal; static library for arm64 macOS, build-only here)",
+                    lambda: metal_target("arm64-apple-macosx11.0"), metal_schedules, export_system_library,
+                    "tar", system_lib=True),
     )
 }
 

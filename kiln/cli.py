@@ -18,7 +18,7 @@ def add_compile(sub) -> None:
     p = sub.add_parser("compile", help="build a model for one or more targets")
     p.add_argument("source", help="Hugging Face folder, hub id (org/name) or .gguf file")
     p.add_argument("--quantization", "-q", required=True, help="q0f32, q0f16, q4f32_1, q4f16_1, q8f32_1, q8f16_1")
-    p.add_argument("--target", "-t", type=comma_list, default=["cpu"], help="cpu, cuda, webgpu, wasm (comma-separated)")
+    p.add_argument("--target", "-t", type=comma_list, default=["cpu"], help="cpu, cuda, webgpu, wasm, android, iphone, metal (comma-separated)")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"), help="output folder (default dist/)")
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
     p.add_argument("--context-window-size", type=int)
@@ -41,17 +41,17 @@ def run_compile(args) -> int:
 
 
 def add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime)")
+    p = sub.add_parser("doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)")
     p.add_argument("--build-runtime", action="store_true", help="build the TVM web runtime if it is missing")
     p.set_defaults(run=run_doctor)
 
 
 def run_doctor(args) -> int:
-    from kiln.compile import wasm_toolchain
+    from kiln.compile import opencl_check, system_lib, wasm_toolchain
 
     if args.build_runtime:
         wasm_toolchain.build_web_runtime()
-    statuses = wasm_toolchain.toolchain_status()
+    statuses = [*wasm_toolchain.toolchain_status(), *system_lib.toolchain_status(), opencl_check.pocl_status()]
     for s in statuses:
         print(f"{'ok ' if s.ok else 'MISSING'} {s.name}: {s.detail}" + ("" if s.ok else f"\n        fix: {s.fix}"))
     return 0 if all(s.ok for s in statuses) else 1
@@ -277,7 +277,24 @@ def run_serve(args) -> int:
     return 0
 
 
-COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_parity, add_serve)
+def add_package(sub) -> None:
+    p = sub.add_parser("package", help="app bundles (static library, weights, app config) for android, iphone, metal")
+    p.add_argument("--config", "-c", type=Path, default=Path("kiln-package.json"),
+                   help="the package config (default kiln-package.json)")
+    p.add_argument("--output", "-o", type=Path, default=Path("dist"),
+                   help="where bundle-<platform>/ folders go (default dist/)")
+    p.set_defaults(run=run_package)
+
+
+def run_package(args) -> int:
+    from kiln.compile.package import package
+
+    for platform, bundle in package(args.config, args.output).items():
+        print(f"{platform}: {bundle}")
+    return 0
+
+
+COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_parity, add_serve, add_package)
 
 
 def main(argv: list[str] | None = None) -> int:
