@@ -48,7 +48,7 @@ runtime: setup
 	$(VENV)/bin/kiln doctor --build-runtime
 
 test: setup runtime
-	$(VENV)/bin/pytest -ra $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -ra --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/pytest -ra -m "not slow and not browser" $(PYTEST_ARGS)
