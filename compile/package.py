@@ -24,8 +24,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.app_config import CompiledModel, memory_needs, read_json
+from kiln.app_config import MODEL_FILES, CompiledModel, memory_needs, read_compiled_model
 from kiln.errors import KilnError
+from kiln.runtime import read_json
 
 from .pipeline import BUILD_RECORD, MODEL_ID
 from .system_lib import (LIBRARY_BIN_SYMBOL, OBJECT_FORMATS, defined_globals, model_lib, object_format,
@@ -33,7 +34,6 @@ from .system_lib import (LIBRARY_BIN_SYMBOL, OBJECT_FORMATS, defined_globals, mo
 from .targets import TARGETS
 
 PLATFORMS = tuple(name for name, entry in TARGETS.items() if entry.system_lib)
-MODEL_FILES = ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")
 ENTRY_KEYS = {"model", "model_id", "bundle_weight", "estimated_vram_bytes", "model_url"}
 APP_CONFIG = "mlc-app-config.json"
 # How an app links the archive: nothing calls into the objects, their static constructors register
@@ -72,7 +72,7 @@ def load_compiled_model(folder: Path, config_path: Path) -> CompiledModel:
     missing = [name for name in MODEL_FILES if not (folder / name).is_file()]
     if missing:
         raise KilnError(f"model {str(folder)!r} is not a compiled model folder (no {', '.join(missing)})", config_path)
-    return CompiledModel(folder.name, folder, *(read_json(folder / name) for name in MODEL_FILES))
+    return read_compiled_model(folder)
 
 
 def parse_entry(entry, config_path: Path) -> PackagedModel:

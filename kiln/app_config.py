@@ -9,13 +9,14 @@ can pick the f16 or f32 variant), its quantization and its browser libraries by 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.runtime import read_json
 
 BROWSER_TARGETS = ("webgpu", "wasm")
+MODEL_FILES = ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")
 PAGE_SIZE = 16
 F32_BYTES = 4
 # A GPU budget most phones and integrated GPUs grant a tab; WebLLM's low-resource models fit it.
@@ -39,11 +40,10 @@ class CompiledModel:
                 if (self.path / entry["library"]).is_file()}
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise KilnError(f"malformed JSON: {e}", path) from None
+def read_compiled_model(folder: Path) -> CompiledModel:
+    """The model folder `folder` (its MODEL_FILES must exist)."""
+    build, chat_config, tensor_cache = (read_json(folder / name) for name in MODEL_FILES)
+    return CompiledModel(folder.name, folder, build, chat_config, tensor_cache)
 
 
 def compiled_models(dist: Path) -> list[CompiledModel]:
@@ -54,10 +54,8 @@ def compiled_models(dist: Path) -> list[CompiledModel]:
     for folder in sorted(dist.iterdir()):
         if folder.name.startswith(".") or not folder.is_dir():
             continue
-        files = [folder / name for name in ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")]
-        if all(f.is_file() for f in files):
-            build, chat_config, tensor_cache = (read_json(f) for f in files)
-            models.append(CompiledModel(folder.name, folder, build, chat_config, tensor_cache))
+        if all((folder / name).is_file() for name in MODEL_FILES):
+            models.append(read_compiled_model(folder))
     return models
 
 

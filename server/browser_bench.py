@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.app_config import read_json
 from kiln.errors import KilnError
+from kiln.runtime import read_json
 
 from .browser import page_engine
 
