@@ -173,14 +173,19 @@ def print_report(report: dict, as_json: bool) -> None:
             print(line)
 
 
+def add_run_options(p, prompt_tokens: int, decode_tokens: int, runs: int) -> None:
+    """What a speed benchmark measures, and how it prints."""
+    p.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    p.add_argument("--decode-tokens", type=int, default=decode_tokens)
+    p.add_argument("--runs", type=int, default=runs, help="measured runs, after one warm-up run")
+    p.add_argument("--json", action="store_true")
+
+
 def add_bench_native(bench) -> None:
     n = bench.add_parser("native", help="load time, time to first token, prefill and decode tokens/s, memory")
     n.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
     n.add_argument("--target", "-t", default="cpu")
-    n.add_argument("--prompt-tokens", type=int, default=128)
-    n.add_argument("--decode-tokens", type=int, default=128)
-    n.add_argument("--runs", type=int, default=3, help="measured runs, after one warm-up run")
-    n.add_argument("--json", action="store_true")
+    add_run_options(n, prompt_tokens=128, decode_tokens=128, runs=3)
     n.set_defaults(run=run_bench_native)
 
 
@@ -198,10 +203,7 @@ def add_bench_browser(bench) -> None:
     b.add_argument("model_dir", type=Path, help="a compiled model folder with a webgpu or wasm library")
     b.add_argument("--device", choices=("auto", "webgpu", "wasm"), default="auto",
                    help="auto: WebGPU when Chromium has it, else the CPU wasm library")
-    b.add_argument("--prompt-tokens", type=int, default=32)
-    b.add_argument("--decode-tokens", type=int, default=16)
-    b.add_argument("--runs", type=int, default=1, help="measured runs, after one warm-up run")
-    b.add_argument("--json", action="store_true")
+    add_run_options(b, prompt_tokens=32, decode_tokens=16, runs=1)
     b.set_defaults(run=run_bench_browser)
 
 
@@ -246,10 +248,7 @@ def add_bench_report(bench) -> None:
     r.add_argument("--device", type=comma_list, help="browser libraries to run: wasm, webgpu (default: all built)")
     r.add_argument("--output", "-o", type=Path,
                    help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)")
-    r.add_argument("--prompt-tokens", type=int, default=32)
-    r.add_argument("--decode-tokens", type=int, default=16)
-    r.add_argument("--runs", type=int, default=1, help="measured runs, after one warm-up run")
-    r.add_argument("--json", action="store_true")
+    add_run_options(r, prompt_tokens=32, decode_tokens=16, runs=1)
     r.set_defaults(run=run_bench_report)
 
 

@@ -72,8 +72,7 @@ def bench_report(model_dir: Path, output: Path, devices: list[str] | None = None
     output = Path(output)
     report["json"], report["png"] = str(output.with_suffix(".json")), str(output.with_suffix(".png"))
     report["lines"] = report_lines(report)
-    write_atomically(Path(report["json"]), lambda path: path.write_text(json.dumps(
-        {k: v for k, v in report.items() if k != "lines"}, indent=2)))
+    write_atomically(Path(report["json"]), lambda path: path.write_text(json.dumps(without_lines(report), indent=2)))
     write_atomically(Path(report["png"]), lambda path: draw_chart(report, path))
     return report
 

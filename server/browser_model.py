@@ -14,13 +14,14 @@ from typing import Iterator
 
 import numpy as np
 
+from kiln.app_config import BROWSER_TARGETS
 from kiln.engine import Engine
 from kiln.errors import KilnError
 from kiln.runtime import library_path, read_json
 
 from .browser import PageEngine, page_engine
 
-BACKENDS = ("auto", "webgpu", "wasm")
+BACKENDS = ("auto", *BROWSER_TARGETS)
 FULL_LOGITS = {"full": True}
 
 
@@ -64,7 +65,7 @@ def check_browser_library(model_dir: Path, backend: str) -> None:
     """Fail before starting Chromium when the folder has no library for `backend`."""
     if backend == "auto":
         built = read_json(model_dir / "kiln-build.json").get("targets", {})
-        backend = next((device for device in ("webgpu", "wasm") if device in built), "webgpu")
+        backend = next((device for device in BROWSER_TARGETS if device in built), "webgpu")
     library_path(model_dir, backend)
 
 
