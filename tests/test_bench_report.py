@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
+
+from web_helpers import run_kiln
 
 pytestmark = pytest.mark.browser
 
 
 def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
     output = tmp_path / "reports" / "tiny"
-    result = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "report", str(tiny_dir), "--device", "wasm",
-                             "--output", str(output), "--prompt-tokens", "16", "--decode-tokens", "8"],
-                            capture_output=True, text=True, timeout=1200, check=False)
+    result = run_kiln("bench", "report", str(tiny_dir), "--device", "wasm", "--output", str(output),
+                      "--prompt-tokens", "16", "--decode-tokens", "8", timeout_s=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wasm decode is" in result.stdout and "× native" in result.stdout
 
@@ -37,7 +36,6 @@ def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
 
 
 def test_report_refuses_an_unknown_browser_device(tiny_dir, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "report", str(tiny_dir), "--device", "vulkan",
-                             "--output", str(tmp_path / "r")], capture_output=True, text=True, timeout=600, check=False)
+    result = run_kiln("bench", "report", str(tiny_dir), "--device", "vulkan", "--output", str(tmp_path / "r"), timeout_s=600)
     assert result.returncode == 1 and "vulkan" in result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from web_helpers import run_kiln
 
 from kiln.tensor_cache import md5_of, read_index, records
 
@@ -19,13 +19,8 @@ pytestmark = pytest.mark.browser
 PROMPTS = Path(__file__).parent / "data" / "parity-prompts.txt"
 
 
-def kiln(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
-                          timeout=3600, check=False)
-
-
 def parity(model_dir: Path, *args: str) -> tuple[int, dict]:
-    result = kiln("parity", str(model_dir), "--json", *args)
+    result = run_kiln("parity", str(model_dir), "--json", *args)
     assert result.stdout, result.stderr[-3000:]
     return result.returncode, json.loads(result.stdout)
 
@@ -83,8 +78,8 @@ def test_parity_fails_when_the_browser_copy_has_a_corrupted_weight(tiny_dir, tmp
 def test_generate_in_the_browser_prints_the_native_json(tiny_dir):
     common = ("generate", str(tiny_dir), "--prompt", "The history of the city", "--max-tokens", "12",
               "--ignore-eos", "--json", "--logits", "2")
-    native = json.loads(kiln(*common).stdout)
-    result = kiln(*common, "--device", "browser", "--target", "webgpu")
+    native = json.loads(run_kiln(*common).stdout)
+    result = run_kiln(*common, "--device", "browser", "--target", "webgpu")
     assert result.returncode == 0, result.stderr[-3000:]
     browser = json.loads(result.stdout)
     assert (native["device"], browser["device"]) == ("cpu", "browser-webgpu")
@@ -112,16 +107,16 @@ def test_parity_holds_on_smollm2_on_webgpu(smollm2_build, tmp_path):
 
 
 def test_a_missing_or_empty_prompts_file_is_a_clear_error(tiny_dir, tmp_path):
-    result = kiln("parity", str(tiny_dir), "--prompts", str(tmp_path / "nope.txt"))
+    result = run_kiln("parity", str(tiny_dir), "--prompts", str(tmp_path / "nope.txt"))
     assert result.returncode == 1 and "nope.txt" in result.stderr and "no such prompts file" in result.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    result = kiln("parity", str(tiny_dir), "--prompts", str(empty))
+    result = run_kiln("parity", str(tiny_dir), "--prompts", str(empty))
     assert result.returncode == 1 and "no prompts" in result.stderr
 
 
 def test_a_model_without_a_browser_library_is_a_clear_error(tiny_build):
     cpu_only = tiny_build("q0f32", ["cpu"])
-    result = kiln("generate", str(cpu_only), "--prompt", "hi", "--device", "browser")
+    result = run_kiln("generate", str(cpu_only), "--prompt", "hi", "--device", "browser")
     assert result.returncode == 1
     assert "no webgpu library" in result.stderr and "--target webgpu" in result.stderr

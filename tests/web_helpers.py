@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,12 @@ def run_node_module(source: str, data) -> object:
                                 cwd=WEB_DIR, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
+
+
+def run_kiln(*args: str, timeout_s: float = 3600) -> subprocess.CompletedProcess:
+    """The `kiln` command line in a process of its own (it drives its own Chromium)."""
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
 
 
 @contextmanager
