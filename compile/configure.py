@@ -12,8 +12,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import jinja2
-
+from kiln.chat_template import compile_chat_template, render_chat_template, template_source
 from kiln.errors import KilnError
 from kiln.models import DecoderConfig
 
@@ -50,11 +49,11 @@ CONV_FAMILIES = (
 SENTINEL = "\x00KILN_USER\x00"
 
 
-def default_system_message(chat_template: str, family: ConvFamily, special_tokens: dict) -> str:
+def default_system_message(chat_template: str, family: ConvFamily, special_tokens: dict, path: Path) -> str:
     """The system message the template inserts when the conversation has none (or "")."""
-    rendered = jinja2.Environment().from_string(chat_template).render(
-        messages=[{"role": "user", "content": SENTINEL}], add_generation_prompt=True, **special_tokens
-    )
+    rendered = render_chat_template(compile_chat_template(chat_template, path), path,
+                                    messages=[{"role": "user", "content": SENTINEL}],
+                                    add_generation_prompt=True, **special_tokens)
     prefix, _, _ = family.system_template.partition("{system_message}")
     suffix = family.system_template.partition("{system_message}")[2]
     start = rendered.find(prefix)
@@ -65,9 +64,7 @@ def default_system_message(chat_template: str, family: ConvFamily, special_token
 
 
 def conv_template(tokenizer_config: dict, stop_token_ids: list[int], path: Path) -> dict:
-    chat_template = tokenizer_config.get("chat_template")
-    if isinstance(chat_template, list):  # named templates: take the default one
-        chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), None)
+    chat_template = template_source(tokenizer_config)
     if not chat_template:
         raise KilnError("tokenizer_config.json has no chat_template: Kiln needs it to format chats", path)
     family = next((f for f in CONV_FAMILIES if f.marker in chat_template), None)
@@ -75,10 +72,7 @@ def conv_template(tokenizer_config: dict, stop_token_ids: list[int], path: Path)
         raise KilnError("the chat_template is of no known family (supported: "
                         + ", ".join(f.name for f in CONV_FAMILIES) + ")", path)
     special = {k: tokenizer_config[k] for k in ("bos_token", "eos_token") if isinstance(tokenizer_config.get(k), str)}
-    try:
-        system_message = default_system_message(chat_template, family, special)
-    except jinja2.TemplateError as e:
-        raise KilnError(f"the chat_template does not render: {e}", path) from None
+    system_message = default_system_message(chat_template, family, special, path)
     return {
         "name": family.name,
         "system_template": family.system_template,

@@ -20,15 +20,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
 import jinja2
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from kiln.chat_template import compile_chat_template, render_chat_template, template_source
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel, read_json
 
@@ -276,18 +275,19 @@ class Engine:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         check_messages(messages)
         special = {key: special_token_text(self.tokenizer_config.get(key)) for key in SPECIAL_TOKEN_KEYS}
-        try:
-            return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
-        except jinja2.TemplateError as e:
-            raise KilnError(f"the chat template failed on these messages: {e}",
-                            self.model_dir / "tokenizer_config.json") from None
+        return render_chat_template(self._template(), self.model_dir / "tokenizer_config.json",
+                                    messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
 
     def _template(self) -> jinja2.Template:
         if self._chat_template is None:
-            self._chat_template = compile_chat_template(self.tokenizer_config, self.model_dir / "tokenizer_config.json")
+            path = self.model_dir / "tokenizer_config.json"
+            source = template_source(self.tokenizer_config)
+            if source is None:
+                raise KilnError("tokenizer_config.json has no chat_template: this model cannot chat", path)
+            self._chat_template = compile_chat_template(source, path)
         return self._chat_template
 
     # Generation
@@ -498,26 +498,6 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 
 def special_token_text(value) -> str:
     return value.get("content", "") if isinstance(value, dict) else value or ""
-
-
-def compile_chat_template(tokenizer_config: dict, path: Path) -> jinja2.Template:
-    """The model's chat template, in the environment `transformers` renders it with."""
-    source = tokenizer_config.get("chat_template")
-    if isinstance(source, list):  # named templates: the default one
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    if not source:
-        raise KilnError("tokenizer_config.json has no chat_template: this model cannot chat", path)
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateError as e:
-        raise KilnError(f"the chat_template does not parse: {e}", path) from None
 
 
 def check_messages(messages: list[dict]) -> None:

@@ -367,3 +367,25 @@ def test_cuda_library_carries_cuda_kernels(tiny_build):
     library = model_dir / json.loads((model_dir / "kiln-build.json").read_text())["targets"]["cuda"]["library"]
     data = library.read_bytes()
     assert b"__global__" in data and b"dequantize_matmul" in data
+
+
+def set_chat_template(source: Path, template: str) -> None:
+    config_path = source / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+
+
+def test_a_chat_template_that_reaches_for_the_shell_is_stopped(broken_source, tmp_path, run_compile):
+    marker = tmp_path / "pwned"
+    set_chat_template(broken_source, "<|im_start|>{{ cycler.__init__.__globals__.os.system('touch "
+                                     + str(marker) + "') }}")
+    result = run_compile(broken_source, tmp_path / "out")
+    assert not marker.exists()
+    assert_clean_failure(result, tmp_path / "out", "tokenizer_config.json", "unsafe")
+
+
+def test_a_chat_template_that_does_not_render(broken_source, tmp_path, run_compile):
+    set_chat_template(broken_source, "<|im_start|>{{ raise_exception('no system role here') }}")
+    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out",
+                         "tokenizer_config.json", "no system role here")
