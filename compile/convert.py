@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,16 @@ def load_weight(source: SourceModel, names: list[str]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
 
 
+def check_all_consumed(source: SourceModel, arch: Architecture, consumed: set[str]) -> None:
+    """Every source tensor is converted or deliberately ignored by the family: none is dropped silently."""
+    ignored = re.compile("|".join(arch.ignored_tensors) or "(?!)")
+    left = sorted(n for n in source.tensor_names() if n not in consumed and not ignored.fullmatch(n))
+    if left:
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise KilnError(f"tensor {left[0]!r}{more} is not used by Kiln's {arch.model_type} family: "
+                        "the checkpoint holds something this family does not compute", source.path)
+
+
 def convert_weights(
     source: SourceModel, arch: Architecture, config: DecoderConfig, quantization: Quantization,
     params: list[ParamSpec], out_dir: Path,
@@ -46,8 +57,10 @@ def convert_weights(
     """Write every parameter the library expects; returns the tensor-cache json."""
     expected = {p.name: p for p in params}
     fused = arch.fused_sources(config)
+    weights = float_weights(params)
+    check_all_consumed(source, arch, {source_name for name, _ in weights for source_name in fused.get(name, [name])})
     writer = TensorCacheWriter(out_dir)
-    for name, quantized in tqdm(float_weights(params), desc="convert", unit="tensor", leave=False, disable=None):
+    for name, quantized in tqdm(weights, desc="convert", unit="tensor", leave=False, disable=None):
         weight = load_weight(source, fused.get(name, [name]))
         for param_name, array in quantization.pack(name, weight, quantized).items():
             spec = expected[param_name]

@@ -1,7 +1,8 @@
 """A GGUF file (llama.cpp's format) read as a Hugging Face model.
 
 A GGUF holds the weights (often quantized), the architecture's hyperparameters and the
-tokenizer as metadata. `GGUFModel` turns them into what Kiln expects from every source: a
+tokenizer as metadata. With the `GGUFMapping` of the model family that names the architecture
+(models/<family>.py), `GGUFModel` turns them into what Kiln expects from every source: a
 config.json-like dict, float32 tensors under Hugging Face names in Hugging Face layout, and
 (`write_tokenizer_files`) a folder with tokenizer.json, tokenizer_config.json,
 special_tokens_map.json and generation_config.json built with the `tokenizers` library.
@@ -22,6 +23,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from kiln.errors import KilnError
+from kiln.models import MODELS, GGUFMapping, GGUFTensors
 
 # Tensor types dequantized here (by `gguf.quants.dequantize`, in numpy). Integer tensors, the
 # i-quants and the ternary types are refused until a model that needs them comes along.
@@ -60,97 +62,20 @@ class GGUFMetadata:
         return self._fields[key].contents()
 
 
-# ---- architectures -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GGUFArchitecture:
-    """How one llama.cpp architecture maps onto its Hugging Face counterpart."""
-
-    config: Callable[[GGUFMetadata, set[str]], dict]  # (metadata, GGUF tensor names) → config.json
-    global_tensors: dict[str, str]  # GGUF name → HF name, without ".weight"/".bias"
-    layer_tensors: dict[str, str]  # the same after "blk.N." → after "model.layers.N."
-    restore_layout: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, values, config) → HF layout
-
-
-def llama_config(metadata: GGUFMetadata, tensor_names: set[str]) -> dict:
-    hidden_size = metadata.require("llama.embedding_length")
-    num_heads = metadata.require("llama.attention.head_count")
-    head_dim = metadata.get("llama.attention.key_length", hidden_size // num_heads)
-    rope_dims = metadata.get("llama.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise KilnError(f"RoPE over {rope_dims} of {head_dim} head dimensions is not Llama's", metadata.path)
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden_size,
-        "intermediate_size": metadata.require("llama.feed_forward_length"),
-        "num_hidden_layers": metadata.require("llama.block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": metadata.get("llama.attention.head_count_kv", num_heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": metadata.require("llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": metadata.get("llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": metadata.require("llama.context_length"),
-        "vocab_size": metadata.get("llama.vocab_size") or len(metadata.require("tokenizer.ggml.tokens")),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": False,
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-    }
-    scaling = metadata.get("llama.rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": metadata.require("llama.rope.scaling.factor")}
-    elif scaling != "none":
-        raise KilnError(f"unsupported RoPE scaling {scaling!r} (supported: linear)", metadata.path)
-    return config
-
-
-def undo_llama_rope_permutation(hf_name: str, values: np.ndarray, config: dict) -> np.ndarray:
-    """Put the rows of Q and K back in Hugging Face order.
-
-    llama.cpp's converter reorders each head's rows from the "rotate half" RoPE layout of
-    Hugging Face Llama ([first halves..., second halves...]) to interleaved pairs; this is the
-    inverse of that reshape-and-swap.
-    """
-    if ".self_attn.q_proj." in hf_name:
-        num_heads = config["num_attention_heads"]
-    elif ".self_attn.k_proj." in hf_name:
-        num_heads = config["num_key_value_heads"]
-    else:
-        return values
-    half_head = values.shape[0] // num_heads // 2
-    interleaved = values.reshape(num_heads, half_head, 2, *values.shape[1:])
-    return interleaved.swapaxes(1, 2).reshape(values.shape)
-
-
-ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture(
-        config=llama_config,
-        global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
-        layer_tensors={
-            "attn_norm": "input_layernorm",
-            "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj",
-            "ffn_norm": "post_attention_layernorm",
-            "ffn_gate": "mlp.gate_proj",
-            "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj",
-        },
-        restore_layout=undo_llama_rope_permutation,
-    ),
-}
-
-
 def open_gguf(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError) as error:
         raise KilnError(f"not a readable GGUF file ({error})", path) from error
+
+
+GGUF_MAPPINGS: dict[str, GGUFMapping] = {arch.gguf.architecture: arch.gguf for arch in MODELS.values() if arch.gguf}
+
+
+def dequantized(tensor) -> np.ndarray:
+    values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    # GGUF lists dimensions innermost first (ggml's ne order): numpy's shape is the reverse.
+    return values.reshape(tuple(reversed(tensor.shape.tolist())))
 
 
 class GGUFModel:
@@ -161,11 +86,11 @@ class GGUFModel:
         reader = open_gguf(path)
         self.metadata = GGUFMetadata(reader, path)
         architecture_name = self.metadata.require("general.architecture")
-        if architecture_name not in ARCHITECTURES:
+        if architecture_name not in GGUF_MAPPINGS:
             raise KilnError(
-                f"unsupported GGUF architecture {architecture_name!r} (supported: {', '.join(ARCHITECTURES)})", path
+                f"unsupported GGUF architecture {architecture_name!r} (supported: {', '.join(GGUF_MAPPINGS)})", path
             )
-        self._architecture = ARCHITECTURES[architecture_name]
+        self._architecture = GGUF_MAPPINGS[architecture_name]
         for tensor in reader.tensors:
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
                 supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
@@ -174,8 +99,10 @@ class GGUFModel:
                     f"(supported: {supported})",
                     path,
                 )
-        self.config = self._architecture.config(self.metadata, {tensor.name for tensor in reader.tensors})
-        self._tensors = {self._hf_name(tensor.name): tensor for tensor in reader.tensors}
+        by_name = {tensor.name: tensor for tensor in reader.tensors}
+        self.config = self._architecture.config(self.metadata, GGUFTensors(set(by_name), lambda name: dequantized(by_name[name])))
+        self._tensors = {self._hf_name(name): tensor for name, tensor in by_name.items()
+                         if name not in self._architecture.config_tensors}
 
     def _hf_name(self, gguf_name: str) -> str:
         if match := LAYER_TENSOR.fullmatch(gguf_name):
@@ -192,11 +119,9 @@ class GGUFModel:
         return list(self._tensors)
 
     def load(self, name: str) -> np.ndarray:
-        tensor = self._tensors[name]
-        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        # GGUF lists dimensions innermost first (ggml's ne order): numpy's shape is the reverse.
-        values = values.reshape(tuple(reversed(tensor.shape.tolist())))
-        return self._architecture.restore_layout(name, values, self.config)
+        values = dequantized(self._tensors[name])
+        restore = self._architecture.restore_layout
+        return restore(name, values, self.config) if restore else values
 
     def write_tokenizer_files(self, folder: Path) -> None:
         write_tokenizer_files(self.metadata, folder)

@@ -16,7 +16,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 
 from kiln.errors import KilnError
-from kiln.models.layers import Embedding, Linear, matmul_transposed
+from kiln.models.layers import Embedding, Linear, add_bias, matmul_transposed
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,17 @@ class GroupQuantLinear(nn.Module):
         self.fmt = fmt
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.q_weight, self.q_scale = fmt.packed_parameters(self.out_features, self.in_features)
+        self.bias = linear.bias
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        return nn.op.tensor_expr_op(
+        y = nn.op.tensor_expr_op(
             lambda x, w, s: matmul_transposed(
                 x, self.fmt.dequantize_te(w, s, self.out_features, self.in_features), x.dtype
             ),
             "dequantize_matmul",
             [x, self.q_weight, self.q_scale],
         )
+        return add_bias(y, self.bias)
 
 
 class GroupQuantEmbedding(nn.Module):

@@ -6,10 +6,11 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from . import llama
+from . import llama, qwen2
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
+from .gguf import GGUFMapping, GGUFTensors
 
-MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (llama.ARCHITECTURE,)}
+MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (llama.ARCHITECTURE, qwen2.ARCHITECTURE)}
 
 
 def architecture_for(hf_config: dict, path: Path) -> Architecture:
@@ -21,4 +22,5 @@ def architecture_for(hf_config: dict, path: Path) -> Architecture:
     return MODELS[model_type]
 
 
-__all__ = ["MODELS", "Architecture", "DecoderConfig", "DecoderModel", "architecture_for", "export_spec"]
+__all__ = ["MODELS", "Architecture", "DecoderConfig", "DecoderModel", "GGUFMapping", "GGUFTensors",
+           "architecture_for", "export_spec"]

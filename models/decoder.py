@@ -8,17 +8,21 @@ create_tir_paged_kv_cache — are defined once here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import tvm
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm import relax as rx
 
 from kiln.errors import KilnError
 
+from .gguf import GGUFMapping
 from .layers import gather_positions, last_position
 
 SUPPORTED_ROPE_SCALING = ("llama3", "yarn", "longrope", "gptj")
@@ -39,6 +43,7 @@ class DecoderConfig:
     prefill_chunk_size: int
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
+    rotary_dim: int | None = None  # RoPE over the first `rotary_dim` dimensions of a head (default: all)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,6 +85,38 @@ class ConfigReader:
             scaling = {**scaling, "rope_type": rope_type}
         return theta, scaling
 
+    def decoder_fields(self, overrides: dict[str, int], max_context: int = 4096) -> dict[str, Any]:
+        """The `DecoderConfig` fields, read the way every Hugging Face decoder stores them; the
+        context window defaults to the model's, at most `max_context`."""
+        hidden_size = self.get("hidden_size", int)
+        num_heads = self.get("num_attention_heads", int)
+        rope_theta, rope_scaling = self.rope()
+        context = overrides.get("context_window_size") or min(self.get("max_position_embeddings", int, 4096), max_context)
+        return dict(
+            hidden_size=hidden_size,
+            num_hidden_layers=self.get("num_hidden_layers", int),
+            num_attention_heads=num_heads,
+            num_key_value_heads=self.get("num_key_value_heads", int, num_heads),
+            head_dim=self.get("head_dim", int, hidden_size // num_heads),
+            vocab_size=self.get("vocab_size", int),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=self.get("tie_word_embeddings", bool, False),
+            context_window_size=context,
+            prefill_chunk_size=overrides.get("prefill_chunk_size") or min(context, 2048),
+        )
+
+    def expect(self, key: str, allowed: tuple, default: Any) -> Any:
+        """A field whose other values would change the math in ways the family does not compute."""
+        self.used.add(key)
+        value = self.hf_config.get(key, default)
+        if value is None:
+            value = default
+        if value not in allowed:
+            raise KilnError(f"config.json field '{key}' is {value!r}; Kiln's {self.hf_config.get('model_type')} "
+                            f"supports {' or '.join(repr(a) for a in allowed)}", self.path)
+        return value
+
     def unused(self) -> dict[str, Any]:
         return {k: v for k, v in self.hf_config.items() if k not in self.used}
 
@@ -94,6 +131,9 @@ class Architecture:
     # Kiln weight name -> source tensors concatenated along axis 0 (fused projections);
     # weights not listed come from the source tensor of the same name.
     fused_sources: Callable[[DecoderConfig], dict[str, list[str]]]
+    # Source tensors deliberately not used (regular expressions); any other unused tensor is an error.
+    ignored_tensors: tuple[str, ...] = ()
+    gguf: GGUFMapping | None = None
 
 
 class DecoderModel(nn.Module):
@@ -156,16 +196,59 @@ class DecoderModel(nn.Module):
             v_head_dim=c.head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if rope_in_model(c) else RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=c.rope_theta,
-            rope_scaling=c.rope_scaling or {},
+            rope_scaling={} if rope_in_model(c) else c.rope_scaling or {},
             rope_ext_factors=rx.prim_value(0),
-            rotary_dim=c.head_dim,
+            rotary_dim=c.rotary_dim or c.head_dim,
             enable_disaggregation=False,
             dtype=self.dtype,
             target=tvm.target.Target.current(),
         )
+
+
+def rope_in_model(config: DecoderConfig) -> bool:
+    """TVM's paged KV cache applies every supported rope but longrope: its longrope kernel fails to
+    build in this TVM (and would pick the factors by chunk length), so the model applies that one."""
+    return (config.rope_scaling or {}).get("rope_type") == "longrope"
+
+
+def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
+    """Phi-3's longrope (and llama.cpp's per-dimension `rope_freqs` tables): each frequency divided
+    by its factor, cos and sin scaled by the attention factor. The short factors hold up to
+    `original_max_position_embeddings`; contexts beyond it are refused by the family."""
+    scaling = config.rope_scaling
+    rotary_dim = config.rotary_dim or config.head_dim
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq = 1.0 / (np.array(scaling["short_factor"], np.float64) * config.rope_theta**exponents)
+    original, longest = scaling["original_max_position_embeddings"], scaling["max_position_embeddings"]
+    factor = scaling.get("attention_factor") or (
+        math.sqrt(1 + math.log(longest / original) / math.log(original)) if longest > original else 1.0)
+    return inv_freq.astype(np.float32), float(factor)
+
+
+def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) -> nn.Tensor:
+    """RoPE on the q and k heads of a fused qkv (batch, seq, heads, head_dim), at the positions the
+    KV cache gives this step, when the family's rope is one the cache does not compute."""
+    if not rope_in_model(config):
+        return qkv
+    batch, seq_len, _, _ = qkv.shape
+    positions = kv_cache.get_query_positions(batch * seq_len)
+    inv_freq, attention_factor = longrope_inv_freq(config)
+    rotated_heads = config.num_attention_heads + config.num_key_value_heads
+    half = len(inv_freq)
+
+    def rotate(x: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
+        def value(b, s, h, d):
+            angle = pos[b * x.shape[1] + s].astype("float32") * freq[d % half]
+            partner = tirx.if_then_else(d < half, -x[b, s, h, d + half], x[b, s, h, d - half]).astype("float32")
+            rotated = (x[b, s, h, d].astype("float32") * tirx.cos(angle) + partner * tirx.sin(angle)) * attention_factor
+            return tirx.if_then_else(tirx.all(h < rotated_heads, d < 2 * half), rotated.astype(x.dtype), x[b, s, h, d])
+
+        return te.compute(x.shape, value, name="rope")
+
+    return nn.op.tensor_expr_op(rotate, "rope", [qkv, positions, nn.Tensor.from_const(inv_freq)])
 
 
 def export_spec(model: DecoderModel) -> dict[str, dict]:

@@ -21,18 +21,24 @@ def matmul_transposed(x: te.Tensor, weight: te.Tensor, out_dtype: str) -> te.Ten
     )
 
 
-class Linear(nn.Module):
-    """A bias-free linear layer over a float weight [out_features, in_features]."""
+def add_bias(y: nn.Tensor, bias: nn.Parameter | None) -> nn.Tensor:
+    """The bias, when there is one, as an elementwise add the compiler fuses into the matmul."""
+    return y if bias is None else y + bias
 
-    def __init__(self, in_features: int, out_features: int, dtype: str):
+
+class Linear(nn.Module):
+    """A linear layer over a float weight [out_features, in_features], with an optional bias
+    (a quantized linear keeps the bias in the float dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: str, bias: bool = False):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter((out_features, in_features), dtype)
+        self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        return nn.op.tensor_expr_op(
-            lambda x, w: matmul_transposed(x, w, x.dtype), "matmul", [x, self.weight]
-        )
+        y = nn.op.tensor_expr_op(lambda x, w: matmul_transposed(x, w, x.dtype), "matmul", [x, self.weight])
+        return add_bias(y, self.bias)
 
 
 class Embedding(nn.Module):

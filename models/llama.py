@@ -1,4 +1,5 @@
-"""Llama family: Llama 2/3, SmolLM2, TinyLlama — tied or untied embeddings, grouped-query attention.
+"""Llama family: Llama 2/3.x, SmolLM2, TinyLlama — tied or untied embeddings, grouped-query
+attention, optional attention and MLP biases.
 
 Weights are fused at conversion time (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a
 layer runs four matmuls; RoPE is applied inside TVM's paged KV cache.
@@ -9,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
-from .decoder import Architecture, ConfigReader, DecoderConfig, DecoderModel
+from .decoder import Architecture, ConfigReader, DecoderConfig, DecoderModel, apply_rope
+from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
 from .layers import Embedding, Linear, RMSNorm
 
 
@@ -20,45 +23,39 @@ from .layers import Embedding, Linear, RMSNorm
 class LlamaConfig(DecoderConfig):
     intermediate_size: int = 0
     rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
 
 
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
     read = ConfigReader(hf_config, path)
-    hidden_size = read.get("hidden_size", int)
-    num_heads = read.get("num_attention_heads", int)
-    rope_theta, rope_scaling = read.rope()
-    max_positions = read.get("max_position_embeddings", int, 4096)
-    context = overrides.get("context_window_size") or min(max_positions, 4096)
+    read.expect("hidden_act", ("silu",), "silu")
+    attention_bias = read.get("attention_bias", bool, False)
     return LlamaConfig(
-        hidden_size=hidden_size,
+        **read.decoder_fields(overrides),
         intermediate_size=read.get("intermediate_size", int),
-        num_hidden_layers=read.get("num_hidden_layers", int),
-        num_attention_heads=num_heads,
-        num_key_value_heads=read.get("num_key_value_heads", int, num_heads),
-        head_dim=read.get("head_dim", int, hidden_size // num_heads),
-        vocab_size=read.get("vocab_size", int),
         rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=read.get("tie_word_embeddings", bool, False),
-        context_window_size=context,
-        prefill_chunk_size=overrides.get("prefill_chunk_size") or min(context, 2048),
+        qkv_bias=attention_bias,
+        o_proj_bias=attention_bias,
+        mlp_bias=read.get("mlp_bias", bool, False),
         extra=read.unused(),
     )
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, dtype: str):
+        self.config = config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         qkv_heads = self.num_heads + 2 * self.num_kv_heads
-        self.qkv_proj = Linear(config.hidden_size, qkv_heads * self.head_dim, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, dtype)
+        self.qkv_proj = Linear(config.hidden_size, qkv_heads * self.head_dim, dtype, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, dtype, bias=config.o_proj_bias)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         batch, seq_len, _ = x.shape
-        qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))
+        qkv = apply_rope(nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim)), kv_cache, self.config)
         attended = kv_cache.attention_with_fused_qkv(
             layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
         )
@@ -67,8 +64,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig, dtype: str):
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype, bias=config.mlp_bias)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = nn.op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -120,9 +117,48 @@ def fused_sources(config: LlamaConfig) -> dict[str, list[str]]:
     fused = {}
     for i in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        fused[f"{attn}.qkv_proj.weight"] = [f"{attn}.{p}_proj.weight" for p in "qkv"]
-        fused[f"{mlp}.gate_up_proj.weight"] = [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
+        for kind in ("weight", "bias"):
+            fused[f"{attn}.qkv_proj.{kind}"] = [f"{attn}.{p}_proj.{kind}" for p in "qkv"]
+            fused[f"{mlp}.gate_up_proj.{kind}"] = [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"]
     return fused
+
+
+# Rotary tables some checkpoints save; Kiln's KV cache computes RoPE from the config.
+IGNORED_TENSORS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+
+def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
+    config = decoder_hparams(metadata, tensors, "llama", ["LlamaForCausalLM"])
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors.names
+    config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors.names
+    if "rope_freqs.weight" in tensors.names:
+        # Llama 3.1+: llama.cpp stores the llama3 rope scaling as the per-dimension divisors it
+        # computes from it. Longrope divides by such a table; equal long and short factors and
+        # no attention factor (max = original positions) give exactly llama3's RoPE.
+        factors = tensors.read("rope_freqs.weight").astype(np.float64).tolist()
+        positions = config["max_position_embeddings"]
+        config["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors, "short_factor": factors,
+                                  "original_max_position_embeddings": positions,
+                                  "max_position_embeddings": positions}
+    return config
+
+
+def undo_rope_permutation(hf_name: str, values: np.ndarray, config: dict) -> np.ndarray:
+    """Put the rows of Q and K back in Hugging Face order.
+
+    llama.cpp's converter reorders each head's rows of a Llama from the "rotate half" RoPE layout
+    of Hugging Face ([first halves..., second halves...]) to interleaved pairs; this is the
+    inverse of that reshape-and-swap (biases included: they are rows too).
+    """
+    if ".self_attn.q_proj." in hf_name:
+        num_heads = config["num_attention_heads"]
+    elif ".self_attn.k_proj." in hf_name:
+        num_heads = config["num_key_value_heads"]
+    else:
+        return values
+    half_head = values.shape[0] // num_heads // 2
+    interleaved = values.reshape(num_heads, half_head, 2, *values.shape[1:])
+    return interleaved.swapaxes(1, 2).reshape(values.shape)
 
 
 ARCHITECTURE = Architecture(
@@ -130,4 +166,12 @@ ARCHITECTURE = Architecture(
     parse_config=parse_config,
     build=LlamaForCausalLM,
     fused_sources=fused_sources,
+    ignored_tensors=IGNORED_TENSORS,
+    gguf=GGUFMapping(
+        architecture="llama",
+        config=gguf_config,
+        layer_tensors=LLAMA_LAYER_TENSORS,
+        config_tensors=("rope_freqs.weight",),
+        restore_layout=undo_rope_permutation,
+    ),
 )

@@ -239,8 +239,8 @@ def test_gguf_errors_name_the_file_and_the_problem(tmp_path, byte_level_vocabula
     cases = {
         "architecture": (dict(architecture="mamba"), "unsupported GGUF architecture 'mamba'"),
         "tensor name": (
-            dict(extra_tensors=(("rope_freqs.weight", np.ones(8, dtype=np.float32), GGMLType.F32),)),
-            "tensor rope_freqs.weight has no Hugging Face counterpart",
+            dict(extra_tensors=(("blk.0.ffn_gate_inp.weight", np.ones((2, 8), dtype=np.float32), GGMLType.F32),)),
+            "tensor blk.0.ffn_gate_inp.weight has no Hugging Face counterpart",
         ),
         "tokenizer model": (
             dict(vocabulary={**byte_level_vocabulary, "model": "bert"}),

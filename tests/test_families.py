@@ -1,0 +1,89 @@
+"""Every model family against transformers: a tiny random model per family, made with
+transformers' own classes, compiled for the CPU from its Hugging Face folder and from the same
+weights written as a GGUF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_build import LOGIT_TOLERANCE, PROMPTS, reference_model
+from tiny_families import TINY_FAMILIES, make_tiny_family, write_family_gguf
+
+from kiln.runtime import NativeModel
+
+FAMILIES = sorted(TINY_FAMILIES)
+GREEDY_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def family_source(tmp_path_factory):
+    made = {}
+
+    def source(name: str):
+        if name not in made:
+            made[name] = make_tiny_family(name, tmp_path_factory.mktemp("families") / name)
+        return made[name]
+
+    return source
+
+
+@pytest.fixture(scope="session")
+def family_build(builds, family_source):
+    return lambda name, quantization: builds.model_dir(family_source(name), f"tiny-{name}", quantization, ["cpu"])
+
+
+def greedy(model, ids: list[int], steps: int) -> list[int]:
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q0f32_logits_and_greedy_tokens_match_transformers(family, family_build, family_source):
+    native = NativeModel(family_build(family, "q0f32"))
+    reference = reference_model(family_source(family))
+    for ids in PROMPTS:
+        native.reset()
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(native.all_logits(ids) - expected).max() <= LOGIT_TOLERANCE, (family, "all positions")
+        native.reset()
+        assert np.abs(native.prefill(ids) - expected[-1]).max() <= LOGIT_TOLERANCE, (family, "prefill")
+    ids = list(PROMPTS[0])
+    native.reset()
+    logits = native.prefill(ids)
+    for _ in range(GREEDY_TOKENS):
+        ids.append(int(logits.argmax()))
+        logits = native.decode(ids[-1])
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1].numpy()
+    assert np.abs(logits - expected).max() <= LOGIT_TOLERANCE, (family, "after 32 decode steps")
+    assert ids == greedy(reference, PROMPTS[0], GREEDY_TOKENS), family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, family_build, family_source):
+    native = NativeModel(family_build(family, "q4f32_1"))
+    reference = reference_model(family_source(family), "q4f32_1")
+    for ids in PROMPTS:
+        native.reset()
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0, -1].numpy()
+        assert np.abs(native.prefill(ids) - expected).max() <= LOGIT_TOLERANCE, family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family, builds, family_build,
+                                                                          family_source, tmp_path_factory):
+    gguf_path = write_family_gguf(family, family_source(family),
+                                  tmp_path_factory.mktemp("family-gguf") / f"tiny-{family}.F32.gguf")
+    from_gguf = NativeModel(builds.model_dir(gguf_path, f"tiny-{family}-gguf", "q0f32", ["cpu"]))
+    from_hf = NativeModel(family_build(family, "q0f32"))
+    for ids in PROMPTS:
+        from_gguf.reset()
+        from_hf.reset()
+        assert np.abs(from_gguf.all_logits(ids) - from_hf.all_logits(ids)).max() <= 1e-4, family
