@@ -6,11 +6,13 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from . import llama, qwen2
+from . import llama, mistral, qwen2
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
 from .gguf import GGUFMapping, GGUFTensors
 
-MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (llama.ARCHITECTURE, qwen2.ARCHITECTURE)}
+MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (
+    llama.ARCHITECTURE, qwen2.ARCHITECTURE, mistral.ARCHITECTURE,
+)}
 
 
 def architecture_for(hf_config: dict, path: Path) -> Architecture:

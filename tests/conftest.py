@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from assets import smollm2_gguf
 from tiny_llama import make_tiny_llama
 
+from kiln.cli import main
 from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
 
 
@@ -99,3 +101,22 @@ def url(tiny_dir) -> str:
 
     with served(tiny_dir.parent) as base:
         yield base
+
+
+@dataclass
+class CommandResult:
+    returncode: int
+    stderr: str
+
+
+@pytest.fixture
+def run_compile(capsys):
+    """Runs `kiln compile … -q q4f32_1 -t cpu --model-id broken` in-process (as the CLI does)."""
+
+    def run(source: Path | str, output: Path, *extra: str) -> CommandResult:
+        args = ["compile", str(source), "-q", "q4f32_1", "-t", "cpu", "-o", str(output), "--model-id", "broken", *extra]
+        capsys.readouterr()
+        code = main(args)
+        return CommandResult(code, capsys.readouterr().err)
+
+    return run

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -19,6 +18,7 @@ import torch
 import tvm
 from transformers import AutoModelForCausalLM
 
+from conftest import CommandResult
 from tiny_llama import make_tiny_llama
 
 from kiln.cli import main
@@ -171,25 +171,6 @@ def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
 
 
 # ---- bad input ------------------------------------------------------------------------------
-
-
-@dataclass
-class CommandResult:
-    returncode: int
-    stderr: str
-
-
-@pytest.fixture
-def run_compile(capsys):
-    """Runs `kiln compile … -q q4f32_1 -t cpu --model-id broken` in-process (as the CLI does)."""
-
-    def run(source: Path | str, output: Path, *extra: str) -> CommandResult:
-        args = ["compile", str(source), "-q", "q4f32_1", "-t", "cpu", "-o", str(output), "--model-id", "broken", *extra]
-        capsys.readouterr()
-        code = main(args)
-        return CommandResult(code, capsys.readouterr().err)
-
-    return run
 
 
 def test_errors_exit_non_zero_with_one_line_and_no_traceback(tmp_path, tiny_source):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_build import LOGIT_TOLERANCE, PROMPTS, reference_model
-from tiny_families import TINY_FAMILIES, make_tiny_family, write_family_gguf
+from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
+from tiny_families import MISTRAL_WINDOW, TINY_FAMILIES, make_tiny_family, write_family_gguf
 
 from kiln.runtime import NativeModel
 
@@ -87,3 +87,8 @@ def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family,
         from_gguf.reset()
         from_hf.reset()
         assert np.abs(from_gguf.all_logits(ids) - from_hf.all_logits(ids)).max() <= 1e-4, family
+
+
+def test_a_context_longer_than_mistrals_sliding_window_is_refused(family_source, tmp_path, run_compile):
+    result = run_compile(family_source("mistral"), tmp_path / "out", "--context-window-size", str(2 * MISTRAL_WINDOW))
+    assert_clean_failure(result, tmp_path / "out", "config.json", "sliding_window")

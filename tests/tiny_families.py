@@ -95,9 +95,18 @@ def qwen2():
     return Qwen2Config(**COMMON, tie_word_embeddings=True), Qwen2ForCausalLM
 
 
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralConfig(**COMMON, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False), MistralForCausalLM
+
+
+MISTRAL_WINDOW = 256
 TINY_FAMILIES: dict[str, TinyFamily] = {
     "llama3": TinyFamily(llama3_with_biases, "llama", LLAMA_PARTS, permute_qk=True, extra_gguf=add_llama3_rope_freqs),
     "qwen2": TinyFamily(qwen2, "qwen2", LLAMA_PARTS),
+    # llama.cpp converts Mistral as a Llama.
+    "mistral": TinyFamily(mistral, "llama", LLAMA_PARTS, permute_qk=True),
 }
 
 
