@@ -1,6 +1,6 @@
 """Every model family against transformers: a tiny random model per family, made with
 transformers' own classes, compiled for the CPU from its Hugging Face folder and from the same
-weights written as a GGUF."""
+weights written as a GGUF; and the browser build of a family against its native build."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
+from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
 from tiny_families import MISTRAL_WINDOW, TINY_FAMILIES, make_tiny_family, write_family_gguf
 
 from kiln.runtime import NativeModel
@@ -92,3 +93,13 @@ def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family,
 def test_a_context_longer_than_mistrals_sliding_window_is_refused(family_source, tmp_path, run_compile):
     result = run_compile(family_source("mistral"), tmp_path / "out", "--context-window-size", str(2 * MISTRAL_WINDOW))
     assert_clean_failure(result, tmp_path / "out", "config.json", "sliding_window")
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("backend", ["webgpu", "wasm"])
+@pytest.mark.parametrize("family", ["qwen2"])
+def test_browser_parity_on_the_family(family, backend, builds, family_source):
+    model_dir = builds.model_dir(family_source(family), f"tiny-{family}", "q4f32_1", ["cpu", "webgpu", "wasm"])
+    code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)
+    assert report["browser"] == backend
+    assert_contract_holds(code, report, prompts=9, max_tokens=16)
