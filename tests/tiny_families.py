@@ -102,11 +102,58 @@ def mistral():
 
 
 MISTRAL_WINDOW = 256
+PHI3_PARTS = {
+    "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+PHI3_ORIGINAL_CONTEXT = 512
+
+
+def phi3_longrope():
+    """Phi-3.5-mini's kind of config with Phi-4-mini's partial rotary factor: LongRoPE factors for
+    the rotated pairs only, more positions than the original context (attention factor ≈ 1.15),
+    and a sliding window longer than the context Kiln builds."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    partial_rotary_factor = 0.75
+    rotary_dim = int(COMMON["hidden_size"] // COMMON["num_attention_heads"] * partial_rotary_factor)
+    short_factor, long_factor = np.random.default_rng(3).uniform(1, 4, (2, rotary_dim // 2)).tolist()
+    config = Phi3Config(**{**COMMON, "max_position_embeddings": 4096},
+                        original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+                        partial_rotary_factor=partial_rotary_factor, sliding_window=2047, tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "longrope", "short_factor": short_factor,
+                                      "long_factor": long_factor})
+    return config, Phi3ForCausalLM
+
+
+def add_phi3_rope(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Phi3MiniModel converter: the original context, the sliding window (0: none) and
+    LongRoPE's attention factor and factor tables."""
+    scaling = rope_parameters(config)
+    original = scaling["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.sliding_window or 0)
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+
+def qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Like every Qwen3, a head_dim that is not hidden_size / heads (16 here).
+    return Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True), Qwen3ForCausalLM
+
+
 TINY_FAMILIES: dict[str, TinyFamily] = {
     "llama3": TinyFamily(llama3_with_biases, "llama", LLAMA_PARTS, permute_qk=True, extra_gguf=add_llama3_rope_freqs),
     "qwen2": TinyFamily(qwen2, "qwen2", LLAMA_PARTS),
     # llama.cpp converts Mistral as a Llama.
     "mistral": TinyFamily(mistral, "llama", LLAMA_PARTS, permute_qk=True),
+    "phi3": TinyFamily(phi3_longrope, "phi3", PHI3_PARTS, extra_gguf=add_phi3_rope),
+    "qwen3": TinyFamily(qwen3, "qwen3",
+                        {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}),
 }
 
 
@@ -157,7 +204,7 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path) -> Path:
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(rope_parameters(config)["rope_theta"])
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0)))
     writer.add_vocab_size(config.vocab_size)
     add_vocabulary(writer, hf_folder)
     family.extra_gguf(config, writer)
