@@ -1,91 +1,45 @@
 """The configure stage: `mlc-chat-config.json`, the tokenizer files and the conversation template.
 
-Kiln's own engines render prompts with the model's jinja chat template; WebLLM needs a
-`conv_template` instead, derived here from the chat template's family (one registry entry per
-family) and the template's own default system message.
+Kiln's native engine renders prompts with the model's jinja chat template, which this stage writes
+into the output tokenizer_config.json wherever the source kept it (chat_template.jinja, ...);
+the browser engine and WebLLM read the `conv_template` derived from it (compile/conv_template.py).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
-from kiln.chat_template import compile_chat_template, render_chat_template, template_source
-from kiln.errors import KilnError
+from kiln.chat_template import ChatTemplate, read_json_object
+from kiln.engine import load_tokenizer
 from kiln.models import DecoderConfig
 
+from .conv_template import derive_conv_template
+
 CHAT_CONFIG_VERSION = "0.1.0"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
-                   "special_tokens_map.json", "added_tokens.json")
+COPIED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "generation_config.json",
+                          "special_tokens_map.json", "added_tokens.json")
 
 
-@dataclass(frozen=True)
-class ConvFamily:
-    name: str
-    marker: str  # a string only this family's chat template contains
-    system_template: str
-    roles: dict[str, str]
-    seps: list[str]
-    role_content_sep: str
-    role_empty_sep: str
-    stop_str: list[str]
+def write_tokenizer_config(tokenizer_dir: Path, out_dir: Path, chat_template: ChatTemplate | None) -> None:
+    """The source's tokenizer_config.json with the chat template in it, where the native engine,
+    `transformers` and transformers.js all look."""
+    source = tokenizer_dir / "tokenizer_config.json"
+    config = read_json_object(source) if source.is_file() else {}
+    config.pop("chat_template", None)
+    if chat_template is not None:
+        config["chat_template"] = chat_template.source
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-CONV_FAMILIES = (
-    ConvFamily("chatml", "<|im_start|>", "<|im_start|>system\n{system_message}<|im_end|>\n",
-               {"user": "<|im_start|>user", "assistant": "<|im_start|>assistant"},
-               ["<|im_end|>\n"], "\n", "\n", ["<|im_end|>"]),
-    ConvFamily("llama-3", "<|start_header_id|>",
-               "<|start_header_id|>system<|end_header_id|>\n\n{system_message}<|eot_id|>",
-               {"user": "<|start_header_id|>user", "assistant": "<|start_header_id|>assistant"},
-               ["<|eot_id|>"], "<|end_header_id|>\n\n", "<|end_header_id|>\n\n", ["<|eot_id|>"]),
-    ConvFamily("llama-2", "[INST]", "[INST] <<SYS>>\n{system_message}\n<</SYS>>\n\n",
-               {"user": "[INST]", "assistant": "[/INST]"}, [" ", " </s>"], " ", " ", ["[INST]"]),
-    ConvFamily("zephyr", "<|user|>", "<|system|>\n{system_message}</s>\n",
-               {"user": "<|user|>", "assistant": "<|assistant|>"}, ["</s>\n"], "\n", "\n", ["</s>"]),
-)
-SENTINEL = "\x00KILN_USER\x00"
-
-
-def default_system_message(chat_template: str, family: ConvFamily, special_tokens: dict, path: Path) -> str:
-    """The system message the template inserts when the conversation has none (or "")."""
-    rendered = render_chat_template(compile_chat_template(chat_template, path), path,
-                                    messages=[{"role": "user", "content": SENTINEL}],
-                                    add_generation_prompt=True, **special_tokens)
-    prefix, _, _ = family.system_template.partition("{system_message}")
-    suffix = family.system_template.partition("{system_message}")[2]
-    start = rendered.find(prefix)
-    if start < 0 or start > rendered.find(SENTINEL):
-        return ""
-    body = rendered[start + len(prefix):]
-    return body[: body.find(suffix)] if suffix and suffix in body else ""
-
-
-def conv_template(tokenizer_config: dict, stop_token_ids: list[int], path: Path) -> dict:
-    chat_template = template_source(tokenizer_config)
-    if not chat_template:
-        raise KilnError("tokenizer_config.json has no chat_template: Kiln needs it to format chats", path)
-    family = next((f for f in CONV_FAMILIES if f.marker in chat_template), None)
-    if family is None:
-        raise KilnError("the chat_template is of no known family (supported: "
-                        + ", ".join(f.name for f in CONV_FAMILIES) + ")", path)
-    special = {k: tokenizer_config[k] for k in ("bos_token", "eos_token") if isinstance(tokenizer_config.get(k), str)}
-    system_message = default_system_message(chat_template, family, special, path)
-    return {
-        "name": family.name,
-        "system_template": family.system_template,
-        "system_message": system_message,
-        "roles": family.roles,
-        "seps": family.seps,
-        "role_content_sep": family.role_content_sep,
-        "role_empty_sep": family.role_empty_sep,
-        "stop_str": family.stop_str,
-        "stop_token_ids": stop_token_ids,
-        "system_prefix_token_ids": [],
-        "add_role_after_system_message": True,
-    }
+def warn_unexpressed(chat_template: ChatTemplate, conversations: list[str]) -> None:
+    print(f"kiln: warning: {chat_template.path}: the browser and WebLLM lay out a conversation with "
+          f"{' or '.join(conversations)} differently from this chat template (the conv_template of "
+          "mlc-chat-config.json cannot express it); Kiln's native engine follows the template",
+          file=sys.stderr, flush=True)
 
 
 def token_ids(value) -> list[int]:
@@ -112,18 +66,21 @@ def write_chat_config(
 ) -> dict:
     """Copy the tokenizer files next to the weights and write `mlc-chat-config.json`."""
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in COPIED_TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, out_dir / name)
             copied.append(name)
-    tokenizer_config_path = tokenizer_dir / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text()) if tokenizer_config_path.exists() else {}
+    chat_template = ChatTemplate.find(tokenizer_dir)
+    write_tokenizer_config(tokenizer_dir, out_dir, chat_template)
     generation_path = tokenizer_dir / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
     eos_ids = token_ids(generation.get("eos_token_id", config.extra.get("eos_token_id")))
     bos_ids = token_ids(generation.get("bos_token_id", config.extra.get("bos_token_id")))
     pad_ids = token_ids(generation.get("pad_token_id", config.extra.get("pad_token_id")))
     model_config = {k: v for k, v in asdict(config).items() if k != "extra"}
+    conv_template, unexpressed = derive_conv_template(chat_template, load_tokenizer(tokenizer_dir), eos_ids)
+    if unexpressed:
+        warn_unexpressed(chat_template, unexpressed)
     chat_config = {
         "version": CHAT_CONFIG_VERSION,
         "model_type": model_type,
@@ -140,9 +97,10 @@ def write_chat_config(
         "repetition_penalty": float(generation.get("repetition_penalty", 1.0)),
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
-        "tokenizer_files": [n for n in copied if n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")],
+        "tokenizer_files": [*(n for n in copied if n in ("tokenizer.json", "tokenizer.model")),
+                            "tokenizer_config.json"],
         "tokenizer_info": tokenizer_info(tokenizer_dir),
-        "conv_template": conv_template(tokenizer_config, eos_ids, tokenizer_config_path),
+        "conv_template": conv_template,
         "bos_token_id": bos_ids[0] if bos_ids else None,
         "eos_token_id": eos_ids,
         "pad_token_id": pad_ids[0] if pad_ids else 0,

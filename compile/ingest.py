@@ -34,7 +34,8 @@ from kiln.errors import KilnError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 TOKENIZER_SIDE_FILES = (
-    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json"
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json",
 )
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -208,8 +209,12 @@ def read_config(path: Path) -> dict:
 def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
     config_path = folder / "config.json"
     config = read_config(config_path)
-    if not any((folder / tokenizer_file).is_file() for tokenizer_file in TOKENIZER_FILES):
-        raise KilnError("no tokenizer (tokenizer.json or tokenizer.model)", folder)
+    if not (folder / "tokenizer.json").is_file():
+        if (folder / "tokenizer.model").is_file():
+            raise KilnError("a SentencePiece model without tokenizer.json, which Kiln needs: write it with "
+                            "transformers (AutoTokenizer.from_pretrained(folder).save_pretrained(folder))",
+                            folder / "tokenizer.model")
+        raise KilnError("no tokenizer (tokenizer.json)", folder)
     tokenizer_files = [
         folder / file_name for file_name in TOKENIZER_FILES + TOKENIZER_SIDE_FILES if (folder / file_name).is_file()
     ]

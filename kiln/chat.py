@@ -40,6 +40,7 @@ def describe_usage(usage: Usage) -> str:
 
 class TerminalChat:
     def __init__(self, engine: Engine, config: GenerationConfig, out: TextIO = sys.stdout):
+        engine.require_chat_template()
         self.engine = engine
         self.config = config
         self.out = out

@@ -23,18 +23,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import jinja2
 import numpy as np
 from tokenizers import Tokenizer
 
-from kiln.chat_template import compile_chat_template, render_chat_template, template_source
+from kiln.chat_template import ChatTemplate
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel, read_json
 
 # Decoding a new token together with the few before it gives the text a full decode would,
 # for decoders that treat the first token specially (SentencePiece drops its leading space).
 DETOKENIZE_CONTEXT_TOKENS = 4
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 NUCLEUS_FIRST_SLICE = 64
 
 
@@ -245,13 +243,14 @@ class Conversation:
 
 class Engine:
     """A compiled model ready to generate: `tokenizer` (the `tokenizers` library on tokenizer.json),
-    `model_id`, `chat_config` (mlc-chat-config.json) and `model` (the runtime under it)."""
+    `chat_template` (None for a base model), `model_id`, `chat_config` (mlc-chat-config.json) and
+    `model` (the runtime under it)."""
 
     def __init__(self, model_dir: Path, target: str = "cpu", busy_timeout_s: float = 0.0, model=None):
         """`model` replaces the native runtime with another of its interface (a BrowserModel)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.tokenizer_config = read_json(self.model_dir / "tokenizer_config.json")
+        self.chat_template = ChatTemplate.find(self.model_dir)
         self.model = model or NativeModel(self.model_dir, target)
         self.chat_config = self.model.chat_config
         build = read_json(self.model_dir / "kiln-build.json")
@@ -264,7 +263,6 @@ class Engine:
         self._interrupted = threading.Event()
         self._cached_ids: list[int] = []
         self._conversation: Conversation | None = None
-        self._chat_template: jinja2.Template | None = None
 
     # Prompts
 
@@ -272,23 +270,19 @@ class Engine:
         """A raw prompt's ids, with the tokenizer's own special tokens (as `transformers` does)."""
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
+    def require_chat_template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise KilnError("this model has no chat template (a base model): it completes raw text, it does not "
+                            "chat", self.model_dir)
+        return self.chat_template
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        template = self.require_chat_template()
         check_messages(messages)
-        special = {key: special_token_text(self.tokenizer_config.get(key)) for key in SPECIAL_TOKEN_KEYS}
-        return render_chat_template(self._template(), self.model_dir / "tokenizer_config.json",
-                                    messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        return template.render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
-
-    def _template(self) -> jinja2.Template:
-        if self._chat_template is None:
-            path = self.model_dir / "tokenizer_config.json"
-            source = template_source(self.tokenizer_config)
-            if source is None:
-                raise KilnError("tokenizer_config.json has no chat_template: this model cannot chat", path)
-            self._chat_template = compile_chat_template(source, path)
-        return self._chat_template
 
     # Generation
 
@@ -494,10 +488,6 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
         raise KilnError(f"cannot read the tokenizer: {e}", path) from None
-
-
-def special_token_text(value) -> str:
-    return value.get("content", "") if isinstance(value, dict) else value or ""
 
 
 def check_messages(messages: list[dict]) -> None:

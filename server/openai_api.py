@@ -269,7 +269,10 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
     def chat_completions():
         body = body_object()
         messages = chat_messages(body)
-        _, engine, config = request_engine(body)
+        model_id, engine, config = request_engine(body)
+        if engine.chat_template is None:
+            raise ApiError(400, f"The model {model_id!r} has no chat template (it is a base model): it completes raw "
+                                "text at /v1/completions, it does not chat.", "model", code="model_cannot_chat")
         deltas = start_stream(engine, lambda: engine.stream_chat(messages, config))
 
         def choice(text, finish_reason):

@@ -261,6 +261,34 @@ def test_bad_prompts_are_clear_errors(fresh):
     assert fresh.generate(PROMPT, GenerationConfig(max_tokens=1)).usage.completion_tokens == 1
 
 
+def without_chat_template(model_dir: Path) -> dict:
+    """Take the chat template out of a copied model's tokenizer_config.json; returns that config."""
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    template = config.pop("chat_template")
+    config_path.write_text(json.dumps(config))
+    return {**config, "chat_template": template}
+
+
+def test_a_template_in_chat_template_jinja_is_used(engine, tiny_dir, tmp_path):
+    model_dir = copy_model(tiny_dir, tmp_path / "model")
+    (model_dir / "chat_template.jinja").write_text(without_chat_template(model_dir)["chat_template"])
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    assert Engine(model_dir).encode_chat(messages) == engine.encode_chat(messages)
+
+
+def test_a_model_without_a_chat_template_completes_but_does_not_chat(tiny_dir, tmp_path):
+    model_dir = copy_model(tiny_dir, tmp_path / "base-model")
+    without_chat_template(model_dir)
+    base = Engine(model_dir)
+    assert base.generate(PROMPT, GenerationConfig(max_tokens=2)).usage.completion_tokens == 2
+    with pytest.raises(KilnError, match="no chat template") as error:
+        base.generate_chat([{"role": "user", "content": "Hi"}], GenerationConfig())
+    assert error.value.path == model_dir
+    run = run_kiln("chat", str(model_dir), input="Hi\n")
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and "no chat template" in run.stderr, run.stderr
+
+
 def test_generation_stops_at_the_context_window(fresh):
     window = fresh.model.context_window_size
     prompt = fresh.encode("the river " * window)[:window - 3]

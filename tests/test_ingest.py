@@ -511,12 +511,14 @@ def oversized_header(path: Path) -> None:
         (lambda folder: (folder / "config.json").write_text('{"hidden_size": 64}'), "config.json", "no model_type"),
         (lambda folder: cut_in_half(folder / "model.safetensors"), "model.safetensors", "truncated safetensors file"),
         (lambda folder: oversized_header(folder / "model.safetensors"), "model.safetensors", "does not fit"),
-        (lambda folder: (folder / "tokenizer.json").unlink(), "", "no tokenizer (tokenizer.json or tokenizer.model)"),
+        (lambda folder: (folder / "tokenizer.json").unlink(), "", "no tokenizer (tokenizer.json)"),
+        (lambda folder: (folder / "tokenizer.json").rename(folder / "tokenizer.model"), "tokenizer.model",
+         "a SentencePiece model without tokenizer.json"),
         (lambda folder: (folder / "model.safetensors").unlink(), "", "no weights"),
     ],
     ids=[
         "no-config", "malformed-config", "no-model-type", "truncated-weights", "corrupt-header", "no-tokenizer",
-        "no-weights",
+        "sentencepiece-only", "no-weights",
     ],
 )
 def test_hf_folder_errors_name_the_file_and_the_problem(hf_folder_copy, tmp_path, break_folder, named_file, problem):

@@ -189,6 +189,24 @@ def test_malformed_chat_requests_get_json_errors(url, body, status, param):
     assert error["param"] == param
 
 
+def test_a_model_without_a_chat_template_completes_but_does_not_chat(tiny_build, tmp_path):
+    source = tiny_build("q0f32")
+    model_dir = tmp_path / "dist" / source.name
+    shutil.copytree(source, model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with served(model_dir.parent) as base:
+        chat = requests.post(f"{base}v1/chat/completions", json={"model": source.name, "messages": QUESTION})
+        completion = requests.post(f"{base}v1/completions",
+                                   json={"model": source.name, "prompt": "The river", "max_tokens": 2})
+    assert chat.status_code == 400
+    error = chat.json()["error"]
+    assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
+    assert (error["param"], error["code"]) == ("model", "model_cannot_chat")
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
+
+
 def test_oversized_and_misrouted_api_requests_get_json_errors(url):
     huge = {"model": MODEL_ID, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
     too_large = requests.post(f"{url}v1/chat/completions", json=huge)

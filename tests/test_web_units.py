@@ -13,6 +13,8 @@ from transformers import AutoTokenizer
 
 from web_helpers import run_node_module
 
+from kiln.compile.conv_template import raw_completion_template
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello!"}],
@@ -86,17 +88,16 @@ def browser_prompt_ids(model_dir: Path, conversations: list[list[dict]]) -> list
     chat_config = json.loads((model_dir / "mlc-chat-config.json").read_text())
     return run_node_module("""
         import { createRequire } from "node:module";
-        import { formatChat } from "./src/chat-format.js";
+        import { encodePrompt, formatChat } from "./src/chat-format.js";
         // The tokenizers' UMD bundle expects CommonJS globals when it runs under Node.
         globalThis.require = createRequire(import.meta.url);
         globalThis.__filename = "node_modules/@mlc-ai/web-tokenizers/lib/index.js";
         await import("./node_modules/@mlc-ai/web-tokenizers/lib/index.js");
         const json = new Uint8Array(readFileSync(input.tokenizer)).buffer;
         const tokenizer = await globalThis.tokenizers.Tokenizer.fromJSON(json);
-        const ids = input.conversations.map((messages) => [
-          ...(input.conv.system_prefix_token_ids ?? []),
-          ...tokenizer.encode(formatChat(input.conv, messages)),
-        ]);
+        const encode = (text) => Array.from(tokenizer.encode(text));
+        const ids = input.conversations.map((messages) =>
+          encodePrompt(input.conv, formatChat(input.conv, messages), encode));
         console.log(JSON.stringify(ids));
     """, {"tokenizer": str(model_dir / "tokenizer.json"), "conv": chat_config["conv_template"],
           "conversations": conversations})
@@ -132,6 +133,50 @@ def test_bad_messages_are_rejected():
           [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]])
     assert [code for code, _ in result] == ["bad-request"] * 4
     assert "role" in result[1][1] and "content" in result[2][1] and "first" in result[3][1]
+
+
+def test_conv_template_fields_are_honoured_as_webllm_honours_them():
+    result = run_node_module("""
+        import { encodePrompt, formatChat } from "./src/chat-format.js";
+        const base = { system_template: "<S>{system_message}</S>", system_message: "default",
+                       roles: { user: "U", assistant: "A" }, seps: ["|", "#"] };
+        const sep = { ...base, role_content_sep: "=" };
+        const chat = [{ role: "user", content: "u1" }, { role: "assistant", content: "a1" },
+                      { role: "user", content: "$& $' u2" }];
+        const system = (content) => [{ role: "system", content }, { role: "user", content: "u" }];
+        console.log(JSON.stringify({
+          defaultSeps: formatChat(base, chat),
+          seps: formatChat({ ...sep, role_empty_sep: "" }, chat),
+          noRoleAfterSystem: formatChat({ ...sep, add_role_after_system_message: false }, system("s")),
+          emptySystemShown: formatChat(sep, system("")),
+          emptySystemHidden: formatChat({ ...sep, render_empty_system_message: false }, system("")),
+          roleTemplates: formatChat({ ...sep, role_templates: { user: "[{user_message}]{function_string}" } },
+                                    system("s")),
+          prefix: encodePrompt({ ...base, system_prefix_token_ids: [7] }, "text", (text) => [text.length]),
+        }));
+    """, None)
+    # Without role_content_sep / role_empty_sep WebLLM puts ": ".
+    assert result["defaultSeps"] == "<S>default</S>U: u1|A: a1#U: $& $' u2|A: "
+    assert result["seps"] == "<S>default</S>U=u1|A=a1#U=$& $' u2|A"
+    assert result["noRoleAfterSystem"] == "<S>s</S>u|A: "
+    assert result["emptySystemShown"] == "<S></S>U=u|A: "
+    assert result["emptySystemHidden"] == "U=u|A: "
+    assert result["roleTemplates"] == "<S>s</S>U=[u]|A: "
+    assert result["prefix"] == [7, 4]
+
+
+def test_a_chat_with_a_model_without_a_chat_template_is_an_engine_error():
+    result = run_node_module("""
+        import { formatChat } from "./src/chat-format.js";
+        const conv = JSON.parse(input);
+        try {
+          formatChat(conv, [{ role: "user", content: "Hi" }]);
+        } catch (error) {
+          console.log(JSON.stringify([error.name, error.code, error.message]));
+        }
+    """, json.dumps(raw_completion_template([2])))
+    assert result[:2] == ["EngineError", "no-chat-template"]
+    assert "no chat template" in result[2]
 
 
 def test_streamed_text_holds_back_stop_strings_and_split_characters():

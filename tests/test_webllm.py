@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tiny_llama import CHAT_TEMPLATES, LLAMA_3_TOKENS, make_tiny_llama
 from web_helpers import WEB_DIR, browser_page, served
 
 from kiln.engine import Engine, GenerationConfig
@@ -45,11 +46,13 @@ def webllm_replies(driver, profile: Path, model_dir: Path, conversations: list[l
 
 def assert_kiln_replies_the_same(model_dir: Path, conversations: list[list[dict]], replies: list[dict]) -> None:
     engine = Engine(model_dir)
+    # WebLLM prefills the conv_template's system_prefix_token_ids but counts only the encoded text.
+    uncounted = len(engine.chat_config["conv_template"]["system_prefix_token_ids"])
     for messages, reply in zip(conversations, replies, strict=True):
         engine.reset()
         expected = engine.generate_chat(messages, GenerationConfig(max_tokens=MAX_TOKENS))
         assert reply["text"] == expected.text
-        assert reply["usage"]["prompt_tokens"] == len(expected.prompt_tokens)
+        assert reply["usage"]["prompt_tokens"] == len(expected.prompt_tokens) - uncounted
         assert reply["usage"]["completion_tokens"] == len(expected.tokens)
 
 
@@ -73,4 +76,19 @@ def test_webllm_generates_what_kiln_generates_on_smollm2(driver, tmp_path, smoll
     conversations = [[{"role": "user", "content": "What is the capital of France?"}]]
     replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
     assert "Paris" in replies[0]["text"]
+    assert_kiln_replies_the_same(model_dir, conversations, replies)
+
+
+@pytest.mark.slow
+def test_webllm_lays_out_a_llama_3_chat_as_kiln_does(driver, tmp_path, builds, tmp_path_factory):
+    """Llama 3.1's template: a BOS token as system_prefix_token_ids and the template's date lines."""
+    source = make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama-3", tokens=LLAMA_3_TOKENS,
+                             chat_template=(CHAT_TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
+    model_dir = builds.model_dir(source, "tiny-llama-3", "q4f32_1", ["cpu", "webgpu"])
+    conversations = [[{"role": "user", "content": "Tell me about the history of the city"}],
+                     [{"role": "system", "content": "You answer in one line."},
+                      {"role": "user", "content": "What is in the old market?"},
+                      {"role": "assistant", "content": "Fruit and fish."},
+                      {"role": "user", "content": "And the river?"}]]
+    replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
     assert_kiln_replies_the_same(model_dir, conversations, replies)

@@ -1,10 +1,17 @@
-// Chat prompts from the `conv_template` of mlc-chat-config.json (MLC / WebLLM's format).
+// Chat prompts from the `conv_template` of mlc-chat-config.json, laid out as WebLLM 0.2.86 lays
+// them out (Conversation.getPromptArray in @mlc-ai/web-llm): the system block, then each message
+// as role + role_content_sep + content + seps[i % seps.length], then the assistant's role +
+// role_empty_sep; `system_prefix_token_ids` go before the encoded text.
 //
-// Kiln writes the template from the model's jinja chat template (compile/configure.py), so for
-// the same messages this gives the text the jinja template renders; the tests compare token ids.
+// Kiln derives the conv_template from the model's jinja chat template and checks at compile time
+// that both lay out chats alike (compile/conv_template.py); the tests compare token ids.
 import { EngineError } from "./errors.js";
 
 const ROLES = new Set(["system", "user", "assistant"]);
+// MLC's conv_template name for a model without a chat template: it completes raw text only.
+export const RAW_COMPLETION = "LM";
+// What WebLLM puts between a role and its content when the template does not say.
+const DEFAULT_ROLE_SEP = ": ";
 
 /** The text of a message's content: a string, or OpenAI's list of {type: "text", text} parts. */
 export function messageText(content, index) {
@@ -31,21 +38,46 @@ export function normalizeMessages(messages) {
   });
 }
 
-/**
- * The prompt text for `messages`, ending with the assistant's turn opened for generation.
- *
- * The system message is the conversation's own when it starts with one, else the template's
- * default. Messages after it take the template's separators in turn (seps[0] after the first,
- * seps[1] after the second, ...), as MLC's conversation does.
- */
+/** `template` with its first `placeholder` replaced by `text`, taken literally (WebLLM passes the
+ * text as a replacement string, so a `$&` or `$'` in a message would be expanded). */
+function fill(template, placeholder, text) {
+  return template.replace(placeholder, () => text);
+}
+
+/** A message's content in its role template (`role_templates`), when the conv_template has one.
+ * The unused `{function_string}` goes before the text goes in, so a message's own one stays. */
+function roleContent(convTemplate, turn) {
+  const template = convTemplate.role_templates?.[turn.role];
+  if (template === undefined) return turn.text;
+  return fill(template.replace("{function_string}", ""), `{${turn.role}_message}`, turn.text);
+}
+
+/** The system block for `systemMessage`: none for an empty one when the template shows no empty block. */
+function systemBlock(convTemplate, systemMessage) {
+  if (systemMessage === "" && convTemplate.render_empty_system_message === false) return "";
+  return fill(convTemplate.system_template, "{system_message}", systemMessage);
+}
+
+/** The prompt text for `messages`, ending with the assistant's turn opened for generation. */
 export function formatChat(convTemplate, messages) {
+  if (convTemplate.name === RAW_COMPLETION) {
+    throw new EngineError("no-chat-template", "This model has no chat template (a base model): it completes raw text, it does not chat.");
+  }
+  if (!convTemplate.seps?.length) throw new EngineError("bad-model", "The conv_template of mlc-chat-config.json has no seps.");
   const turns = normalizeMessages(messages);
-  const systemMessage = turns[0].role === "system" ? turns.shift().text : convTemplate.system_message;
-  let prompt = convTemplate.system_template.replace("{system_message}", systemMessage);
+  const system = systemBlock(convTemplate, turns[0].role === "system" ? turns.shift().text : convTemplate.system_message);
+  let prompt = system;
   turns.forEach((turn, index) => {
-    const role = convTemplate.roles[turn.role];
-    const sep = convTemplate.seps[index % convTemplate.seps.length];
-    prompt += role + convTemplate.role_content_sep + turn.text + sep;
+    // Families without a system role (Llama 2, Mistral) put the system block where the first role would be.
+    const opensWithSystem = convTemplate.add_role_after_system_message === false && system !== "" && index === 0;
+    const role = opensWithSystem ? "" : convTemplate.roles[turn.role] + (convTemplate.role_content_sep ?? DEFAULT_ROLE_SEP);
+    prompt += role + roleContent(convTemplate, turn) + convTemplate.seps[index % convTemplate.seps.length];
   });
-  return prompt + convTemplate.roles.assistant + convTemplate.role_empty_sep;
+  return prompt + convTemplate.roles.assistant + (convTemplate.role_empty_sep ?? DEFAULT_ROLE_SEP);
+}
+
+/** The token ids of a prompt `formatChat` gave: the conv_template's `system_prefix_token_ids`
+ * (a BOS token the template prints first), then the text encoded by `encode`. */
+export function encodePrompt(convTemplate, text, encode) {
+  return [...(convTemplate.system_prefix_token_ids ?? []), ...encode(text)];
 }

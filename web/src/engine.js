@@ -5,7 +5,7 @@
 // It drives the library the way kiln/runtime.py does natively: one sequence in TVM's paged KV
 // cache, `embed` then `prefill` (chunked) / `decode` / `prefill_all_logits`, parameters passed
 // as one packed array. Logits come back to the host every step and tokens are chosen there.
-import { formatChat } from "./chat-format.js";
+import { encodePrompt, formatChat } from "./chat-format.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
 import { randomSeed, sampleToken, seededRandom, topK } from "./sampler.js";
@@ -397,8 +397,8 @@ export class Engine {
 
   /** Token ids of the prompt for `messages`: the chat template applied, then encoded. */
   encodeChat(messages) {
-    const prefix = this.chatConfig.conv_template.system_prefix_token_ids ?? [];
-    return [...prefix, ...this.encode(formatChat(this.chatConfig.conv_template, messages))];
+    const convTemplate = this.chatConfig.conv_template;
+    return encodePrompt(convTemplate, formatChat(convTemplate, messages), (text) => this.encode(text));
   }
 
   /** Run a token-level step under the engine's guards; `call(session)` returns rows of logits. */
@@ -448,12 +448,13 @@ export class Engine {
    * and the KV cache covers all of it.
    */
   chatPrompt(messages) {
-    const text = formatChat(this.chatConfig.conv_template, messages);
+    const convTemplate = this.chatConfig.conv_template;
+    const text = formatChat(convTemplate, messages);
     const previous = this.conversation;
     if (previous && text.startsWith(previous.text)) {
       return { text, ids: [...previous.ids, ...this.encode(text.slice(previous.text.length))] };
     }
-    return { text, ids: this.encodeChat(messages) };
+    return { text, ids: encodePrompt(convTemplate, text, (part) => this.encode(part)) };
   }
 
   rememberConversation(promptText, promptIds, reply) {

@@ -3,6 +3,7 @@
 
 export const ERROR_CODES = [
   "bad-request",      // the caller passed something invalid
+  "no-chat-template", // a chat request to a model without a chat template (a base model)
   "busy",             // a generation is already running
   "model-not-found",  // the model id is not in the app config
   "no-webgpu",        // no WebGPU adapter and no CPU (wasm) library to fall back to

@@ -1,0 +1,239 @@
+"""The `conv_template` of mlc-chat-config.json: a chat laid out the way the jinja chat template lays it out.
+
+Kiln's native engine renders the model's jinja chat template. The browser engine
+(web/src/chat-format.js) and WebLLM render a conv_template instead: a system block, then each
+message as role + role_content_sep + content + a separator, then the assistant's role
+(`render_conv_template` below is the same rule). A conv_template is derived here in three steps:
+
+- the template's family is picked by its markers from a registry of layouts (CONV_FAMILIES);
+- what varies inside a family is read off the template by rendering it with probe messages: a BOS
+  token it prints first (WebLLM's `system_prefix_token_ids`), text it puts in the system block
+  (Llama 3.1's "Cutting Knowledge Date" lines), its default system message, and whether it shows a
+  system block when the conversation has none;
+- the result is checked by rendering the probe conversations both ways. A family that does not
+  reproduce one user message, a system message and several turns is not the template's; when no
+  family does, the build stops rather than let the browser format chats wrongly. The other probes
+  are shapes a conv_template may be unable to express (Qwen3 shows a system block for an empty
+  system message but none without one; Mistral's v3 templates put the system message into the
+  last user turn): they are returned so the build can warn.
+
+Some differences no conv_template can carry, and no probe sees: Llama 3 and Llama 2 templates trim
+whitespace around each message; Qwen3's drops the `<think>` part of earlier assistant turns; a
+template that prints today's date (Llama 3.2's `strftime_now`) leaves the build's date in the
+conv_template while the native engine prints the day's; a template that refuses system messages
+(`raise_exception`) makes the native engine refuse them while the browser lays them out in the
+family's system block. Qwen3 renders as its template does by default, thinking on
+(`enable_thinking` unset); WebLLM's `enable_thinking: false` appends the same empty think block
+the template would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tokenizers import Tokenizer
+
+from kiln.chat_template import ChatTemplate, ConversationRefused
+from kiln.errors import KilnError
+
+# MLC's conv_template name for a model without a chat template: it completes raw text only.
+RAW_COMPLETION = "LM"
+SYSTEM_PLACEHOLDER = "{system_message}"
+
+
+@dataclass(frozen=True)
+class ConvFamily:
+    """One layout of chat prompts, in conv_template fields."""
+
+    name: str
+    markers: tuple[str, ...]  # a template of this family contains every one of them
+    system_template: str  # SYSTEM_PLACEHOLDER stands for the system message
+    roles: dict[str, str]
+    seps: tuple[str, ...]  # after the 1st, 2nd, ... message, cycled
+    role_content_sep: str
+    role_empty_sep: str
+    stop_str: tuple[str, ...]
+    add_role_after_system_message: bool = True  # False: the system block opens the first user turn
+    bos_in_roles: bool = False  # the BOS token opens every user turn, so it stays in the text
+
+
+CONV_FAMILIES = (
+    ConvFamily("chatml", ("<|im_start|>",), "<|im_start|>system\n{system_message}<|im_end|>\n",
+               {"user": "<|im_start|>user", "assistant": "<|im_start|>assistant"},
+               ("<|im_end|>\n",), "\n", "\n", ("<|im_end|>",)),
+    ConvFamily("llama-3", ("<|start_header_id|>",),
+               "<|start_header_id|>system<|end_header_id|>\n\n{system_message}<|eot_id|>",
+               {"user": "<|start_header_id|>user", "assistant": "<|start_header_id|>assistant"},
+               ("<|eot_id|>",), "<|end_header_id|>\n\n", "<|end_header_id|>\n\n", ("<|eot_id|>",)),
+    ConvFamily("phi-3", ("<|user|>", "<|end|>"), "<|system|>\n{system_message}<|end|>\n",
+               {"user": "<|user|>", "assistant": "<|assistant|>"}, ("<|end|>\n",), "\n", "\n", ("<|end|>",)),
+    ConvFamily("zephyr", ("<|user|>",), "<|system|>\n{system_message}</s>\n",
+               {"user": "<|user|>", "assistant": "<|assistant|>"}, ("</s>\n",), "\n", "\n", ("</s>",)),
+    ConvFamily("llama-2", ("[INST]", "<<SYS>>"), "<s>[INST] <<SYS>>\n{system_message}\n<</SYS>>\n\n",
+               {"user": "<s>[INST]", "assistant": ""}, (" [/INST]", " </s>"), " ", "", ("</s>",),
+               add_role_after_system_message=False, bos_in_roles=True),
+    # Mistral's templates (named after its tokenizer versions, as llama.cpp does) have no system
+    # role: they fold the system message into a user turn.
+    ConvFamily("mistral-v1", ("[INST]",), " [INST] {system_message}\n\n", {"user": " [INST]", "assistant": ""},
+               (" [/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False),
+    ConvFamily("mistral-v3", ("[INST]",), "[INST] {system_message}\n\n", {"user": "[INST]", "assistant": ""},
+               ("[/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False),
+    ConvFamily("mistral-v3-tekken", ("[INST]",), "[INST]{system_message}\n\n", {"user": "[INST]", "assistant": ""},
+               ("[/INST]", "</s>"), "", "", ("</s>",), add_role_after_system_message=False),
+)
+
+SYSTEM, USER, ASSISTANT, LAST_USER = "Kiln-probe-system", "Kiln-probe-user", "Kiln-probe-reply", "Kiln-probe-again"
+BOS_STAND_IN = "Kiln-probe-bos"
+PROBES = {
+    "one user message": [{"role": "user", "content": USER}],
+    "a system message": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+    "several turns": [{"role": "user", "content": USER}, {"role": "assistant", "content": ASSISTANT},
+                      {"role": "user", "content": LAST_USER}],
+    "a system message and several turns": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
+                                           {"role": "assistant", "content": ASSISTANT},
+                                           {"role": "user", "content": LAST_USER}],
+    "an empty system message": [{"role": "system", "content": ""}, {"role": "user", "content": USER}],
+}
+REQUIRED_PROBES = ("one user message", "a system message", "several turns")
+OTHER_PROBES = tuple(name for name in PROBES if name not in REQUIRED_PROBES)
+
+
+def render_conv_template(conv: dict, messages: list[dict]) -> str:
+    """The prompt text for `messages` (ending with the assistant's turn opened), built as WebLLM
+    0.2.86's Conversation.getPromptArray and web/src/chat-format.js build it; the
+    `system_prefix_token_ids` go before it as ids. For the fields Kiln writes."""
+    system_message = conv["system_message"]
+    if messages[0]["role"] == "system":
+        system_message, messages = messages[0]["content"], messages[1:]
+    shown = system_message != "" or conv["render_empty_system_message"]
+    prompt = system = conv["system_template"].replace(SYSTEM_PLACEHOLDER, system_message, 1) if shown else ""
+    for index, message in enumerate(messages):
+        opens_with_system = not conv["add_role_after_system_message"] and system != "" and index == 0
+        role = "" if opens_with_system else conv["roles"][message["role"]] + conv["role_content_sep"]
+        prompt += role + message["content"] + conv["seps"][index % len(conv["seps"])]
+    return prompt + conv["roles"]["assistant"] + conv["role_empty_sep"]
+
+
+def rendered_or_none(template: ChatTemplate, messages: list[dict]) -> str | None:
+    """The template's prompt, or None when the template refuses the messages (no system role, ...)."""
+    try:
+        return template.render(messages)
+    except ConversationRefused:
+        return None
+
+
+def fitted_system_template(family: ConvFamily, rendered: str) -> str:
+    """The system block as the template renders it (`rendered`: a probe with a system message):
+    the family's, with any text the template adds before the message; "" when it drops system messages."""
+    if SYSTEM not in rendered:
+        return ""
+    opening, closing = family.system_template.split(SYSTEM_PLACEHOLDER)
+    head = rendered[:rendered.index(SYSTEM)]
+    return head + SYSTEM_PLACEHOLDER + closing if head.startswith(opening) else family.system_template
+
+
+def default_system_message(family: ConvFamily, system_template: str, rendered: str) -> str | None:
+    """The system message the template shows when the conversation has none (`rendered`: a probe
+    with one user message), "" for an empty block; None when it shows no system block."""
+    if USER not in rendered or not system_template:
+        return None
+    user_turn = family.roles["user"] + family.role_content_sep
+    head = rendered[:rendered.index(USER)]
+    if head == user_turn:
+        return None
+    block = head.removesuffix(user_turn) if family.add_role_after_system_message else head
+    opening, closing = system_template.split(SYSTEM_PLACEHOLDER)
+    if len(block) < len(opening) + len(closing) or not (block.startswith(opening) and block.endswith(closing)):
+        return None
+    return block[len(opening):len(block) - len(closing)]
+
+
+def opens_with_bos_token(template: ChatTemplate) -> bool:
+    """Whether the template prints `bos_token` before anything else. Rendered with a stand-in for it:
+    a model's bos_token may be a token its layout uses anyway (SmolLM2's is <|im_start|>)."""
+    stand_in = replace(template, special_tokens={**template.special_tokens, "bos_token": BOS_STAND_IN})
+    return stand_in.render(PROBES["one user message"]).startswith(BOS_STAND_IN)
+
+
+def fit(family: ConvFamily, template: ChatTemplate, opening_bos: str) -> tuple[dict, str]:
+    """The family's conv_template fitted to the template (`opening_bos`: the BOS text it prints
+    first, if it does), and the text WebLLM gets as `system_prefix_token_ids`."""
+    prefix = "" if family.bos_in_roles else opening_bos
+    one_user_message = template.render(PROBES["one user message"])
+    with_system = rendered_or_none(template, PROBES["a system message"])
+    system_template = (fitted_system_template(family, with_system.removeprefix(prefix)) if with_system is not None
+                       else family.system_template)
+    default = default_system_message(family, system_template, one_user_message.removeprefix(prefix))
+    conv = {
+        "name": family.name,
+        "system_template": system_template,
+        "system_message": default or "",
+        "system_prefix_token_ids": [],
+        "add_role_after_system_message": family.add_role_after_system_message,
+        "render_empty_system_message": default is not None,
+        "roles": dict(family.roles),
+        "seps": list(family.seps),
+        "role_content_sep": family.role_content_sep,
+        "role_empty_sep": family.role_empty_sep,
+        "stop_str": list(family.stop_str),
+    }
+    return conv, prefix
+
+
+def differing_probes(template: ChatTemplate, conv: dict, prefix: str, names) -> list[tuple[str, str, str]]:
+    """(probe, the template's prompt, the conv_template's) for each probe the template accepts and
+    the conv_template renders differently."""
+    differences = []
+    for name in names:
+        expected = rendered_or_none(template, PROBES[name])
+        ours = prefix + render_conv_template(conv, PROBES[name])
+        if expected is not None and expected != ours:
+            differences.append((name, expected, ours))
+    return differences
+
+
+def first_difference(expected: str, ours: str) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(expected, ours)) if a != b), min(len(expected), len(ours)))
+    start = max(0, at - 20)
+    return f"the template renders {expected[start:at + 30]!r} where that layout gives {ours[start:at + 30]!r}"
+
+
+def raw_completion_template(stop_token_ids: list[int]) -> dict:
+    return {
+        "name": RAW_COMPLETION, "system_template": SYSTEM_PLACEHOLDER, "system_message": "",
+        "system_prefix_token_ids": [], "roles": {"user": "", "assistant": ""}, "seps": [""],
+        "role_content_sep": "", "role_empty_sep": "", "stop_str": [], "stop_token_ids": stop_token_ids,
+    }
+
+
+def derive_conv_template(template: ChatTemplate | None, tokenizer: Tokenizer,
+                         stop_token_ids: list[int]) -> tuple[dict, list[str]]:
+    """The conv_template that lays chats out as `template` does (RAW_COMPLETION without a template),
+    and the probe conversations it still lays out differently."""
+    if template is None:
+        return raw_completion_template(stop_token_ids), []
+    candidates = [f for f in CONV_FAMILIES if all(marker in template.source for marker in f.markers)]
+    if not candidates:
+        raise KilnError("the chat template is of no family Kiln can lay out for the browser (known: "
+                        + ", ".join(f.name for f in CONV_FAMILIES) + ")", template.path)
+    bos = template.special_tokens["bos_token"]
+    opening_bos = bos if bos and opens_with_bos_token(template) else ""
+    first_rejection = None
+    for family in candidates:
+        conv, prefix = fit(family, template, opening_bos)
+        differences = differing_probes(template, conv, prefix, REQUIRED_PROBES)
+        if not differences:
+            break
+        name, expected, ours = differences[0]
+        first_rejection = first_rejection or f"for {name} {first_difference(expected, ours)} ({family.name})"
+    else:
+        raise KilnError(f"the chat template lays chats out in a way no known family reproduces: {first_rejection}",
+                        template.path)
+    if prefix:
+        bos_id = tokenizer.token_to_id(prefix)
+        if bos_id is None:
+            raise KilnError(f"the chat template opens with the bos_token {prefix!r}, which tokenizer.json does not "
+                            "have", template.path)
+        conv["system_prefix_token_ids"] = [bos_id]
+    conv["stop_token_ids"] = stop_token_ids
+    return conv, [name for name, _, _ in differing_probes(template, conv, prefix, OTHER_PROBES)]
