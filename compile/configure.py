@@ -18,6 +18,7 @@ from kiln.engine import load_tokenizer
 from kiln.models import DecoderConfig
 
 from .conv_template import derive_conv_template
+from .library import kv_cache_window
 
 CHAT_CONFIG_VERSION = "0.1.0"
 COPIED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "generation_config.json",
@@ -87,9 +88,10 @@ def write_chat_config(
         "quantization": quantization,
         "model_config": model_config,
         "vocab_size": config.vocab_size,
-        "context_window_size": config.context_window_size,
-        "sliding_window_size": -1,
-        "attention_sink_size": -1,
+        # WebLLM takes either a context window or a sliding window (then -1 for the context)
+        "context_window_size": -1 if config.sliding_window_size else config.context_window_size,
+        "sliding_window_size": kv_cache_window(config),
+        "attention_sink_size": 0 if config.sliding_window_size else -1,
         "prefill_chunk_size": config.prefill_chunk_size,
         "tensor_parallel_shards": 1,
         "temperature": float(generation.get("temperature", 1.0)),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tvm
 
-from kiln.models import DecoderModel, export_spec
+from kiln.models import DecoderConfig, DecoderModel, export_spec
 
 from .system_lib import system_lib_prefix
 from .targets import TargetEntry, kiln_pipeline
@@ -28,6 +28,12 @@ def param_specs(model: DecoderModel, entry: TargetEntry) -> list[ParamSpec]:
     return [ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
 
 
+def kv_cache_window(config: DecoderConfig) -> int:
+    """The KV cache's sliding window: how many past tokens it keeps besides the current one (the
+    model's window minus one: TVM lets a token see its kept window and itself); -1 for none."""
+    return config.sliding_window_size - 1 if config.sliding_window_size else -1
+
+
 def library_metadata(model: DecoderModel, quantization: str, params: list[ParamSpec]) -> dict:
     """What `_metadata` returns; WebLLM fetches weights by `params[].name`."""
     config = model.config
@@ -36,8 +42,8 @@ def library_metadata(model: DecoderModel, quantization: str, params: list[ParamS
         "quantization": quantization,
         "context_window_size": config.context_window_size,
         "prefill_chunk_size": config.prefill_chunk_size,
-        "sliding_window_size": -1,
-        "attention_sink_size": -1,
+        "sliding_window_size": kv_cache_window(config),
+        "attention_sink_size": 0 if config.sliding_window_size else -1,
         "tensor_parallel_shards": 1,
         "kv_state_kind": "kv_cache",
         "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in params],

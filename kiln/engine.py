@@ -368,7 +368,7 @@ class Engine:
                 break
             common += 1
         common = min(common, len(prompt_ids) - 1)  # the last prompt token must run to give logits
-        self.model.rollback(len(self._cached_ids) - common)
+        common = self.model.rollback(len(self._cached_ids) - common)
         del self._cached_ids[common:]
         logits = None
         chunk_size = self.model.prefill_chunk_size

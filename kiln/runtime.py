@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from itertools import groupby
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import tvm
@@ -61,11 +62,18 @@ class NativeModel:
         self._kv_builtin = {name: tvm.get_global_func(f"vm.builtin.{name}") for name in (
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
             "kv_state_end_forward", "kv_state_popn")}
+        self.sliding_window_size = int(self.metadata.get("sliding_window_size", -1))
         self.kv_cache = self.vm["create_tir_paged_kv_cache"](
             ShapeTuple([1]), ShapeTuple([self.context_window_size]), ShapeTuple([self.prefill_chunk_size]),
-            ShapeTuple([PAGE_SIZE]), ShapeTuple([0]),
+            ShapeTuple([PAGE_SIZE]), ShapeTuple([int(self.sliding_window_size > 0)]),
         )
+        self._add_sequence()
+
+    def _add_sequence(self) -> None:
         self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
+        if self.sliding_window_size > 0:
+            tvm.get_global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(
+                self.kv_cache, SEQUENCE_ID, self.sliding_window_size, 0)
         self.cached_tokens = 0
 
     def _load_params(self, names: list[str]) -> list[tvm.runtime.Tensor]:
@@ -87,14 +95,31 @@ class NativeModel:
 
     def reset(self) -> None:
         self._kv_builtin["kv_state_remove_sequence"](self.kv_cache, SEQUENCE_ID)
-        self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
-        self.cached_tokens = 0
+        self._add_sequence()
 
-    def rollback(self, count: int) -> None:
-        """Forget the last `count` cached tokens."""
-        if count:
+    def rollback(self, count: int) -> int:
+        """Forget the last `count` cached tokens; returns how many stay cached. Once a sliding
+        window has dropped tokens, the ones before it cannot come back: then it forgets them all."""
+        if count and self.sliding_window_size > 0 and self.cached_tokens > self.sliding_window_size:
+            self.reset()
+        elif count:
             self._kv_builtin["kv_state_popn"](self.kv_cache, SEQUENCE_ID, count)
             self.cached_tokens -= count
+        return self.cached_tokens
+
+    def _chunk_size(self) -> int:
+        """Prefill chunk length. TVM's sliding-window prefill lets every token of a chunk see the
+        whole kept window, so past the window tokens go one at a time (exact, but decode-speed)."""
+        if self.sliding_window_size <= 0:
+            return self.prefill_chunk_size
+        return max(1, min(self.prefill_chunk_size, self.sliding_window_size + 1 - self.cached_tokens))
+
+    def _chunks(self, token_ids: list[int]) -> Iterator[list[int]]:
+        start = 0
+        while start < len(token_ids):
+            chunk = token_ids[start:start + self._chunk_size()]
+            start += len(chunk)
+            yield chunk
 
     def _step(self, function: str, token_ids: list[int]) -> np.ndarray:
         ids = tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device)
@@ -116,8 +141,7 @@ class NativeModel:
         if not token_ids:
             raise KilnError("nothing to prefill: the prompt has no tokens")
         self._check_room(len(token_ids))
-        for start in range(0, len(token_ids), self.prefill_chunk_size):
-            chunk = token_ids[start:start + self.prefill_chunk_size]
+        for chunk in self._chunks(token_ids):
             logits = self._step("prefill" if len(chunk) > 1 else "decode", chunk)
         return logits[-1]
 
@@ -128,6 +152,4 @@ class NativeModel:
     def all_logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position, [len(token_ids), vocab] (forced decoding in one pass)."""
         self._check_room(len(token_ids))
-        rows = [self._step("prefill_all_logits", token_ids[s:s + self.prefill_chunk_size])
-                for s in range(0, len(token_ids), self.prefill_chunk_size)]
-        return np.concatenate(rows, axis=0)
+        return np.concatenate([self._step("prefill_all_logits", chunk) for chunk in self._chunks(token_ids)], axis=0)

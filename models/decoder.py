@@ -44,6 +44,9 @@ class DecoderConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     rotary_dim: int | None = None  # RoPE over the first `rotary_dim` dimensions of a head (default: all)
+    # Each token attends to the last `sliding_window_size` tokens only; set when the context
+    # window is longer than the model's window (a window that never binds is left out).
+    sliding_window_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -53,9 +53,9 @@ class BrowserModel:
         rows = self.engine.call("session.allLogits", [int(t) for t in token_ids], FULL_LOGITS)
         return np.stack([row["logits"] for row in rows])
 
-    def rollback(self, count: int) -> None:
-        if count:
-            self.engine.call("session.rollback", count)
+    def rollback(self, count: int) -> int:
+        """Forget the last `count` cached tokens; returns how many stay cached."""
+        return self.engine.call("session.rollback", count)
 
     def reset(self) -> None:
         self.engine.call("resetChat")

@@ -91,15 +91,35 @@ def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family,
                                   tmp_path_factory.mktemp("family-gguf") / f"tiny-{family}.F32.gguf")
     from_gguf = NativeModel(builds.model_dir(gguf_path, f"tiny-{family}-gguf", "q0f32", ["cpu"]))
     from_hf = NativeModel(family_build(family, "q0f32"))
+    positions = TINY_FAMILIES[family].gguf_same_positions
     for ids in PROMPTS:
         from_gguf.reset()
         from_hf.reset()
+        ids = ids[:positions]
         assert np.abs(from_gguf.all_logits(ids) - from_hf.all_logits(ids)).max() <= 1e-4, family
 
 
-def test_a_context_longer_than_mistrals_sliding_window_is_refused(family_source, tmp_path, run_compile):
-    result = run_compile(family_source("mistral"), tmp_path / "out", "--context-window-size", str(2 * MISTRAL_WINDOW))
-    assert_clean_failure(result, tmp_path / "out", "config.json", "sliding_window")
+def test_mistrals_sliding_window_is_written_the_way_webllm_reads_it(family_build):
+    model_dir = family_build("mistral", "q0f32")
+    chat_config = json.loads((model_dir / "mlc-chat-config.json").read_text())
+    # WebLLM takes a sliding window instead of a context window, and passes it to the KV cache as
+    # the number of past tokens kept: the model's window minus the current token.
+    assert (chat_config["context_window_size"], chat_config["sliding_window_size"]) == (-1, MISTRAL_WINDOW - 1)
+    assert chat_config["attention_sink_size"] == 0
+    assert chat_config["prefill_chunk_size"] <= MISTRAL_WINDOW - 1
+    assert NativeModel(model_dir).metadata["sliding_window_size"] == MISTRAL_WINDOW - 1
+
+
+def test_a_chat_past_mistrals_window_matches_transformers(family_build, family_source):
+    """Decoding past the window, then rolling back into it (a new turn) and going on."""
+    from kiln.engine import Engine, GenerationConfig
+
+    engine = Engine(family_build("mistral", "q0f32"))
+    reference = reference_model(family_source("mistral"))
+    first = engine.generate(PROMPTS[2], GenerationConfig(max_tokens=8, ignore_eos=True))
+    second = engine.generate(PROMPTS[2][:-3], GenerationConfig(max_tokens=8, ignore_eos=True))
+    assert first.tokens == greedy(reference, PROMPTS[2], 8)[len(PROMPTS[2]):]
+    assert second.tokens == greedy(reference, PROMPTS[2][:-3], 8)[len(PROMPTS[2]) - 3:]
 
 
 def test_a_phi3_context_beyond_its_original_positions_is_refused(family_source, tmp_path, run_compile):
@@ -144,9 +164,27 @@ def test_phi3_configs_as_released(tmp_path):
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     model_dir = builds.model_dir(family_source(family), f"tiny-{family}", "q4f32_1", ["cpu", "webgpu", "wasm"])
     code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)
     assert report["browser"] == backend
     assert_contract_holds(code, report, prompts=9, max_tokens=16)
+
+
+def test_a_gguf_with_a_tensor_the_family_does_not_know_is_refused(family_source, tmp_path, run_compile):
+    extra = {"blk.0.attn_sinks.weight": np.ones(4, dtype=np.float32)}
+    path = write_family_gguf("qwen2", family_source("qwen2"), tmp_path / "odd.gguf", extra_tensors=extra)
+    assert_clean_failure(run_compile(path, tmp_path / "out"), tmp_path / "out", "odd.gguf", "blk.0.attn_sinks.weight")
+
+
+def test_a_checkpoint_tensor_the_family_does_not_use_is_refused(family_source, tmp_path, run_compile):
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "odd"
+    shutil.copytree(family_source("qwen2"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.sinks"] = np.ones(4, dtype=np.float32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_clean_failure(run_compile(folder, tmp_path / "out"), tmp_path / "out",
+                         "model.layers.0.self_attn.sinks", "qwen2")

@@ -58,6 +58,7 @@ class ModelSession {
     tvm.endScope();
     this.contextWindowSize = this.metadata.context_window_size;
     this.prefillChunkSize = this.metadata.prefill_chunk_size;
+    this.slidingWindowSize = this.metadata.sliding_window_size ?? -1;
 
     const wanted = new Map(this.metadata.params.map((param, index) => [param.name, index]));
     const tensors = new Array(wanted.size);
@@ -79,9 +80,22 @@ class ModelSession {
     tvm.beginScope();
     const shape = (value) => tvm.makeShapeTuple([value]);
     this.kvCache = tvm.detachFromCurrentScope(this.functions.create_tir_paged_kv_cache(
-      shape(1), shape(this.contextWindowSize), shape(this.prefillChunkSize), shape(PAGE_SIZE), shape(0)));
-    this.kvBuiltins.kv_state_add_sequence(this.kvCache, tvm.scalar(SEQUENCE_ID, "int64"));
+      shape(1), shape(this.contextWindowSize), shape(this.prefillChunkSize), shape(PAGE_SIZE),
+      shape(this.slidingWindowSize > 0 ? 1 : 0)));
     tvm.endScope();
+    this.addSequence();
+  }
+
+  addSequence() {
+    const tvm = this.tvm;
+    tvm.withNewScope(() => {
+      this.kvBuiltins.kv_state_add_sequence(this.kvCache, tvm.scalar(SEQUENCE_ID, "int64"));
+      if (this.slidingWindowSize > 0) {
+        tvm.getGlobalFunc("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(this.kvCache,
+          tvm.scalar(SEQUENCE_ID, "int64"), tvm.scalar(this.slidingWindowSize, "int32"), tvm.scalar(0, "int32"));
+      }
+    });
+    this.cachedIds = [];
   }
 
   upload(record, bytes) {
@@ -101,18 +115,39 @@ class ModelSession {
   reset() {
     this.tvm.withNewScope(() => {
       this.kvBuiltins.kv_state_remove_sequence(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"));
-      this.kvBuiltins.kv_state_add_sequence(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"));
     });
-    this.cachedIds = [];
+    this.addSequence();
   }
 
-  /** Forget the last `count` cached tokens. */
+  /**
+   * Forget the last `count` cached tokens; returns how many stay cached. Once a sliding window has
+   * dropped tokens, the ones before it cannot come back: then it forgets them all.
+   */
   rollback(count) {
-    if (count <= 0) return;
-    this.tvm.withNewScope(() => {
-      this.kvBuiltins.kv_state_popn(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"), this.tvm.scalar(count, "int32"));
-    });
-    this.cachedIds.length -= count;
+    if (count > 0 && this.slidingWindowSize > 0 && this.cachedIds.length > this.slidingWindowSize) {
+      this.reset();
+    } else if (count > 0) {
+      this.tvm.withNewScope(() => {
+        this.kvBuiltins.kv_state_popn(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"), this.tvm.scalar(count, "int32"));
+      });
+      this.cachedIds.length -= count;
+    }
+    return this.cachedIds.length;
+  }
+
+  /**
+   * Prefill chunks of `ids`, at most `maxRows` long. TVM's sliding-window prefill lets every token
+   * of a chunk see the whole kept window, so past the window tokens go one at a time.
+   */
+  * chunks(ids, maxRows = this.prefillChunkSize) {
+    let start = 0;
+    while (start < ids.length) {
+      // this.cachedIds grows as the caller runs each chunk
+      const room = this.slidingWindowSize > 0 ? this.slidingWindowSize + 1 - this.cachedIds.length : Infinity;
+      const size = Math.max(1, Math.min(maxRows, room));
+      yield ids.slice(start, start + size);
+      start += size;
+    }
   }
 
   checkRoom(count) {
@@ -154,8 +189,7 @@ class ModelSession {
     if (ids.length === 0) throw new EngineError("bad-request", "nothing to prefill: no tokens");
     this.checkRoom(ids.length);
     let rows;
-    for (let start = 0; start < ids.length; start += this.prefillChunkSize) {
-      const chunk = ids.slice(start, start + this.prefillChunkSize);
+    for (const chunk of this.chunks(ids)) {
       rows = await this.step(chunk.length > 1 ? "prefill" : "decode", chunk);
     }
     return rows[rows.length - 1];
@@ -172,10 +206,9 @@ class ModelSession {
    */
   async allLogits(ids, maxRows) {
     this.checkRoom(ids.length);
-    const rowsPerCall = Math.max(1, Math.min(this.prefillChunkSize, maxRows));
     const rows = [];
-    for (let start = 0; start < ids.length; start += rowsPerCall) {
-      rows.push(...await this.step("prefill_all_logits", ids.slice(start, start + rowsPerCall)));
+    for (const chunk of this.chunks(ids, Math.min(this.prefillChunkSize, maxRows))) {
+      rows.push(...await this.step("prefill_all_logits", chunk));
     }
     return rows;
   }
@@ -432,7 +465,7 @@ export class Engine {
 
   rollback(count) {
     this.throwIfFailed();
-    this.session.rollback(count);
+    return this.session.rollback(count);
   }
 
   cachedTokenIds() {
@@ -467,9 +500,9 @@ export class Engine {
     const cached = this.session.cachedIds;
     let common = 0;
     while (common < cached.length && common < ids.length - 1 && cached[common] === ids[common]) ++common;
-    this.session.rollback(cached.length - common);
-    const logits = await this.session.prefill(ids.slice(common));
-    return { logits, prefilled: ids.length - common };
+    const kept = this.session.rollback(cached.length - common);
+    const logits = await this.session.prefill(ids.slice(kept));
+    return { logits, prefilled: ids.length - kept };
   }
 
   /**
