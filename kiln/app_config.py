@@ -78,7 +78,9 @@ def memory_needs(model: CompiledModel) -> tuple[int, int]:
     head_dim = layers.get("head_dim") or hidden // layers["num_attention_heads"]
     kv_heads = layers.get("num_key_value_heads") or layers["num_attention_heads"]
     element = float_bytes(config["quantization"])
-    pages = -(-config["context_window_size"] // PAGE_SIZE)
+    # Kiln's engines size the cache to the model's context window, which a sliding-window model's
+    # chat config leaves at -1 for WebLLM (model_config keeps it).
+    pages = -(-layers["context_window_size"] // PAGE_SIZE)
     kv_layer_bytes = pages * 2 * kv_heads * PAGE_SIZE * head_dim * element
     mlp_bytes = config["prefill_chunk_size"] * 2 * intermediate * element
     logits_bytes = config["vocab_size"] * F32_BYTES

@@ -188,3 +188,14 @@ def test_a_checkpoint_tensor_the_family_does_not_use_is_refused(family_source, t
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     assert_clean_failure(run_compile(folder, tmp_path / "out"), tmp_path / "out",
                          "model.layers.0.self_attn.sinks", "qwen2")
+
+
+def test_the_app_config_sizes_a_sliding_window_models_cache_for_its_context(family_build):
+    from kiln.app_config import memory_needs, read_compiled_model
+
+    model = read_compiled_model(family_build("mistral", "q0f32"))
+    weights = sum(r["nbytes"] for shard in model.tensor_cache["records"] for r in shard["records"])
+    config = model.chat_config["model_config"]
+    kv_cache = 2 * config["num_hidden_layers"] * config["context_window_size"] * config["num_key_value_heads"] \
+        * config["head_dim"] * 4
+    assert memory_needs(model)[0] >= weights + kv_cache
