@@ -88,9 +88,14 @@ class ConfigReader:
             scaling = {**scaling, "rope_type": rope_type}
         return theta, scaling
 
-    def decoder_fields(self, overrides: dict[str, int], max_context: int = 4096) -> dict[str, Any]:
+    def decoder_fields(self, overrides: dict[str, int], max_context: int = 4096,
+                       partial_rotary: bool = False) -> dict[str, Any]:
         """The `DecoderConfig` fields, read the way every Hugging Face decoder stores them; the
-        context window defaults to the model's, at most `max_context`."""
+        context window defaults to the model's, at most `max_context`. RoPE over part of each head
+        (`partial_rotary_factor`) is refused unless the family reads it itself."""
+        if not partial_rotary:
+            rope_parameters = self.hf_config.get("rope_parameters") or {}
+            self.expect("partial_rotary_factor", (1, 1.0), rope_parameters.get("partial_rotary_factor", 1.0))
         hidden_size = self.get("hidden_size", int)
         num_heads = self.get("num_attention_heads", int)
         rope_theta, rope_scaling = self.rope()
@@ -108,6 +113,16 @@ class ConfigReader:
             context_window_size=context,
             prefill_chunk_size=overrides.get("prefill_chunk_size") or min(context, 2048),
         )
+
+    def sliding_window(self, fields: dict[str, Any], key: str = "sliding_window") -> dict[str, Any]:
+        """`decoder_fields` with the model's sliding window turned on when the context window is
+        longer than it (a window that never binds is left out). WebLLM sizes its KV cache to the
+        window it keeps (window - 1 past tokens): a prefill chunk must fit in it."""
+        window = self.get(key, int, None)
+        if window is None or fields["context_window_size"] <= window:
+            return fields
+        return {**fields, "sliding_window_size": window,
+                "prefill_chunk_size": min(fields["prefill_chunk_size"], window - 1)}
 
     def expect(self, key: str, allowed: tuple, default: Any) -> Any:
         """A field whose other values would change the math in ways the family does not compute."""

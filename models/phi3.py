@@ -8,11 +8,11 @@ what differs is in the checkpoint and its config:
   Phi-3 uses the short factors up to `original_max_position_embeddings` and the long ones beyond;
   Kiln applies the short ones in the model (models/decoder.py `apply_rope`), so it refuses a longer
   context window.
-- `sliding_window` (2047 in Phi-3-mini-4k) changes attention only beyond the window, so a longer
-  context window is refused too. `partial_rotary_factor` (Phi-4-mini: 0.75) rotates the first part
-  of each head only.
+- `sliding_window` (2047 in Phi-3-mini-4k) binds once the context window is longer: then the KV
+  cache keeps the last window of tokens (models/decoder.py `ConfigReader.sliding_window`).
+- `partial_rotary_factor` (Phi-4-mini: 0.75) rotates the first part of each head only.
 
-The default context window is the longest of these that Kiln computes exactly, at most 4096.
+The default context window is the original one under LongRoPE, at most 4096.
 """
 
 from __future__ import annotations
@@ -46,19 +46,14 @@ def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Llam
     longest = read.get("max_position_embeddings", int, 4096)
     original = read.get("original_max_position_embeddings", int,
                         (scaling or {}).get("original_max_position_embeddings", longest))
-    sliding_window = read.get("sliding_window", int, None)
-    limits = [limit for limit in (original if scaling else None, sliding_window) if limit]
-    fields = read.decoder_fields(overrides, max_context=min(4096, *limits))
+    fields = read.sliding_window(read.decoder_fields(overrides, max_context=min(4096, original) if scaling else 4096,
+                                                     partial_rotary=True))
     context = fields["context_window_size"]
     if scaling and context > original:
         raise KilnError(f"a context window of {context} is longer than config.json's "
                         f"original_max_position_embeddings ({original}): beyond it Phi-3 switches to the "
                         f"long RoPE factors, which Kiln does not apply; build with --context-window-size {original} "
                         "or less", path)
-    if sliding_window and context > sliding_window:
-        raise KilnError(f"a context window of {context} is longer than config.json's sliding_window "
-                        f"({sliding_window}): Kiln's phi3 has no sliding-window attention yet; build with "
-                        f"--context-window-size {sliding_window} or less", path)
 
     # transformers 5 keeps partial_rotary_factor in rope_parameters, earlier versions at the top level
     rope_parameters = hf_config.get("rope_parameters") or {}

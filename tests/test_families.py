@@ -146,7 +146,8 @@ PHI3_MINI = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, nu
 
 
 def test_phi3_configs_as_released(tmp_path):
-    """Phi-3-mini-128k's LongRoPE under its first name "su", and Phi-3-mini-4k's sliding window."""
+    """Phi-3-mini-128k's LongRoPE under its first name "su", and Phi-3-mini-4k's sliding window
+    (binding past 2047 tokens of its 4096)."""
     parse, path = MODELS["phi3"].parse_config, tmp_path / "config.json"
     factors = [1.5] * 48
     long = parse({**PHI3_MINI, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
@@ -157,9 +158,20 @@ def test_phi3_configs_as_released(tmp_path):
 
     short = {**PHI3_MINI, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
              "sliding_window": 2047, "rope_scaling": None}
-    assert parse(short, path, {}).context_window_size == 2047
-    with pytest.raises(KilnError, match="sliding_window"):
-        parse(short, path, {"context_window_size": 4096})
+    mini_4k = parse(short, path, {})
+    assert (mini_4k.context_window_size, mini_4k.sliding_window_size) == (4096, 2047)
+    assert parse(short, path, {"context_window_size": 2047}).sliding_window_size is None
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral"])
+def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_compute_it(family, family_source,
+                                                                                     tmp_path, run_compile):
+    source = tmp_path / f"{family}-partial-rotary"
+    shutil.copytree(family_source(family), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.5}))
+    assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", "config.json",
+                         "partial_rotary_factor")
 
 
 @pytest.mark.browser
