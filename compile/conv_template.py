@@ -3,7 +3,7 @@
 Kiln's native engine renders the model's jinja chat template. The browser engine
 (web/src/chat-format.js) and WebLLM render a conv_template instead: a system block, then each
 message as role + role_content_sep + content + a separator, then the assistant's role
-(`render_conv_template` below is the same rule). A conv_template is derived here in three steps:
+(`conv_template_pieces` below is the same rule). A conv_template is derived here in four steps:
 
 - the template's family is picked by its markers from a registry of layouts (CONV_FAMILIES);
 - what varies inside a family is read off the template by rendering it with probe messages: a BOS
@@ -12,10 +12,18 @@ message as role + role_content_sep + content + a separator, then the assistant's
   system block when the conversation has none;
 - the result is checked by rendering the probe conversations both ways. A family that does not
   reproduce one user message, a system message and several turns is not the template's; when no
-  family does, the build stops rather than let the browser format chats wrongly. The other probes
-  are shapes a conv_template may be unable to express (Qwen3 shows a system block for an empty
-  system message but none without one; Mistral's v3 templates put the system message into the
-  last user turn): they are returned so the build can warn.
+  family does, the build stops rather than let the browser format chats wrongly;
+- then by token ids. WebLLM (and the browser engine) encode the prompt piece by piece: the system
+  block, each message with its role and separator, the assistant's role, each its own
+  `tokenizer.encode`. A SentencePiece tokenizer that prepends "▁" to every text it encodes (Llama 2,
+  Mistral v0.2) encodes a piece that starts mid-text with a space (Mistral's " Fruit" after
+  "[/INST]") as "▁▁Fruit" where the whole text has "▁Fruit". A family's `variants` put that space
+  elsewhere or leave it to the tokenizer; the layout whose pieces give the template's token ids for
+  the most probes is kept. The probes no layout gives the template's ids for are shapes a
+  conv_template cannot express (Qwen3 shows a system block for an empty system message but none
+  without one; Mistral's v3 templates put the system message into the last user turn; Llama 2 and
+  Mistral v0.2 join the system message and the first user message in one text, which WebLLM encodes
+  as two, "\n\n" and "▁Hello"): they are returned so the build can warn.
 
 Some differences no conv_template can carry, and no probe sees: Llama 3 and Llama 2 templates trim
 whitespace around each message; Qwen3's drops the `<think>` part of earlier assistant turns; a
@@ -29,6 +37,7 @@ the template would.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from dataclasses import dataclass, replace
 
 from tokenizers import Tokenizer
@@ -55,6 +64,9 @@ class ConvFamily:
     stop_str: tuple[str, ...]
     add_role_after_system_message: bool = True  # False: the system block opens the first user turn
     bos_in_roles: bool = False  # the BOS token opens every user turn, so it stays in the text
+    # Other layouts of the same turns (conv_template fields that replace the family's), tried when
+    # encoding WebLLM's pieces one by one gives other ids than the whole text (see the module doc).
+    variants: tuple[dict, ...] = ()
 
 
 CONV_FAMILIES = (
@@ -69,13 +81,17 @@ CONV_FAMILIES = (
                {"user": "<|user|>", "assistant": "<|assistant|>"}, ("<|end|>\n",), "\n", "\n", ("<|end|>",)),
     ConvFamily("zephyr", ("<|user|>",), "<|system|>\n{system_message}</s>\n",
                {"user": "<|user|>", "assistant": "<|assistant|>"}, ("</s>\n",), "\n", "\n", ("</s>",)),
+    # Llama 2's and Mistral v0.2's variant: a reply's piece drops the space after "[/INST]" (role_content_sep
+    # "", the user's role keeps its space), the "▁" the tokenizer prepends stands for it.
     ConvFamily("llama-2", ("[INST]", "<<SYS>>"), "<s>[INST] <<SYS>>\n{system_message}\n<</SYS>>\n\n",
                {"user": "<s>[INST]", "assistant": ""}, (" [/INST]", " </s>"), " ", "", ("</s>",),
-               add_role_after_system_message=False, bos_in_roles=True),
+               add_role_after_system_message=False, bos_in_roles=True,
+               variants=({"roles": {"user": "<s>[INST] ", "assistant": ""}, "role_content_sep": ""},)),
     # Mistral's templates (named after its tokenizer versions, as llama.cpp does) have no system
     # role: they fold the system message into a user turn.
     ConvFamily("mistral-v1", ("[INST]",), " [INST] {system_message}\n\n", {"user": " [INST]", "assistant": ""},
-               (" [/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False),
+               (" [/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False,
+               variants=({"roles": {"user": " [INST] ", "assistant": ""}, "role_content_sep": ""},)),
     ConvFamily("mistral-v3", ("[INST]",), "[INST] {system_message}\n\n", {"user": "[INST]", "assistant": ""},
                ("[/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False),
     ConvFamily("mistral-v3-tekken", ("[INST]",), "[INST]{system_message}\n\n", {"user": "[INST]", "assistant": ""},
@@ -95,23 +111,40 @@ PROBES = {
     "an empty system message": [{"role": "system", "content": ""}, {"role": "user", "content": USER}],
 }
 REQUIRED_PROBES = ("one user message", "a system message", "several turns")
-OTHER_PROBES = tuple(name for name in PROBES if name not in REQUIRED_PROBES)
 
 
-def render_conv_template(conv: dict, messages: list[dict]) -> str:
-    """The prompt text for `messages` (ending with the assistant's turn opened), built as WebLLM
-    0.2.86's Conversation.getPromptArray and web/src/chat-format.js build it; the
-    `system_prefix_token_ids` go before it as ids. For the fields Kiln writes."""
+def conv_template_pieces(conv: dict, messages: list[dict]) -> list[str]:
+    """The prompt for `messages` (ending with the assistant's turn opened) in the pieces WebLLM 0.2.86's
+    Conversation.getPromptArray and web/src/chat-format.js build and encode one by one; the
+    `system_prefix_token_ids` go before them as ids. For the fields Kiln writes."""
     system_message = conv["system_message"]
     if messages[0]["role"] == "system":
         system_message, messages = messages[0]["content"], messages[1:]
     shown = system_message != "" or conv["render_empty_system_message"]
-    prompt = system = conv["system_template"].replace(SYSTEM_PLACEHOLDER, system_message, 1) if shown else ""
+    system = conv["system_template"].replace(SYSTEM_PLACEHOLDER, system_message, 1) if shown else ""
+    pieces = [system] if system else []
     for index, message in enumerate(messages):
         opens_with_system = not conv["add_role_after_system_message"] and system != "" and index == 0
         role = "" if opens_with_system else conv["roles"][message["role"]] + conv["role_content_sep"]
-        prompt += role + message["content"] + conv["seps"][index % len(conv["seps"])]
-    return prompt + conv["roles"]["assistant"] + conv["role_empty_sep"]
+        pieces.append(role + message["content"] + conv["seps"][index % len(conv["seps"])])
+    return [*pieces, conv["roles"]["assistant"] + conv["role_empty_sep"]]
+
+
+def render_conv_template(conv: dict, messages: list[dict]) -> str:
+    """The prompt text for `messages`: its pieces joined."""
+    return "".join(conv_template_pieces(conv, messages))
+
+
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def piecewise_ids(tokenizer: Tokenizer, conv: dict, messages: list[dict]) -> list[int]:
+    """The prompt's token ids as WebLLM and the browser engine encode it: piece by piece."""
+    ids = list(conv["system_prefix_token_ids"])
+    for piece in conv_template_pieces(conv, messages):
+        ids += encode(tokenizer, piece)
+    return ids
 
 
 def rendered_or_none(template: ChatTemplate, messages: list[dict]) -> str | None:
@@ -198,6 +231,17 @@ def first_difference(expected: str, ours: str) -> str:
     return f"the template renders {expected[start:at + 30]!r} where that layout gives {ours[start:at + 30]!r}"
 
 
+def probes_with_other_ids(template: ChatTemplate, tokenizer: Tokenizer, conv: dict) -> list[str]:
+    """The probes the template accepts and the conv_template's pieces give other token ids for than
+    the template's text, encoded whole as the native engine encodes it."""
+    differing = []
+    for name, messages in PROBES.items():
+        expected = rendered_or_none(template, messages)
+        if expected is not None and encode(tokenizer, expected) != piecewise_ids(tokenizer, conv, messages):
+            differing.append(name)
+    return differing
+
+
 def raw_completion_template(stop_token_ids: list[int]) -> dict:
     return {
         "name": RAW_COMPLETION, "system_template": SYSTEM_PLACEHOLDER, "system_message": "",
@@ -209,7 +253,8 @@ def raw_completion_template(stop_token_ids: list[int]) -> dict:
 def derive_conv_template(template: ChatTemplate | None, tokenizer: Tokenizer,
                          stop_token_ids: list[int]) -> tuple[dict, list[str]]:
     """The conv_template that lays chats out as `template` does (RAW_COMPLETION without a template),
-    and the probe conversations it still lays out differently."""
+    and the probe conversations whose token ids it still gives differently (piece by piece, as WebLLM
+    encodes) from the template's."""
     if template is None:
         return raw_completion_template(stop_token_ids), []
     candidates = [f for f in CONV_FAMILIES if all(marker in template.source for marker in f.markers)]
@@ -236,4 +281,8 @@ def derive_conv_template(template: ChatTemplate | None, tokenizer: Tokenizer,
                             "have", template.path)
         conv["system_prefix_token_ids"] = [bos_id]
     conv["stop_token_ids"] = stop_token_ids
-    return conv, [name for name, _, _ in differing_probes(template, conv, prefix, OTHER_PROBES)]
+    # The family's layout, or the variant whose pieces give the template's ids for the most probes.
+    layouts = [conv] + [{**conv, **deepcopy(variant)} for variant in family.variants]
+    differing = [probes_with_other_ids(template, tokenizer, layout) for layout in layouts]
+    best = min(range(len(layouts)), key=lambda i: len(differing[i]))
+    return layouts[best], differing[best]

@@ -1,12 +1,14 @@
 """Chat formatting in its three places: for each family's real chat template (tests/data/chat_templates),
-the browser engine's prompt (web/src/chat-format.js on the conv_template Kiln derives) has the token
-ids of the native engine's (the jinja template), except for the conversations the family's
-conv_template cannot express, which the build names. Then the templates Kiln refuses."""
+the browser engine's prompt (web/src/chat-format.js on the conv_template Kiln derives, encoded piece
+by piece as WebLLM encodes it) has the token ids of the native engine's (the jinja template, encoded
+whole), except for the conversations the family's conv_template cannot express, which the build
+names. Then the templates Kiln refuses."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from web_helpers import run_node_module
 
 import kiln.chat_template
 from kiln.chat_template import ChatTemplate
-from kiln.compile.conv_template import RAW_COMPLETION, derive_conv_template, render_conv_template
+from kiln.compile.conv_template import RAW_COMPLETION, conv_template_pieces, derive_conv_template
 from kiln.errors import KilnError
 
 CONVERSATIONS = {
@@ -40,6 +42,9 @@ CONVERSATIONS = {
 }
 
 MULTI_TURN_SYSTEM = {"a system message and several turns", "a long multi-turn chat"}
+# Llama 2 and Mistral join the system message and the first user message in one text, which WebLLM
+# encodes as two pieces: with a SentencePiece tokenizer "\n\nHello" becomes "\n\n" and "▁Hello".
+SYSTEM_IN_A_USER_TURN = {"a system message", "an empty system message"} | MULTI_TURN_SYSTEM
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,10 @@ CASES = [
     Case("meta-llama-Llama-3.1-8B-Instruct", LLAMA_3_TOKENS, "llama-3"),
     Case("meta-llama-Llama-3.2-3B-Instruct", LLAMA_3_TOKENS, "llama-3"),
     Case("microsoft-Phi-3.5-mini-instruct", PHI_3_TOKENS, "phi-3"),
-    Case("meta-llama-Llama-2-7b-chat-hf", LLAMA_2_TOKENS, "llama-2", frozenset({"an empty system message"})),
-    Case("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, "mistral-v1", frozenset({"an empty system message"})),
+    Case("meta-llama-Llama-2-7b-chat-hf", LLAMA_2_TOKENS, "llama-2", frozenset(SYSTEM_IN_A_USER_TURN)),
+    Case("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, "mistral-v1", frozenset(SYSTEM_IN_A_USER_TURN)),
     # Mistral's v3 templates fold the system message into the last user turn, a conv_template into the first.
-    Case("mistralai-Mistral-Large-Instruct-2407", MISTRAL_V3_TOKENS, "mistral-v3",
-         frozenset({"an empty system message"} | MULTI_TURN_SYSTEM)),
+    Case("mistralai-Mistral-Large-Instruct-2407", MISTRAL_V3_TOKENS, "mistral-v3", frozenset(SYSTEM_IN_A_USER_TURN)),
     Case("mistralai-Mistral-Nemo-Instruct-2407", TEKKEN_TOKENS, "mistral-v3-tekken",
          frozenset({"an empty system message"} | MULTI_TURN_SYSTEM)),
 ]
@@ -94,7 +98,7 @@ def model_folder(folder: Path, case: Case) -> Path:
 
 
 def browser_prompts(jobs: list[dict]) -> list[list[dict]]:
-    """For each {tokenizer, conv, conversations}: the browser engine's prompts ({text, ids}), in Node."""
+    """For each {tokenizer, conv, conversations}: the browser engine's prompts ({pieces, ids}), in Node."""
     return run_node_module("""
         import { createRequire } from "node:module";
         import { encodePrompt, formatChat } from "./src/chat-format.js";
@@ -108,12 +112,23 @@ def browser_prompts(jobs: list[dict]) -> list[list[dict]]:
           const tokenizer = await globalThis.tokenizers.Tokenizer.fromJSON(json);
           const encode = (text) => Array.from(tokenizer.encode(text));
           results.push(job.conversations.map((messages) => {
-            const text = formatChat(job.conv, messages);
-            return { text, ids: encodePrompt(job.conv, text, encode) };
+            const pieces = formatChat(job.conv, messages);
+            return { pieces, ids: encodePrompt(job.conv, pieces, encode) };
           }));
         }
         console.log(JSON.stringify(results));
     """, jobs)
+
+
+def normalized(tokenizer: Tokenizer, texts: list[str]) -> str:
+    """The texts as the tokenizer's model gets them, each encoded on its own: the tokenizer's normalizer
+    runs on each stretch between special tokens (SentencePiece's prepends "▁")."""
+    specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len,
+                      reverse=True)
+    pattern = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+    normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else (lambda text: text)
+    return "".join(part if part in specials else normalize(part) if part else ""
+                   for text in texts for part in pattern.split(text))
 
 
 def test_browser_prompts_have_the_token_ids_of_the_jinja_templates(tmp_path):
@@ -140,10 +155,11 @@ def test_browser_prompts_have_the_token_ids_of_the_jinja_templates(tmp_path):
             native_ids = tokenizer.encode(text, add_special_tokens=False).ids
             if prompt["ids"] != native_ids:
                 differing.add(name)
-            # The texts too (the tiny vocabularies map some characters to <unk>), and the build's
-            # own renderer of conv_templates gives the browser's text.
-            assert (prefix + prompt["text"] == text) == (prompt["ids"] == native_ids), (case.template, name)
-            assert prompt["text"] == render_conv_template(conv, messages), (case.template, name)
+            # The texts too, as the tokenizer's model gets them (the tiny vocabularies map some
+            # characters to <unk>), and the build's own renderer of conv_templates gives the browser's pieces.
+            same_text = normalized(tokenizer, [prefix, *prompt["pieces"]]) == normalized(tokenizer, [text])
+            assert same_text == (prompt["ids"] == native_ids), (case.template, name)
+            assert prompt["pieces"] == conv_template_pieces(conv, messages), (case.template, name)
         assert differing == case.unexpressed, case.template
 
 

@@ -137,7 +137,7 @@ def test_bad_messages_are_rejected():
 
 def test_conv_template_fields_are_honoured_as_webllm_honours_them():
     result = run_node_module("""
-        import { encodePrompt, formatChat } from "./src/chat-format.js";
+        import { encodePrompt, formatChat, piecesFrom } from "./src/chat-format.js";
         const base = { system_template: "<S>{system_message}</S>", system_message: "default",
                        roles: { user: "U", assistant: "A" }, seps: ["|", "#"] };
         const sep = { ...base, role_content_sep: "=" };
@@ -152,17 +152,21 @@ def test_conv_template_fields_are_honoured_as_webllm_honours_them():
           emptySystemHidden: formatChat({ ...sep, render_empty_system_message: false }, system("")),
           roleTemplates: formatChat({ ...sep, role_templates: { user: "[{user_message}]{function_string}" } },
                                     system("s")),
-          prefix: encodePrompt({ ...base, system_prefix_token_ids: [7] }, "text", (text) => [text.length]),
+          prefix: encodePrompt({ ...base, system_prefix_token_ids: [7] }, ["text", "", "ab"], (text) => [text.length]),
+          rest: piecesFrom(["<S>", "U=u1|", "A=a1#", "U=u2|", "A"], 6),
         }));
     """, None)
-    # Without role_content_sep / role_empty_sep WebLLM puts ": ".
-    assert result["defaultSeps"] == "<S>default</S>U: u1|A: a1#U: $& $' u2|A: "
-    assert result["seps"] == "<S>default</S>U=u1|A=a1#U=$& $' u2|A"
-    assert result["noRoleAfterSystem"] == "<S>s</S>u|A: "
-    assert result["emptySystemShown"] == "<S></S>U=u|A: "
-    assert result["emptySystemHidden"] == "U=u|A: "
-    assert result["roleTemplates"] == "<S>s</S>U=[u]|A: "
-    assert result["prefix"] == [7, 4]
+    # The pieces WebLLM encodes one by one. Without role_content_sep / role_empty_sep WebLLM puts ": ".
+    assert result["defaultSeps"] == ["<S>default</S>", "U: u1|", "A: a1#", "U: $& $' u2|", "A: "]
+    assert result["seps"] == ["<S>default</S>", "U=u1|", "A=a1#", "U=$& $' u2|", "A"]
+    assert result["noRoleAfterSystem"] == ["<S>s</S>", "u|", "A: "]
+    assert result["emptySystemShown"] == ["<S></S>", "U=u|", "A: "]
+    assert result["emptySystemHidden"] == ["U=u|", "A: "]
+    assert result["roleTemplates"] == ["<S>s</S>", "U=[u]|", "A: "]
+    # Each piece encoded on its own (here into its length).
+    assert result["prefix"] == [7, 4, 0, 2]
+    # A continued conversation's new text, cut where the pieces meet.
+    assert result["rest"] == ["1|", "A=a1#", "U=u2|", "A"]
 
 
 def test_a_chat_with_a_model_without_a_chat_template_is_an_engine_error():

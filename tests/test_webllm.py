@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_llama import CHAT_TEMPLATES, LLAMA_3_TOKENS, make_tiny_llama
+from tiny_llama import CHAT_TEMPLATES, LLAMA_2_TOKENS, LLAMA_3_TOKENS, PHI_3_TOKENS, QWEN_TOKENS, make_tiny_llama
 from web_helpers import WEB_DIR, browser_page, served
 
 from kiln.engine import Engine, GenerationConfig
@@ -79,16 +79,27 @@ def test_webllm_generates_what_kiln_generates_on_smollm2(driver, tmp_path, smoll
     assert_kiln_replies_the_same(model_dir, conversations, replies)
 
 
+ONE_QUESTION = [{"role": "user", "content": "Tell me about the history of the city"}]
+SEVERAL_TURNS = [{"role": "user", "content": "What is in the old market?"},
+                 {"role": "assistant", "content": "Fruit and fish."},
+                 {"role": "user", "content": "And the river?"}]
+WITH_A_SYSTEM_MESSAGE = [{"role": "system", "content": "You answer in one line."}, *SEVERAL_TURNS]
+
+
 @pytest.mark.slow
-def test_webllm_lays_out_a_llama_3_chat_as_kiln_does(driver, tmp_path, builds, tmp_path_factory):
-    """Llama 3.1's template: a BOS token as system_prefix_token_ids and the template's date lines."""
-    source = make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama-3", tokens=LLAMA_3_TOKENS,
-                             chat_template=(CHAT_TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
-    model_dir = builds.model_dir(source, "tiny-llama-3", "q4f32_1", ["cpu", "webgpu"])
-    conversations = [[{"role": "user", "content": "Tell me about the history of the city"}],
-                     [{"role": "system", "content": "You answer in one line."},
-                      {"role": "user", "content": "What is in the old market?"},
-                      {"role": "assistant", "content": "Fruit and fish."},
-                      {"role": "user", "content": "And the river?"}]]
+@pytest.mark.parametrize("template, tokens, conversations", [
+    # a BOS as system_prefix_token_ids, and the template's date lines in the system block
+    ("meta-llama-Llama-3.1-8B-Instruct", LLAMA_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
+    ("microsoft-Phi-3.5-mini-instruct", PHI_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
+    ("Qwen-Qwen2.5-7B-Instruct", QWEN_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),  # a default system message
+    # SentencePiece. WebLLM encodes the system block and the first message apart, and Mistral's
+    # template joins them in one turn: "\n\nWhat" becomes "\n\n▁What" (a known difference, in the README).
+    ("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, [ONE_QUESTION, SEVERAL_TURNS]),
+])
+def test_webllm_lays_out_each_familys_chat_as_kiln_does(driver, tmp_path, builds, tmp_path_factory, template, tokens,
+                                                        conversations):
+    source = make_tiny_llama(tmp_path_factory.mktemp("sources") / template, tokens=tokens,
+                             chat_template=(CHAT_TEMPLATES / f"{template}.jinja").read_text())
+    model_dir = builds.model_dir(source, f"tiny-{template}", "q4f32_1", ["cpu", "webgpu"])
     replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
     assert_kiln_replies_the_same(model_dir, conversations, replies)

@@ -1,10 +1,12 @@
-// Chat prompts from the `conv_template` of mlc-chat-config.json, laid out as WebLLM 0.2.86 lays
-// them out (Conversation.getPromptArray in @mlc-ai/web-llm): the system block, then each message
-// as role + role_content_sep + content + seps[i % seps.length], then the assistant's role +
-// role_empty_sep; `system_prefix_token_ids` go before the encoded text.
+// Chat prompts from the `conv_template` of mlc-chat-config.json, laid out and encoded as WebLLM
+// 0.2.86 lays them out (Conversation.getPromptArray in @mlc-ai/web-llm): the system block, then each
+// message as role + role_content_sep + content + seps[i % seps.length], then the assistant's role +
+// role_empty_sep, each piece encoded on its own; `system_prefix_token_ids` go before them. (A
+// SentencePiece tokenizer that prepends "▁" to each text it encodes gives other ids for the pieces
+// than for their joined text.)
 //
 // Kiln derives the conv_template from the model's jinja chat template and checks at compile time
-// that both lay out chats alike (compile/conv_template.py); the tests compare token ids.
+// that both give the same token ids (compile/conv_template.py); the tests compare token ids.
 import { EngineError } from "./errors.js";
 
 const ROLES = new Set(["system", "user", "assistant"]);
@@ -58,7 +60,8 @@ function systemBlock(convTemplate, systemMessage) {
   return fill(convTemplate.system_template, "{system_message}", systemMessage);
 }
 
-/** The prompt text for `messages`, ending with the assistant's turn opened for generation. */
+/** The prompt for `messages`, ending with the assistant's turn opened for generation, as the
+ * pieces WebLLM encodes one by one (their text joined is the prompt's text). */
 export function formatChat(convTemplate, messages) {
   if (convTemplate.name === RAW_COMPLETION) {
     throw new EngineError("no-chat-template", "This model has no chat template (a base model): it completes raw text, it does not chat.");
@@ -66,18 +69,30 @@ export function formatChat(convTemplate, messages) {
   if (!convTemplate.seps?.length) throw new EngineError("bad-model", "The conv_template of mlc-chat-config.json has no seps.");
   const turns = normalizeMessages(messages);
   const system = systemBlock(convTemplate, turns[0].role === "system" ? turns.shift().text : convTemplate.system_message);
-  let prompt = system;
+  const pieces = system === "" ? [] : [system];
   turns.forEach((turn, index) => {
     // Families without a system role (Llama 2, Mistral) put the system block where the first role would be.
     const opensWithSystem = convTemplate.add_role_after_system_message === false && system !== "" && index === 0;
     const role = opensWithSystem ? "" : convTemplate.roles[turn.role] + (convTemplate.role_content_sep ?? DEFAULT_ROLE_SEP);
-    prompt += role + roleContent(convTemplate, turn) + convTemplate.seps[index % convTemplate.seps.length];
+    pieces.push(role + roleContent(convTemplate, turn) + convTemplate.seps[index % convTemplate.seps.length]);
   });
-  return prompt + convTemplate.roles.assistant + (convTemplate.role_empty_sep ?? DEFAULT_ROLE_SEP);
+  pieces.push(convTemplate.roles.assistant + (convTemplate.role_empty_sep ?? DEFAULT_ROLE_SEP));
+  return pieces;
 }
 
-/** The token ids of a prompt `formatChat` gave: the conv_template's `system_prefix_token_ids`
- * (a BOS token the template prints first), then the text encoded by `encode`. */
-export function encodePrompt(convTemplate, text, encode) {
-  return [...(convTemplate.system_prefix_token_ids ?? []), ...encode(text)];
+/** The token ids of the pieces `formatChat` gave: the conv_template's `system_prefix_token_ids`
+ * (a BOS token the template prints first), then each piece encoded by `encode` on its own. */
+export function encodePrompt(convTemplate, pieces, encode) {
+  return [...(convTemplate.system_prefix_token_ids ?? []), ...pieces.flatMap((piece) => encode(piece))];
+}
+
+/** The pieces' text from character `start` on, cut where the pieces meet (each part is encoded on its own). */
+export function piecesFrom(pieces, start) {
+  const parts = [];
+  let end = 0;
+  for (const piece of pieces) {
+    end += piece.length;
+    if (end > start) parts.push(piece.slice(Math.max(0, start - (end - piece.length))));
+  }
+  return parts;
 }

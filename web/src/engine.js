@@ -5,7 +5,7 @@
 // It drives the library the way kiln/runtime.py does natively: one sequence in TVM's paged KV
 // cache, `embed` then `prefill` (chunked) / `decode` / `prefill_all_logits`, parameters passed
 // as one packed array. Logits come back to the host every step and tokens are chosen there.
-import { encodePrompt, formatChat } from "./chat-format.js";
+import { encodePrompt, formatChat, piecesFrom } from "./chat-format.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
 import { randomSeed, sampleToken, seededRandom, topK } from "./sampler.js";
@@ -477,17 +477,19 @@ export class Engine {
   /**
    * The prompt of a chat request. A conversation that continues the previous one (its text
    * starts with the last prompt and reply) keeps that turn's exact token ids and encodes only
-   * the new text, as the native engine does: the model sees its own reply as it produced it,
-   * and the KV cache covers all of it.
+   * the new text (each of its pieces on its own), as the native engine does: the model sees its
+   * own reply as it produced it, and the KV cache covers all of it.
    */
   chatPrompt(messages) {
     const convTemplate = this.chatConfig.conv_template;
-    const text = formatChat(convTemplate, messages);
+    const pieces = formatChat(convTemplate, messages);
+    const text = pieces.join("");
     const previous = this.conversation;
     if (previous && text.startsWith(previous.text)) {
-      return { text, ids: [...previous.ids, ...this.encode(text.slice(previous.text.length))] };
+      const rest = piecesFrom(pieces, previous.text.length).flatMap((part) => this.encode(part));
+      return { text, ids: [...previous.ids, ...rest] };
     }
-    return { text, ids: encodePrompt(convTemplate, text, (part) => this.encode(part)) };
+    return { text, ids: encodePrompt(convTemplate, pieces, (piece) => this.encode(piece)) };
   }
 
   rememberConversation(promptText, promptIds, reply) {
