@@ -73,6 +73,7 @@ def test_q0f32_logits_and_greedy_tokens_match_transformers(family, family_build,
     assert ids == greedy(reference, PROMPTS[0], GREEDY_TOKENS), family
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, family_build, family_source):
     native = NativeModel(family_build(family, "q4f32_1"))
@@ -84,6 +85,7 @@ def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, fami
         assert np.abs(native.prefill(ids) - expected).max() <= LOGIT_TOLERANCE, family
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family, builds, family_build,
                                                                           family_source, tmp_path_factory):
