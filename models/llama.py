@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tvm.relax.frontend import nn
@@ -28,19 +29,24 @@ class LlamaConfig(DecoderConfig):
     mlp_bias: bool = False
 
 
-def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
-    read = ConfigReader(hf_config, path)
+def llama_layers_config(read: ConfigReader, fields: dict[str, Any], **family_fields) -> LlamaConfig:
+    """The config of a family built from Llama's layers: `fields` from `read.decoder_fields` (as
+    the family adjusted them) and the family's own fields. The layers compute SiLU only."""
     read.expect("hidden_act", ("silu",), "silu")
-    attention_bias = read.get("attention_bias", bool, False)
     return LlamaConfig(
-        **read.decoder_fields(overrides),
+        **fields,
         intermediate_size=read.get("intermediate_size", int),
         rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
-        qkv_bias=attention_bias,
-        o_proj_bias=attention_bias,
-        mlp_bias=read.get("mlp_bias", bool, False),
+        **family_fields,
         extra=read.unused(),
     )
+
+
+def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
+    read = ConfigReader(hf_config, path)
+    attention_bias = read.get("attention_bias", bool, False)
+    return llama_layers_config(read, read.decoder_fields(overrides), qkv_bias=attention_bias,
+                               o_proj_bias=attention_bias, mlp_bias=read.get("mlp_bias", bool, False))
 
 
 class LlamaAttention(nn.Module):

@@ -14,24 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .decoder import Architecture, ConfigReader
-from .llama import IGNORED_TENSORS, LlamaConfig, LlamaForCausalLM, fused_sources
+from .llama import IGNORED_TENSORS, LlamaConfig, LlamaForCausalLM, fused_sources, llama_layers_config
 
 
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
     read = ConfigReader(hf_config, path)
-    read.expect("hidden_act", ("silu",), "silu")
-    window = read.get("sliding_window", int, None)
-    fields = read.decoder_fields(overrides)
-    if window is not None and fields["context_window_size"] > window:
-        fields["sliding_window_size"] = window
-        # WebLLM sizes the KV cache to the window it keeps (window - 1): a chunk must fit in it.
-        fields["prefill_chunk_size"] = min(fields["prefill_chunk_size"], window - 1)
-    return LlamaConfig(
-        **fields,
-        intermediate_size=read.get("intermediate_size", int),
-        rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
-        extra=read.unused(),
-    )
+    return llama_layers_config(read, read.sliding_window(read.decoder_fields(overrides)))
 
 
 ARCHITECTURE = Architecture(

@@ -11,20 +11,13 @@ from pathlib import Path
 
 from .decoder import Architecture, ConfigReader
 from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
-from .llama import IGNORED_TENSORS, LlamaConfig, LlamaForCausalLM, fused_sources
+from .llama import IGNORED_TENSORS, LlamaConfig, LlamaForCausalLM, fused_sources, llama_layers_config
 
 
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
     read = ConfigReader(hf_config, path)
-    read.expect("hidden_act", ("silu",), "silu")
     read.expect("use_sliding_window", (False,), False)
-    return LlamaConfig(
-        **read.decoder_fields(overrides),
-        intermediate_size=read.get("intermediate_size", int),
-        rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
-        qkv_bias=True,
-        extra=read.unused(),
-    )
+    return llama_layers_config(read, read.decoder_fields(overrides), qkv_bias=True)
 
 
 def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:

@@ -18,20 +18,14 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from .decoder import Architecture, ConfigReader, apply_rope
 from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
 from .layers import RMSNorm
-from .llama import IGNORED_TENSORS, LlamaAttention, LlamaConfig, LlamaForCausalLM, fused_sources
+from .llama import IGNORED_TENSORS, LlamaAttention, LlamaConfig, LlamaForCausalLM, fused_sources, llama_layers_config
 
 
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
     read = ConfigReader(hf_config, path)
-    read.expect("hidden_act", ("silu",), "silu")
     read.expect("attention_bias", (False,), False)
     read.expect("use_sliding_window", (False,), False)
-    return LlamaConfig(
-        **read.decoder_fields(overrides),
-        intermediate_size=read.get("intermediate_size", int),
-        rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
-        extra=read.unused(),
-    )
+    return llama_layers_config(read, read.decoder_fields(overrides))
 
 
 class Qwen3Attention(LlamaAttention):
