@@ -1,47 +1,25 @@
-"""The convert stage: source tensors → fused, quantized parameters in the tensor cache."""
+"""The convert stage: source tensors → the quantization scheme's stored parameters, in the tensor cache."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from kiln.errors import KilnError
-from kiln.models import Architecture, DecoderConfig
+from kiln.models import Architecture
 from kiln.tensor_cache import TensorCacheWriter
 
-from .ingest import SourceModel
 from .library import ParamSpec
-from .quantization import Quantization
-
-QUANTIZED_SUFFIX = ".q_weight"
-SCALE_SUFFIX = ".q_scale"
+from .quantization import Scheme
+from .source_weights import SourceWeights
 
 
-def float_weights(params: list[ParamSpec]) -> list[tuple[str, bool]]:
-    """(float weight name, quantized?) in parameter order; a packed pair comes from one weight."""
-    weights = []
-    for p in params:
-        if p.name.endswith(QUANTIZED_SUFFIX):
-            weights.append((p.name.removesuffix(QUANTIZED_SUFFIX) + ".weight", True))
-        elif not p.name.endswith(SCALE_SUFFIX):
-            weights.append((p.name, False))
-    return weights
-
-
-def load_weight(source: SourceModel, names: list[str]) -> np.ndarray:
-    available = set(source.tensor_names())
-    missing = [n for n in names if n not in available]
-    if missing:
-        raise KilnError(f"the weights lack tensor {missing[0]!r}", source.path)
-    arrays = [source.load_tensor(n) for n in names]
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
-
-
-def check_all_consumed(source: SourceModel, arch: Architecture, consumed: set[str]) -> None:
+def check_all_consumed(weights: SourceWeights, arch: Architecture, float_names: list[str]) -> None:
     """Every source tensor is converted or deliberately ignored by the family: none is dropped silently."""
+    source = weights.source
+    consumed = {part for name in float_names for part in weights.parts(name)}
     ignored = re.compile("|".join(arch.ignored_tensors) or "(?!)")
     left = sorted(n for n in source.tensor_names() if n not in consumed and not ignored.fullmatch(n))
     if left:
@@ -51,23 +29,23 @@ def check_all_consumed(source: SourceModel, arch: Architecture, consumed: set[st
 
 
 def convert_weights(
-    source: SourceModel, arch: Architecture, config: DecoderConfig, quantization: Quantization,
+    weights: SourceWeights, arch: Architecture, scheme: Scheme, float_names: list[str],
     params: list[ParamSpec], out_dir: Path,
 ) -> dict:
-    """Write every parameter the library expects; returns the tensor-cache json."""
+    """Write every parameter the library expects, from the float model's weights `float_names`;
+    returns the tensor-cache json."""
     expected = {p.name: p for p in params}
-    fused = arch.fused_sources(config)
-    weights = float_weights(params)
-    check_all_consumed(source, arch, {source_name for name, _ in weights for source_name in fused.get(name, [name])})
+    check_all_consumed(weights, arch, float_names)
     writer = TensorCacheWriter(out_dir)
-    for name, quantized in tqdm(weights, desc="convert", unit="tensor", leave=False, disable=None):
-        weight = load_weight(source, fused.get(name, [name]))
-        for param_name, array in quantization.pack(name, weight, quantized).items():
+    written = set()
+    for name in tqdm(float_names, desc="convert", unit="tensor", leave=False, disable=None):
+        for param_name, stored in scheme.pack(name, weights, set(expected)).items():
             spec = expected[param_name]
-            if tuple(array.shape) != spec.shape:
-                raise KilnError(
-                    f"tensor for {param_name} has shape {tuple(array.shape)}, the config implies {spec.shape}",
-                    source.path,
-                )
-            writer.add(param_name, array.astype(spec.dtype, copy=False))
+            if tuple(stored.array.shape) != spec.shape:
+                raise KilnError(f"tensor for {param_name} has shape {tuple(stored.array.shape)}, "
+                                f"the config implies {spec.shape}", weights.source.path)
+            writer.add(param_name, stored.array.astype(spec.dtype, copy=False), stored.layout)
+            written.add(param_name)
+    if missing := [name for name in expected if name not in written]:
+        raise KilnError(f"no source tensor gives the library's parameter {missing[0]}", weights.source.path)
     return writer.finish()

@@ -25,13 +25,14 @@ import tvm
 
 import kiln
 from kiln.errors import KilnError
-from kiln.models import architecture_for
+from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_for
 
 from .configure import write_chat_config
 from .convert import convert_weights
 from .ingest import SourceModel, ingest
 from .library import compile_library, library_metadata, param_specs
-from .quantization import quantization_named
+from .quantization import Scheme, quantization_named
+from .source_weights import SourceWeights
 from .system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
 from .targets import TargetEntry, target_named
 
@@ -147,6 +148,16 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
     return versions
 
 
+def quantized_model(source: SourceModel, arch: Architecture, config: DecoderConfig,
+                    scheme: Scheme) -> tuple[DecoderModel, SourceWeights, list[str]]:
+    """The family's module with the scheme's stored weights, the source they are read from, and
+    the names of the float weights they stand for."""
+    weights = SourceWeights(source, arch.fused_sources(config))
+    model = arch.build(config, scheme.model_dtype)
+    float_names = [name for name, _ in model.named_parameters()]
+    return scheme.quantize_model(model, weights), weights, float_names
+
+
 def build(request: BuildRequest) -> BuildResult:
     quantization = quantization_named(request.quantization)
     entries = [target_named(name) for name in request.targets]
@@ -163,7 +174,7 @@ def build(request: BuildRequest) -> BuildResult:
             config = arch.parse_config(source.config, config_file(source), request.overrides())
 
         with clock.stage("quantize"):
-            model = quantization.quantize_model(arch.build(config, quantization.model_dtype))
+            model, weights, float_names = quantized_model(source, arch, config, quantization)
             params = param_specs(model, entries[0])
 
         model_id = checked_model_id(request.model_id or f"{source.name}-{quantization.name}")
@@ -175,7 +186,7 @@ def build(request: BuildRequest) -> BuildResult:
             carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *(f for t in kept_targets.values() for f in target_files(t))])
         else:
             with clock.stage("convert"):
-                convert_weights(source, arch, config, quantization, params, staging)
+                convert_weights(weights, arch, quantization, float_names, params, staging)
         with clock.stage("configure"):
             write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
 

@@ -17,7 +17,8 @@ def comma_list(value: str) -> list[str]:
 def add_compile(sub) -> None:
     p = sub.add_parser("compile", help="build a model for one or more targets")
     p.add_argument("source", help="Hugging Face folder, hub id (org/name) or .gguf file")
-    p.add_argument("--quantization", "-q", required=True, help="q0f32, q0f16, q4f32_1, q4f16_1, q8f32_1, q8f16_1")
+    p.add_argument("--quantization", "-q", required=True, help="q0f32, q0f16, q4f32_1, q4f16_1, q8f32_1, q8f16_1; "
+                   "gguf_f32, gguf_f16 (a .gguf source's own blocks, not quantized again)")
     p.add_argument("--target", "-t", type=comma_list, default=["cpu"], help="cpu, cuda, webgpu, wasm, android, iphone, metal (comma-separated)")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"), help="output folder (default dist/)")
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")

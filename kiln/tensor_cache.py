@@ -38,10 +38,11 @@ class TensorCacheWriter:
         self.pending_bytes = 0
         self.param_count = 0
 
-    def add(self, name: str, array: np.ndarray) -> None:
+    def add(self, name: str, array: np.ndarray, layout: dict | None = None) -> None:
+        """`layout`: extra record fields saying how to read bytes that are not plain values of the dtype."""
         data = np.ascontiguousarray(array).tobytes()
         record = {"name": name, "shape": list(array.shape), "dtype": str(array.dtype),
-                  "format": "raw", "nbytes": len(data)}
+                  "format": "raw", "nbytes": len(data), **(layout or {})}
         self.param_count += int(array.size)
         if self.pending_bytes + len(data) > self.shard_cap_bytes:
             self._flush()

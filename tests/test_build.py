@@ -22,7 +22,8 @@ from conftest import CommandResult
 from tiny_llama import make_tiny_llama
 
 from kiln.cli import main
-from kiln.compile.quantization import QUANTIZATIONS, dequantize_group, quantize_group
+from kiln.compile.quantization import QUANTIZATIONS
+from kiln.compile.quantization.group import dequantize_group, quantize_group
 from kiln.runtime import NativeModel
 from kiln.tensor_cache import SHARD_CAP_BYTES
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kiln.compile.quantization import QUANTIZATIONS, dequantize_group, quantize_group
+from kiln.compile.quantization import QUANTIZATIONS
+from kiln.compile.quantization.group import dequantize_group, quantize_group
 from kiln.compile.wasm_toolchain import dawn_node_environment
 from kiln.runtime import NativeModel
 

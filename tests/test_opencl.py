@@ -19,7 +19,7 @@ from kiln.compile.ingest import ingest
 from kiln.compile.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.opencl_check import (check_opencl_c, check_opencl_kernels, kernel_programs, pocl_context,
                                        run_on_opencl)
-from kiln.compile.pipeline import config_file
+from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
 from kiln.compile.targets import TARGETS
 from kiln.errors import KilnError
@@ -131,7 +131,7 @@ def android_module(source_dir: Path, quantization: str, work: Path) -> tvm.IRMod
     source = ingest(str(source_dir), work)
     arch = architecture_for(source.config, config_file(source))
     config = arch.parse_config(source.config, config_file(source), {})
-    model = scheme.quantize_model(arch.build(config, scheme.model_dtype))
+    model, _, _ = quantized_model(source, arch, config, scheme)
     entry = TARGETS["android"]
     return scheduled_module(model, entry, library_metadata(model, scheme.name, param_specs(model, entry)))
 

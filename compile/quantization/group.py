@@ -1,4 +1,4 @@
-"""Quantization schemes, MLC-compatible: one registry entry per name (`q4f16_1`, ...).
+"""MLC's group quantization (`q4f16_1`, `q4f32_1`, `q8f16_1`, `q8f32_1`), in MLC's format.
 
 Group quantization is symmetric along the input dimension: a group of `group_size` weights shares
 one scale `max|w| / max_q`, each weight is stored as `round(w / scale) + max_q` in `bits` bits,
@@ -17,6 +17,10 @@ from tvm.relax.frontend import nn
 
 from kiln.errors import KilnError
 from kiln.models.layers import Embedding, Linear, add_bias, matmul_transposed
+
+from ..source_weights import SourceWeights
+from .stored import Stored
+from .stored import Stored
 
 
 @dataclass(frozen=True)
@@ -93,23 +97,18 @@ class GroupQuantEmbedding(nn.Module):
 
 
 @dataclass(frozen=True)
-class Quantization:
-    """A quantization scheme: the model's float dtype and, for `qN`, the integer group format."""
-
+class GroupQuantization:
     name: str
     model_dtype: str
-    bits: int | None = None
+    bits: int
     group_size: int = 32
 
     @property
-    def group_format(self) -> GroupFormat | None:
-        return GroupFormat(self.bits, self.group_size, self.model_dtype) if self.bits else None
+    def group_format(self) -> GroupFormat:
+        return GroupFormat(self.bits, self.group_size, self.model_dtype)
 
-    def quantize_model(self, model: nn.Module) -> nn.Module:
-        """Swap every Linear and Embedding for its packed counterpart (in place)."""
+    def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
         fmt = self.group_format
-        if fmt is None:
-            return model
 
         class Rewriter(nn.Mutator):
             def visit_module(self, name: str, node: nn.Module):
@@ -123,13 +122,12 @@ class Quantization:
 
         return Rewriter().visit("", model)
 
-    def pack(self, name: str, weight: np.ndarray, quantized: bool) -> dict[str, np.ndarray]:
-        """The stored parameters for one float source weight `<module>.weight`."""
-        if not quantized:
-            return {name: weight.astype(self.model_dtype)}
-        q_weight, q_scale = quantize_group(weight, self.group_format)
+    def pack(self, name: str, weights: SourceWeights, expected: set[str]) -> dict[str, Stored]:
         module = name.removesuffix(".weight")
-        return {f"{module}.q_weight": q_weight, f"{module}.q_scale": q_scale}
+        if f"{module}.q_weight" not in expected:
+            return {name: Stored(weights.load(name).astype(self.model_dtype))}
+        q_weight, q_scale = quantize_group(weights.load(name), self.group_format)
+        return {f"{module}.q_weight": Stored(q_weight), f"{module}.q_scale": Stored(q_scale)}
 
 
 def check_divisible(module: str, width: int, fmt: GroupFormat) -> None:
@@ -160,20 +158,6 @@ def dequantize_group(q_weight: np.ndarray, q_scale: np.ndarray, fmt: GroupFormat
     return values * np.repeat(q_scale.astype(np.float32), fmt.group_size, axis=1)
 
 
-QUANTIZATIONS: dict[str, Quantization] = {
-    q.name: q
-    for q in (
-        Quantization("q0f32", "float32"),
-        Quantization("q0f16", "float16"),
-        Quantization("q4f32_1", "float32", bits=4),
-        Quantization("q4f16_1", "float16", bits=4),
-        Quantization("q8f32_1", "float32", bits=8),
-        Quantization("q8f16_1", "float16", bits=8),
-    )
-}
-
-
-def quantization_named(name: str) -> Quantization:
-    if name not in QUANTIZATIONS:
-        raise KilnError(f"unknown quantization {name!r} (supported: {', '.join(QUANTIZATIONS)})")
-    return QUANTIZATIONS[name]
+SCHEMES = tuple(
+    GroupQuantization(f"q{bits}f{width}_1", f"float{width}", bits) for bits in (4, 8) for width in (32, 16)
+)
