@@ -11,6 +11,7 @@ special_tokens_map.json and generation_config.json built with the `tokenizers` l
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -73,6 +74,18 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 GGUF_MAPPINGS: dict[str, GGUFMapping] = {arch.gguf.architecture: arch.gguf for arch in MODELS.values() if arch.gguf}
 
 
+@dataclass(frozen=True)
+class GGUFTensorBlocks:
+    """One GGUF tensor as the file stores it: its type and its [rows, row bytes] blocks, rows in
+    Hugging Face order (`read` reads them)."""
+
+    gguf_name: str
+    type_name: str  # ggml's name: "Q4_K", "F32", ...
+    rows: int
+    cols: int
+    read: Callable[[], np.ndarray]
+
+
 def dequantized(tensor) -> np.ndarray:
     values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     # GGUF lists dimensions innermost first (ggml's ne order): numpy's shape is the reverse.
@@ -123,6 +136,21 @@ class GGUFModel:
         values = dequantized(self._tensors[name])
         restore = self._architecture.restore_layout
         return restore(name, values, self.config) if restore else values
+
+    def blocks(self, name: str) -> GGUFTensorBlocks:
+        tensor = self._tensors[name]
+        *outer, cols = reversed(tensor.shape.tolist())
+        rows = math.prod(outer)
+
+        def read() -> np.ndarray:
+            data = np.asarray(tensor.data).view(np.uint8)
+            if data.size % rows:
+                raise KilnError(f"tensor {tensor.name} holds {data.size} bytes, not whole rows of its shape", self.path)
+            data = data.reshape(rows, -1)
+            restore = self._architecture.restore_layout
+            return restore(name, data, self.config) if restore else data
+
+        return GGUFTensorBlocks(tensor.name, tensor.tensor_type.name, rows, cols, read)
 
     def write_tokenizer_files(self, folder: Path) -> None:
         write_tokenizer_files(self.metadata, folder)

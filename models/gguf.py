@@ -53,7 +53,8 @@ class GGUFMapping:
     layer_tensors: dict[str, str]  # "blk.N.<part>" → "model.layers.N.<HF part>"
     global_tensors: dict[str, str] = field(default_factory=lambda: dict(GLOBAL_TENSORS))
     config_tensors: tuple[str, ...] = ()  # tensors the config consumes (e.g. "rope_freqs.weight")
-    # (HF name, values, config) → values in Hugging Face layout
+    # (HF name, values, config) → values in Hugging Face layout. Only a reorder of whole rows, so
+    # that it applies as well to a row of quantized blocks as to a row of floats.
     restore_layout: Callable[[str, np.ndarray, dict], np.ndarray] | None = None
 
 
