@@ -6,7 +6,8 @@ fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` part
   is memory-bound;
 - prefill (a symbolic number of rows): groups of `WEIGHT_ROWS_PER_TILE` weight rows in parallel,
   kept in L1 while every input row streams past them, with the partial sums of one output at a
-  time (8 floats) instead of a buffer as large as the output.
+  time (8 floats) instead of a buffer as large as the output. Packed weights are unpacked once
+  per tile into that buffer, not once per input row.
 dlight's CPU GEMV rule instead vectorizes the output axis around the whole reduction, which LLVM
 scalarizes and unrolls into bodies of thousands of instructions (minutes to compile, slow to run).
 """
@@ -19,15 +20,18 @@ from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.target import Target
 
+from .quantization.ggml_blocks import GROUP_STAGES
+
 MATMUL_BLOCK_NAMES = ("matmul",)
-INLINED_PRODUCERS = ("dequantize", "rows", "row_scales")
+INLINED_PRODUCERS = ("rows", "row_scales")  # an embedding's gathered rows
+DEQUANTIZE = "dequantize"
 VECTOR_LANES = 8
 ACCUMULATORS = 2
 OUTPUTS_PER_STEP = 2
 WEIGHT_ROWS_PER_TILE = 4
 
 
-def _block_names(sch: s_tir.Schedule) -> list[str]:
+def block_names(sch: s_tir.Schedule) -> list[str]:
     return [sch.get(b).name_hint for b in sch.get_child_blocks(get_root_block(sch))]
 
 
@@ -45,7 +49,7 @@ class RowParallelMatmul(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
             return None
         sch = s_tir.Schedule(func)
-        names = _block_names(sch)
+        names = block_names(sch)
         matmuls = [n for n in names if n in MATMUL_BLOCK_NAMES]
         if len(matmuls) != 1:
             return None
@@ -55,17 +59,28 @@ class RowParallelMatmul(dl.ScheduleRule):
         block = sch.get_sblock(matmuls[0])
         *batch, out, reduce = sch.get_loops(block)
         rows = sch.fuse(*batch) if batch else None
-        if rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1:
-            self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
+        single_row = rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1
+        if single_row:
+            if DEQUANTIZE in names:
+                sch.compute_inline(sch.get_sblock(DEQUANTIZE))
+            weight_rows = self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
+        else:
+            weight_rows = self.schedule_many_rows(sch, rows, out, reduce)
+            if DEQUANTIZE in names:
+                sch.compute_at(sch.get_sblock(DEQUANTIZE), weight_rows)
+        for name in GROUP_STAGES:  # a GGUF block type's scales and offsets: once per group of weights
+            if name in names:
+                sch.compute_at(sch.get_sblock(name), weight_rows)
+        if single_row:
             return sch
-        self.schedule_many_rows(sch, rows, out, reduce)
-        for name in _block_names(sch):
-            if not name.startswith(matmuls[0]):  # the matmul's own blocks: update, partial sums, init
+        for name in block_names(sch):
+            # not the matmul's own blocks (update, partial sums, init) nor the unpacked weight tile
+            if not name.startswith(matmuls[0]) and name not in (DEQUANTIZE, *GROUP_STAGES):
                 _vectorize_elementwise(sch, name)
         return sch
 
     @staticmethod
-    def schedule_single_row(sch: s_tir.Schedule, block, rows, out, reduce, lanes_axis: int) -> None:
+    def schedule_single_row(sch: s_tir.Schedule, block, rows, out, reduce, lanes_axis: int) -> s_tir.LoopRV:
         """Decode: `OUTPUTS_PER_STEP` weight rows at a time in parallel, each dot product in
         `ACCUMULATORS` vectors of partial sums held in registers (one vector would make every
         multiply-add wait for the previous one); the lane sum and any epilogue (a fused residual
@@ -84,12 +99,14 @@ class RowParallelMatmul(dl.ScheduleRule):
         sch.unroll(accumulator)
         sch.vectorize(vector)
         sch.reverse_compute_at(block, outer)
-        for name in _block_names(sch):
-            if name not in (sch.get(block).name_hint, sch.get(partial).name_hint):
+        for name in block_names(sch):
+            if name not in (sch.get(block).name_hint, sch.get(partial).name_hint, *GROUP_STAGES):
                 sch.reverse_compute_at(sch.get_sblock(name), outer)
+        return outer
 
     @staticmethod
-    def schedule_many_rows(sch: s_tir.Schedule, rows, out, reduce) -> None:
+    def schedule_many_rows(sch: s_tir.Schedule, rows, out, reduce) -> s_tir.LoopRV:
+        """Returns the parallel loop over tiles of weight rows."""
         tiles, tile_rows = sch.split(out, [None, WEIGHT_ROWS_PER_TILE])
         chunks, lanes = sch.split(reduce, [None, VECTOR_LANES])
         sch.reorder(tiles, rows, tile_rows, chunks, lanes)
@@ -100,6 +117,7 @@ class RowParallelMatmul(dl.ScheduleRule):
         sch.parallel(tiles)
         sch.vectorize(partial_lanes)
         sch.decompose_reduction(partial, partial_chunks)
+        return tiles
 
 
 class RowNorm(dl.ScheduleRule):

@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Callable
 
 import tvm
-from tvm import relax
+from tvm import relax, s_tir
 from tvm.s_tir import dlight as dl
 
 from kiln.errors import KilnError
 
-from .cpu_schedule import RowNorm, RowParallelMatmul
+from .cpu_schedule import RowNorm, RowParallelMatmul, block_names
+from .quantization.ggml_blocks import GROUP_STAGES
 from .system_lib import export_system_library
 from .webgpu_limits import check_webgpu_limits
 
@@ -48,10 +49,25 @@ class MatmulWithoutSimdgroup(dl.ScheduleRule):
         return dl.gpu.Matmul().apply(func, generic, tunable)
 
 
+@tvm.tirx.transform.prim_func_pass(opt_level=0)
+def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimFunc:
+    """GGUF blocks' per-group scales and offsets inlined into the weights that use them: dlight's
+    GPU rules expect the weights as one producer (each thread then reads its group's parameters
+    itself; the CPU schedule instead computes them once per group)."""
+    if not isinstance(func.body, s_tir.SBlockRealize):
+        return func
+    sch = s_tir.Schedule(func)
+    stages = [n for n in block_names(sch) if n in GROUP_STAGES]
+    for name in stages:
+        sch.compute_inline(sch.get_sblock(name))
+    return sch.mod["main"] if stages else func
+
+
 def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
     rules = (matmul or dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
              dl.gpu.GeneralReduction(), dl.gpu.Fallback())
-    return dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])
+    return tvm.transform.Sequential([inline_group_parameters,
+                                     dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])])
 
 
 def metal_schedules() -> tvm.transform.Pass:

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, te
+from tvm import relax
 from tvm.script import relax as R
 
 from random_blocks import HALF_FIELDS, random_blocks
@@ -26,6 +26,7 @@ from web_helpers import browser_page, served
 from kiln.compile import wasm_toolchain
 from kiln.compile.library import device_source
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
+from kiln.compile.quantization.gguf_blocks import as_bytes, reads_words
 from kiln.compile.targets import TARGETS, kiln_pipeline
 
 COLS = 512  # two K-quant blocks, sixteen of the 32-weight ones
@@ -72,18 +73,20 @@ def function_name(name: str) -> str:
     return f"dequantize_{name.lower()}"
 
 
-def dequantize_module(shapes: dict[str, int]) -> tvm.IRModule:
-    """A Relax function per block type, `dequantize_<type>(words) → float32 [rows, COLS]`."""
+def dequantize_module(shapes: dict[str, int], target: tvm.target.Target) -> tvm.IRModule:
+    """A Relax function per block type, `dequantize_<type>(words) → float32 [rows, COLS]`, reading
+    the words as a model's kernels read them on `target` (bytes, or words on WebGPU)."""
     builder = relax.BlockBuilder()
     for name, rows in shapes.items():
         block_type: BlockType = BLOCK_TYPES[name]
-        words = relax.Var("words", R.Tensor((rows, block_type.row_words(COLS)), "uint32"))
+        row_words = block_type.row_words(COLS)
+        words = relax.Var("words", R.Tensor((rows, row_words), "uint32"))
         with builder.function(function_name(name), [words]):
             with builder.dataflow():
+                stored = words if reads_words(target) else builder.emit(as_bytes(words, rows, row_words))
                 weights = builder.emit_output(builder.call_te(
-                    lambda w, t=block_type, n=rows: te.compute((n, COLS), lambda r, c: t.value(w, r, c),
-                                                               name="dequantize"),
-                    words, primfunc_name_hint=function_name(name)))
+                    lambda w, t=block_type, n=rows: t.dequantize_te(w, n, COLS, "float32"),
+                    stored, primfunc_name_hint=function_name(name)))
             builder.emit_func_output(weights)
     return builder.get()
 
@@ -93,7 +96,7 @@ def build(target_name: str, shapes: dict[str, int]):
     entry = TARGETS[target_name]
     target = entry.target()
     with target:
-        scheduled = kiln_pipeline(entry)(dequantize_module(shapes))
+        scheduled = kiln_pipeline(entry)(dequantize_module(shapes, target))
     return tvm.compile(scheduled, target, relax_pipeline=None)
 
 

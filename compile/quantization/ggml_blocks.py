@@ -3,8 +3,10 @@
 A GGUF stores each row of a [rows, cols] weight as `cols / elements` blocks of `bytes` bytes
 (F32, F16 and BF16 are blocks of one value). Kiln keeps those bytes unchanged: a row is stored
 as little-endian uint32 words, zero-padded to a whole word when its byte count is not a multiple
-of four. `BlockType.value` is the expression for one weight, written against `RowBytes`, so the
-dequantization is part of whichever kernel reads the weight. The formulas are ggml's
+of four. Kernels read those words as bytes (a uint8 view of the same memory), except on WebGPU,
+whose shaders have no 8-bit type and shift bytes out of the words. `BlockType.dequantize_te` is
+the weights as a tensor expression written against `RowBytes`, so the dequantization is part of
+whichever kernel reads the weights. The formulas are ggml's
 `dequantize_row_*` (ggml-quants.c); gguf-py's `gguf.quants.dequantize` is the reference the tests
 compare against.
 """
@@ -30,28 +32,48 @@ def f32(value: float) -> PrimExpr:
 
 
 class RowBytes:
-    """The bytes of one stored row, read out of its uint32 words."""
+    """The bytes of one stored row: `stored` is [rows, row bytes] uint8 where the target reads
+    bytes, or the [rows, row words] uint32 words themselves (WGSL has no 8-bit type)."""
 
-    def __init__(self, words: te.Tensor, row: PrimExpr):
-        self.words, self.row = words, row
+    def __init__(self, stored: te.Tensor, row: PrimExpr):
+        self.stored, self.row = stored, row
+        self.in_words = stored.dtype == "uint32"
 
-    def _word(self, offset: PrimExpr) -> PrimExpr:
-        return self.words[self.row, offset // 4]
+    def _bits(self, offset: PrimExpr, mask: int) -> PrimExpr:
+        """The bits of `mask` (0xFF, 0xFFFF) at a byte offset within one word."""
+        word = self.stored[self.row, offset // 4]
+        return (word >> ((offset % 4) * 8).astype("uint32")) & u32(mask)
 
     def u8(self, offset: PrimExpr) -> PrimExpr:
-        return (self._word(offset) >> ((offset % 4) * 8).astype("uint32")) & u32(0xFF)
+        if self.in_words:
+            return self._bits(offset, 0xFF)
+        return self.stored[self.row, offset].astype("uint32")
+
+    def u16(self, offset: PrimExpr) -> PrimExpr:
+        """Little-endian, at an even offset."""
+        if self.in_words:
+            return self._bits(offset, 0xFFFF)
+        return self.u8(offset) | (self.u8(offset + 1) << u32(8))
+
+    def u32(self, offset: PrimExpr) -> PrimExpr:
+        """Little-endian, at a multiple of 4."""
+        if self.in_words:
+            return self.stored[self.row, offset // 4]
+        return self.u16(offset) | (self.u16(offset + 2) << u32(16))
 
     def i8(self, offset: PrimExpr) -> PrimExpr:
         """A signed byte, as float32."""
         return (tirx.reinterpret("int32", self.u8(offset) << u32(24)) >> 24).astype("float32")
 
     def f16(self, offset: PrimExpr) -> PrimExpr:
-        """An IEEE half at an even offset, as float32 (no float16 arithmetic needed on the target).
-        Normal halves move their exponent and mantissa into a float32's fields and rebias the
+        """An IEEE half at an even offset, as float32: a conversion where the target reads bytes;
+        from the words, by hand (WebGPU has float16 only with an optional feature). Normal halves move their exponent and mantissa into a float32's fields and rebias the
         exponent by 127 - 15 (infinities and NaNs to float32's all-ones exponent); subnormal ones
         are mantissa × 2^-24, that factor given as its bits because TVM writes WGSL float literals
         to 7 digits (2^-24 would become 5.960464e-08)."""
-        bits = (self._word(offset) >> ((offset % 4) * 8).astype("uint32")) & u32(0xFFFF)
+        bits = self.u16(offset)
+        if not self.in_words:
+            return tirx.reinterpret("float16", bits.astype("uint16")).astype("float32")
         magnitude = bits & u32(0x7FFF)
         rebias = tirx.Select(magnitude < u32(0x7C00), u32(112 << 23), u32(224 << 23))
         normal = tirx.reinterpret("float32", (magnitude << u32(13)) + rebias)
@@ -60,11 +82,10 @@ class RowBytes:
         return tirx.Select((bits & u32(0x8000)) != u32(0), -value, value)
 
     def bf16(self, offset: PrimExpr) -> PrimExpr:
-        bits = (self._word(offset) >> ((offset % 4) * 8).astype("uint32")) & u32(0xFFFF)
-        return tirx.reinterpret("float32", bits << u32(16))
+        return tirx.reinterpret("float32", self.u16(offset) << u32(16))
 
     def f32(self, offset: PrimExpr) -> PrimExpr:
-        return tirx.reinterpret("float32", self._word(offset))
+        return tirx.reinterpret("float32", self.u32(offset))
 
 
 def nibble(byte: PrimExpr, high: PrimExpr) -> PrimExpr:
@@ -80,8 +101,11 @@ def as_float(value: PrimExpr) -> PrimExpr:
     return value.astype("float32")
 
 
-# Each reader gets the row's bytes, the offset of the block in the row, and the index of the
-# weight in the block; it returns the weight as float32.
+GROUP_STAGES = ("group_scale", "group_offset")  # the stages of a quantized type's shared parameters
+
+# Readers get the row's bytes, the offset of the block in the row, and the index of a weight (or
+# of a group of weights) in the block; they return float32.
+Reader = Callable[[RowBytes, PrimExpr, PrimExpr], PrimExpr]
 
 
 def read_f32(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:
@@ -96,39 +120,45 @@ def read_bf16(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:
     return b.bf16(block)
 
 
+def d_at(offset: int) -> Reader:
+    """A block's float16 field at `offset` (d, m), shared by the whole block."""
+    return lambda b, block, group: b.f16(block + offset)
+
+
 def q4_nibble(b: RowBytes, quants: PrimExpr, j: PrimExpr) -> PrimExpr:
     """Q4_0/Q4_1/Q5_x low bits: weight j < 16 is the low nibble of byte j, j ≥ 16 the high nibble of byte j - 16."""
     return nibble(b.u8(quants + j % 16), j // 16)
 
 
-def read_q4_0(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qs[16]
-    return b.f16(block) * (as_float(q4_nibble(b, block + 2, j)) - f32(8))
-
-
-def read_q4_1(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, qs[16]
-    return b.f16(block) * as_float(q4_nibble(b, block + 4, j)) + b.f16(block + 2)
-
-
-def q5_value(b: RowBytes, high_bits: PrimExpr, quants: PrimExpr, j: PrimExpr) -> PrimExpr:
+def q5_bits(b: RowBytes, high_bits: PrimExpr, quants: PrimExpr, j: PrimExpr) -> PrimExpr:
     """Q5_0/Q5_1: the fifth bit of weight j is bit j of the 32-bit qh."""
     return q4_nibble(b, quants, j) | (bit(b.u8(high_bits + j // 8), j % 8) << u32(4))
 
 
-def read_q5_0(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qh[4], qs[16]
-    return b.f16(block) * (as_float(q5_value(b, block + 2, block + 6, j)) - f32(16))
+def q4_0_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qs[16]
+    return as_float(q4_nibble(b, block + 2, j)) - f32(8)
 
 
-def read_q5_1(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, qh[4], qs[16]
-    return b.f16(block) * as_float(q5_value(b, block + 4, block + 8, j)) + b.f16(block + 2)
+def q4_1_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, qs[16]
+    return as_float(q4_nibble(b, block + 4, j))
 
 
-def read_q8_0(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qs[32] (int8)
-    return b.f16(block) * b.i8(block + 2 + j)
+def q5_0_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qh[4], qs[16]
+    return as_float(q5_bits(b, block + 2, block + 6, j)) - f32(16)
 
 
-def k_scale_and_min(b: RowBytes, scales: PrimExpr, sub: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
-    """Q4_K/Q5_K: the 6-bit scale and min of sub-block `sub` (0..7), packed in 12 bytes
-    (ggml's get_scale_min_k4)."""
+def q5_1_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, qh[4], qs[16]
+    return as_float(q5_bits(b, block + 4, block + 8, j))
+
+
+def q8_0_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qs[32] (int8)
+    return b.i8(block + 2 + j)
+
+
+def k_scale_and_min(b: RowBytes, block: PrimExpr, sub: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
+    """Q4_K/Q5_K (d, dmin, scales[12], ...): the 6-bit scale and min of sub-block `sub` (0..7),
+    packed in 12 bytes (ggml's get_scale_min_k4)."""
+    scales = block + 4
     low = sub < 4
     first, second = b.u8(scales + sub % 4), b.u8(scales + 4 + sub % 4)
     sixth = b.u8(scales + 8 + sub % 4)
@@ -137,32 +167,49 @@ def k_scale_and_min(b: RowBytes, scales: PrimExpr, sub: PrimExpr) -> tuple[PrimE
     return as_float(scale), as_float(minimum)
 
 
-def k_quant(b: RowBytes, block: PrimExpr, j: PrimExpr, level: Callable[[PrimExpr, PrimExpr, PrimExpr], PrimExpr]) -> PrimExpr:
-    """Q4_K/Q5_K: d, dmin, scales[12], then the quants. Weight j is in sub-block j // 32; each
-    64 weights share 32 bytes of low bits, the first 32 in the low nibbles."""
-    sub, lane = j // 32, j % 32
-    scale, minimum = k_scale_and_min(b, block + 4, sub)
-    return (b.f16(block) * scale) * as_float(level(sub, lane, (j // 64) * 32 + lane)) - b.f16(block + 2) * minimum
+def k_scale(b: RowBytes, block: PrimExpr, sub: PrimExpr) -> PrimExpr:
+    return b.f16(block) * k_scale_and_min(b, block, sub)[0]
 
 
-def read_q4_k(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, dmin, scales[12], qs[128]
-    return k_quant(b, block, j, lambda sub, lane, byte: nibble(b.u8(block + 16 + byte), sub % 2))
+def k_offset(b: RowBytes, block: PrimExpr, sub: PrimExpr) -> PrimExpr:
+    return -(b.f16(block + 2) * k_scale_and_min(b, block, sub)[1])
 
 
-def read_q5_k(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, dmin, scales[12], qh[32], qs[128]
-    def level(sub, lane, byte):
-        return nibble(b.u8(block + 48 + byte), sub % 2) | (bit(b.u8(block + 16 + lane), sub) << u32(4))
-
-    return k_quant(b, block, j, level)
+def k_low_bits(b: RowBytes, quants: PrimExpr, j: PrimExpr) -> PrimExpr:
+    """Q4_K/Q5_K: each 64 weights share 32 bytes of low bits, the first 32 in the low nibbles."""
+    return nibble(b.u8(quants + (j // 64) * 32 + j % 32), (j // 32) % 2)
 
 
-def read_q6_k(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # ql[128], qh[64], scales[16] (int8), d
-    """Each 128 weights: 64 bytes of low nibbles, 32 bytes of 2-bit high parts, 8 scales (one per 16)."""
+def q4_k_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, dmin, scales[12], qs[128]
+    return as_float(k_low_bits(b, block + 16, j))
+
+
+def q5_k_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, dmin, scales[12], qh[32], qs[128]
+    return as_float(k_low_bits(b, block + 48, j) | (bit(b.u8(block + 16 + j % 32), j // 32) << u32(4)))
+
+
+def q6_k_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # ql[128], qh[64], scales[16] (int8), d
+    """Each 128 weights: 64 bytes of low nibbles, 32 bytes of 2-bit high parts."""
     half, quarter, lane = j // 128, (j % 128) // 32, j % 32
     low = nibble(b.u8(block + half * 64 + (quarter % 2) * 32 + lane), quarter // 2)
     high = (b.u8(block + 128 + half * 32 + lane) >> (quarter * 2).astype("uint32")) & u32(3)
-    scale = b.i8(block + 192 + half * 8 + lane // 16 + quarter * 2)
-    return (b.f16(block + 208) * scale) * (as_float(low | (high << u32(4))) - f32(32))
+    return as_float(low | (high << u32(4))) - f32(32)
+
+
+def q6_k_scale(b: RowBytes, block: PrimExpr, group: PrimExpr) -> PrimExpr:
+    return b.f16(block + 208) * b.i8(block + 192 + group)
+
+
+@dataclass(frozen=True)
+class Levels:
+    """A quantized type: weight = level × scale (+ offset), with the level from the weight's own
+    bits and the scale and offset shared by `group` consecutive weights (computed in the order
+    ggml computes them, so the products round the same)."""
+
+    group: int
+    level: Reader
+    scale: Reader
+    offset: Reader | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +217,7 @@ class BlockType:
     name: str  # ggml's, as gguf.GGMLQuantizationType names it
     elements: int
     bytes: int
-    read: Callable[[RowBytes, PrimExpr, PrimExpr], PrimExpr]
+    read: Reader | Levels  # a float type's value, or a quantized type's levels
 
     def row_words(self, cols: int) -> int:
         return -(-self.row_bytes(cols) // 4)
@@ -178,9 +225,31 @@ class BlockType:
     def row_bytes(self, cols: int) -> int:
         return cols // self.elements * self.bytes
 
-    def value(self, words: te.Tensor, row: PrimExpr, col: PrimExpr) -> PrimExpr:
-        """Weight [row, col] of a matrix stored as `words` [rows, row_words], as float32."""
-        return self.read(RowBytes(words, row), col // self.elements * self.bytes, col % self.elements)
+    def dequantize_te(self, stored: te.Tensor, rows, cols: int, dtype: str) -> te.Tensor:
+        """The [rows, cols] weights of a matrix `stored` as RowBytes reads it. A quantized type's
+        scales and offsets are stages of their own (`group_scale`, `group_offset`, one value per
+        group), which a schedule can compute once per group or inline."""
+
+        def block(col):
+            return col // self.elements * self.bytes
+
+        if not isinstance(self.read, Levels):
+            return te.compute((rows, cols), lambda r, c: self.read(RowBytes(stored, r), block(c), c % self.elements)
+                              .astype(dtype), name="dequantize")
+        levels, size = self.read, self.read.group
+
+        def per_group(reader: Reader, name: str) -> te.Tensor:
+            return te.compute((rows, cols // size), lambda r, g: reader(
+                RowBytes(stored, r), block(g * size), (g * size) % self.elements // size), name=name)
+
+        scale = per_group(levels.scale, GROUP_STAGES[0])
+        offset = per_group(levels.offset, GROUP_STAGES[1]) if levels.offset else None
+
+        def value(r, c):
+            scaled = levels.level(RowBytes(stored, r), block(c), c % self.elements) * scale[r, c // size]
+            return (scaled if offset is None else scaled + offset[r, c // size]).astype(dtype)
+
+        return te.compute((rows, cols), value, name="dequantize")
 
     def words(self, rows: np.ndarray) -> np.ndarray:
         """A [rows, row_bytes] uint8 array of blocks as the stored uint32 words."""
@@ -195,13 +264,13 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("F32", 1, 4, read_f32),
         BlockType("F16", 1, 2, read_f16),
         BlockType("BF16", 1, 2, read_bf16),
-        BlockType("Q4_0", 32, 18, read_q4_0),
-        BlockType("Q4_1", 32, 20, read_q4_1),
-        BlockType("Q5_0", 32, 22, read_q5_0),
-        BlockType("Q5_1", 32, 24, read_q5_1),
-        BlockType("Q8_0", 32, 34, read_q8_0),
-        BlockType("Q4_K", 256, 144, read_q4_k),
-        BlockType("Q5_K", 256, 176, read_q5_k),
-        BlockType("Q6_K", 256, 210, read_q6_k),
+        BlockType("Q4_0", 32, 18, Levels(32, q4_0_level, d_at(0))),
+        BlockType("Q4_1", 32, 20, Levels(32, q4_1_level, d_at(0), d_at(2))),
+        BlockType("Q5_0", 32, 22, Levels(32, q5_0_level, d_at(0))),
+        BlockType("Q5_1", 32, 24, Levels(32, q5_1_level, d_at(0), d_at(2))),
+        BlockType("Q8_0", 32, 34, Levels(32, q8_0_level, d_at(0))),
+        BlockType("Q4_K", 256, 144, Levels(32, q4_k_level, k_scale, k_offset)),
+        BlockType("Q5_K", 256, 176, Levels(32, q5_k_level, k_scale, k_offset)),
+        BlockType("Q6_K", 256, 210, Levels(16, q6_k_level, q6_k_scale)),
     )
 }

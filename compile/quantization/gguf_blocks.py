@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
-from tvm import te
+import tvm
+from tvm import relax, te
 from tvm.relax.frontend import nn
 
 from kiln.errors import KilnError
@@ -25,8 +26,22 @@ from .stored import Stored
 from .ggml_blocks import BLOCK_TYPES, BlockType
 
 
-def dequantize_te(block_type: BlockType, words: te.Tensor, rows, cols: int, dtype: str) -> te.Tensor:
-    return te.compute((rows, cols), lambda r, c: block_type.value(words, r, c).astype(dtype), name="dequantize")
+def reads_words(target: tvm.target.Target | None) -> bool:
+    """WGSL has no 8-bit type: WebGPU kernels read the stored words and shift bytes out of them.
+    Every other target reads bytes, which lets a CPU load a run of them as one vector."""
+    return target is not None and target.kind.name == "webgpu"
+
+
+def as_bytes(words: relax.Expr, rows, row_words) -> relax.Expr:
+    """The stored words as [rows, row bytes] uint8: a view of the same memory, not a copy."""
+    return relax.op.memory.view(words, shape=[rows, row_words * 4], dtype="uint8")
+
+
+def readable(blocks: nn.Tensor) -> nn.Tensor:
+    """What the kernels read of a stored matrix, for the target being built."""
+    if reads_words(tvm.target.Target.current(allow_none=True)):
+        return blocks
+    return nn.wrap_nested(as_bytes(blocks._expr, *blocks.shape), "bytes")
 
 
 class BlockMatrix(nn.Module):
@@ -39,10 +54,10 @@ class BlockMatrix(nn.Module):
     def matmul(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
             lambda x, w: matmul_transposed(
-                x, dequantize_te(self.block_type, w, self.rows, self.cols, self.dtype), x.dtype
+                x, self.block_type.dequantize_te(w, self.rows, self.cols, self.dtype), x.dtype
             ),
             "dequantize_matmul",
-            [x, self.blocks],
+            [x, readable(self.blocks)],
         )
 
 
@@ -68,17 +83,17 @@ class GGUFEmbedding(nn.Module):
     def forward(self, token_ids: nn.Tensor) -> nn.Tensor:
         def gather_rows(w, ids):
             rows = te.compute((ids.shape[0], w.shape[1]), lambda i, j: w[ids[i], j], name="rows")
-            return dequantize_te(self.block_type, rows, ids.shape[0], self.hidden_size, self.dtype)
+            return self.block_type.dequantize_te(rows, ids.shape[0], self.hidden_size, self.dtype)
 
-        return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [self.blocks, token_ids])
+        return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [readable(self.blocks), token_ids])
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
             lambda x, w: matmul_transposed(
-                x, dequantize_te(self.block_type, w, self.vocab_size, self.hidden_size, self.dtype), "float32"
+                x, self.block_type.dequantize_te(w, self.vocab_size, self.hidden_size, self.dtype), "float32"
             ),
             "dequantize_lm_head",
-            [x, self.blocks],
+            [x, readable(self.blocks)],
         )
 
 
