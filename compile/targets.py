@@ -38,10 +38,11 @@ class Declining(dl.ScheduleRule):
             return None
 
 
-class MatmulWithoutSimdgroup(dl.ScheduleRule):
-    """dlight's Matmul without its Metal path: that path's simdgroup tensorization crashes this
-    TVM (a segfault in Tensorize, which no try/except catches). Giving the rule a generic GPU
-    target takes the tiled schedule dlight itself falls back to when tensorization declines."""
+class MatmulWithoutTensorization(dl.ScheduleRule):
+    """dlight's Matmul without its tensorized paths: Metal's simdgroup and CUDA's float16 tensor
+    core tensorization crash this TVM (a segfault in Tensorize, which no try/except catches; on
+    CUDA every q4f16_1 or gguf_f16 build). Giving the rule a generic GPU target takes the tiled
+    schedule dlight itself falls back to when tensorization declines."""
 
     def apply(self, func, target, tunable):
         generic = tvm.target.Target({"kind": "opencl", "max_num_threads": int(target.attrs["max_num_threads"]),
@@ -70,8 +71,8 @@ def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
                                      dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])])
 
 
-def metal_schedules() -> tvm.transform.Pass:
-    return gpu_schedules(MatmulWithoutSimdgroup())
+def untensorized_gpu_schedules() -> tvm.transform.Pass:
+    return gpu_schedules(MatmulWithoutTensorization())
 
 
 def cpu_schedules() -> tvm.transform.Pass:
@@ -141,7 +142,7 @@ TARGETS: dict[str, TargetEntry] = {
         TargetEntry("cuda", "NVIDIA GPUs (shared library; kernels compiled at load by nvrtc/nvcc)",
                     lambda: {"kind": "cuda", "arch": "sm_80", "max_shared_memory_per_block": 49152,
                              "max_num_threads": 1024, "thread_warp_size": 32, "host": {"kind": "llvm"}},
-                    gpu_schedules,
+                    untensorized_gpu_schedules,
                     export_shared_library, "so"),
         TargetEntry("webgpu", "browsers with WebGPU (wasm + WGSL)",
                     lambda: {"kind": "webgpu", "host": WASM32}, gpu_schedules, export_wasm, "wasm",
@@ -152,10 +153,10 @@ TARGETS: dict[str, TargetEntry] = {
                     android_target, gpu_schedules, export_system_library, "tar", system_lib=True,
                     kernel_source="cl"),
         TargetEntry("iphone", "iPhones and iPads (Metal; static library for arm64 iOS, build-only here)",
-                    lambda: metal_target("arm64-apple-ios14.0"), metal_schedules, export_system_library,
+                    lambda: metal_target("arm64-apple-ios14.0"), untensorized_gpu_schedules, export_system_library,
                     "tar", system_lib=True),
         TargetEntry("metal", "Macs with Apple silicon (Metal; static library for arm64 macOS, build-only here)",
-                    lambda: metal_target("arm64-apple-macosx11.0"), metal_schedules, export_system_library,
+                    lambda: metal_target("arm64-apple-macosx11.0"), untensorized_gpu_schedules, export_system_library,
                     "tar", system_lib=True),
     )
 }
