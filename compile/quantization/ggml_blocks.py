@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import tvm
 from tvm import te, tirx
 from tvm.ir.expr import ExprWithOp as PrimExpr
 
@@ -31,6 +32,11 @@ def f32(value: float) -> PrimExpr:
     return tirx.const(value, "float32")
 
 
+def converts_halves(target: tvm.target.Target | None) -> bool:
+    """Whether float16 → float32 is an instruction on the target (not on wasm or WebGPU)."""
+    return target is None or target.kind.name != "webgpu" and "wasm" not in str(target.attrs.get("mtriple", ""))
+
+
 class RowBytes:
     """The bytes of one stored row: `stored` is [rows, row bytes] uint8 where the target reads
     bytes, or the [rows, row words] uint32 words themselves (WGSL has no 8-bit type)."""
@@ -38,6 +44,7 @@ class RowBytes:
     def __init__(self, stored: te.Tensor, row: PrimExpr):
         self.stored, self.row = stored, row
         self.in_words = stored.dtype == "uint32"
+        self.converts_halves = not self.in_words and converts_halves(tvm.target.Target.current(allow_none=True))
 
     def _bits(self, offset: PrimExpr, mask: int) -> PrimExpr:
         """The bits of `mask` (0xFF, 0xFFFF) at a byte offset within one word."""
@@ -66,13 +73,14 @@ class RowBytes:
         return (tirx.reinterpret("int32", self.u8(offset) << u32(24)) >> 24).astype("float32")
 
     def f16(self, offset: PrimExpr) -> PrimExpr:
-        """An IEEE half at an even offset, as float32: a conversion where the target reads bytes;
-        from the words, by hand (WebGPU has float16 only with an optional feature). Normal halves move their exponent and mantissa into a float32's fields and rebias the
+        """An IEEE half at an even offset, as float32: one instruction where the target has it,
+        else by hand (WebGPU has float16 only with an optional feature; wasm would call a library
+        function for each half). Normal halves move their exponent and mantissa into a float32's fields and rebias the
         exponent by 127 - 15 (infinities and NaNs to float32's all-ones exponent); subnormal ones
         are mantissa × 2^-24, that factor given as its bits because TVM writes WGSL float literals
         to 7 digits (2^-24 would become 5.960464e-08)."""
         bits = self.u16(offset)
-        if not self.in_words:
+        if self.converts_halves:
             return tirx.reinterpret("float16", bits.astype("uint16")).astype("float32")
         magnitude = bits & u32(0x7FFF)
         rebias = tirx.Select(magnitude < u32(0x7C00), u32(112 << 23), u32(224 << 23))
