@@ -29,6 +29,10 @@ VECTOR_LANES = 8
 ACCUMULATORS = 2
 OUTPUTS_PER_STEP = 2
 WEIGHT_ROWS_PER_TILE = 4
+# The reduction is split in steps of whole 32-weight groups when the width allows: the index of a
+# weight's group (its scale, its block) is then a loop variable, not a division of a vector of
+# lanes, and the weights of one step are one vector load (GGUF blocks, MLC groups).
+ALIGNED_WEIGHTS = 32
 
 
 def block_names(sch: s_tir.Schedule) -> list[str]:
@@ -88,13 +92,16 @@ class RowParallelMatmul(dl.ScheduleRule):
         out_outer, out_inner = sch.split(out, [None, OUTPUTS_PER_STEP])
         if rows is not None:
             sch.reorder(out_outer, rows, out_inner)
-        _, lanes = sch.split(reduce, [None, ACCUMULATORS * VECTOR_LANES])
+        step = ACCUMULATORS * VECTOR_LANES
+        steps = ALIGNED_WEIGHTS // step if sch.get(reduce).extent.value % ALIGNED_WEIGHTS == 0 else 1
+        *_, lanes = sch.split(reduce, [None, steps, step])
         partial = sch.rfactor(lanes, factor_axis=lanes_axis)
-        loops = sch.get_loops(partial)
-        outer, *unit_rows, inner, chunks, partial_lanes = loops
+        *outer_loops, chunks, chunk_steps, partial_lanes = sch.get_loops(partial)
+        outer, *unit_rows, inner = outer_loops
         accumulator, vector = sch.split(partial_lanes, [ACCUMULATORS, VECTOR_LANES])
-        sch.reorder(outer, *unit_rows, chunks, inner, accumulator, vector)
+        sch.reorder(outer, *unit_rows, chunks, chunk_steps, inner, accumulator, vector)
         sch.parallel(outer)
+        sch.unroll(chunk_steps)
         sch.unroll(inner)
         sch.unroll(accumulator)
         sch.vectorize(vector)
