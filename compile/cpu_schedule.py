@@ -71,7 +71,7 @@ class RowParallelMatmul(dl.ScheduleRule):
         else:
             weight_rows = self.schedule_many_rows(sch, rows, out, reduce)
             if DEQUANTIZE in names:
-                sch.compute_at(sch.get_sblock(DEQUANTIZE), weight_rows)
+                self.unpack_once_per_tile(sch, sch.get_sblock(DEQUANTIZE), weight_rows)
         for name in GROUP_STAGES:  # a GGUF block type's scales and offsets: once per group of weights
             if name in names:
                 sch.compute_at(sch.get_sblock(name), weight_rows)
@@ -110,6 +110,16 @@ class RowParallelMatmul(dl.ScheduleRule):
             if name not in (sch.get(block).name_hint, sch.get(partial).name_hint, *GROUP_STAGES):
                 sch.reverse_compute_at(sch.get_sblock(name), outer)
         return outer
+
+    @staticmethod
+    def unpack_once_per_tile(sch: s_tir.Schedule, dequantize, tiles) -> None:
+        """The tile's weights unpacked into a buffer before the input rows stream past them,
+        a vector of them at a time (in steps of whole groups, as in decode)."""
+        sch.compute_at(dequantize, tiles)
+        weights = sch.get_loops(dequantize)[-1]
+        if sch.get(weights).extent.value % ALIGNED_WEIGHTS == 0:
+            *_, vector = sch.split(weights, [None, ALIGNED_WEIGHTS // VECTOR_LANES, VECTOR_LANES])
+            sch.vectorize(vector)
 
     @staticmethod
     def schedule_many_rows(sch: s_tir.Schedule, rows, out, reduce) -> s_tir.LoopRV:
