@@ -1,4 +1,6 @@
-"""`kiln bench compile`: seconds per build stage, and what quantization costs in perplexity."""
+"""`kiln bench compile`: seconds per build stage, and what quantization costs in perplexity: the
+float build (q0f32), the requested quantization and, for a GGUF source, the file's own blocks
+(gguf_f32) side by side."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from tokenizers import Tokenizer
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel
 
+from .ingest import is_gguf_file
 from .pipeline import BuildRequest, build
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "english.txt"
@@ -45,22 +48,33 @@ def bench_compile(source: str, quantization: str, targets: list[str], text_path:
             convert_and_compile = stages.get("convert", 0) + sum(stages[f"compile {t}"] for t in targets)
         else:
             convert_and_compile = None
-        quantized_dir = build(BuildRequest(source, quantization, ["cpu"], dist, f"bench-{quantization}")).model_dir
-        float_dir = build(BuildRequest(source, "q0f32", ["cpu"], dist, "bench-q0f32")).model_dir
-        float_ppl, tokens = perplexity(float_dir, text)
-        quantized_ppl, _ = perplexity(quantized_dir, text)
+        perplexities = {}
+        for compared in compared_quantizations(source, quantization):
+            model_dir = build(BuildRequest(source, compared, ["cpu"], dist, f"bench-{compared}")).model_dir
+            perplexities[compared], tokens = perplexity(model_dir, text)
 
-    increase = quantized_ppl / float_ppl - 1
+    float_ppl = perplexities["q0f32"]
+    increase = perplexities[quantization] / float_ppl - 1
     lines = [f"build {source} {quantization} → {', '.join(targets)}"]
     lines += [f"  {stage:<16} {seconds:8.1f} s" for stage, seconds in stages.items()]
     if convert_and_compile is not None:
         lines.append(f"  convert + compile {convert_and_compile:6.1f} s (goal ≤ {CONVERT_AND_COMPILE_GOAL_S} s)")
-    lines += [f"perplexity on {text_path.name} ({tokens} tokens)",
-              f"  q0f32    {float_ppl:8.3f}",
-              f"  {quantization:<8} {quantized_ppl:8.3f} ({increase:+.1%}, goal ≤ +{PERPLEXITY_GOAL:.0%})"]
+    lines.append(f"perplexity on {text_path.name} ({tokens} tokens)")
+    for compared, ppl in perplexities.items():
+        line = f"  {compared:<8} {ppl:8.3f}"
+        if compared != "q0f32":
+            goal = f", goal ≤ +{PERPLEXITY_GOAL:.0%}" if compared == quantization else ""
+            line += f" ({ppl / float_ppl - 1:+.1%}{goal})"
+        lines.append(line)
     return {
         "source": source, "quantization": quantization, "targets": targets, "stage_seconds": stages,
         "convert_and_compile_seconds": convert_and_compile, "text": str(text_path), "tokens": tokens,
-        "perplexity": {"q0f32": float_ppl, quantization: quantized_ppl}, "perplexity_increase": increase,
+        "perplexity": perplexities, "perplexity_increase": increase,
         "lines": lines,
     }
+
+
+def compared_quantizations(source: str, quantization: str) -> list[str]:
+    """q0f32, the requested quantization and, for a GGUF file, gguf_f32 (its blocks as they are)."""
+    names = ["q0f32", quantization, *(["gguf_f32"] if is_gguf_file(source) else [])]
+    return list(dict.fromkeys(names))
