@@ -13,6 +13,7 @@ from tvm.s_tir import dlight as dl
 from kiln.errors import KilnError
 
 from .cpu_schedule import RowNorm, RowParallelMatmul, block_names
+from .gpu_schedule import SplitReductionGEMV
 from .quantization.ggml_blocks import GROUP_STAGES
 from .system_lib import export_system_library
 from .webgpu_limits import check_webgpu_limits
@@ -65,8 +66,8 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
 
 
 def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
-    rules = (matmul or dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
-             dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+    rules = (matmul or dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), SplitReductionGEMV(),
+             dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
     return tvm.transform.Sequential([inline_group_parameters,
                                      dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])])
 

@@ -82,12 +82,14 @@ class RowBytes:
         bits = self.u16(offset)
         if self.converts_halves:
             return tirx.reinterpret("float16", bits.astype("uint16")).astype("float32")
+        # Branch-free (a GPU shader would get every operand of a select spelled out twice).
         magnitude = bits & u32(0x7FFF)
-        rebias = tirx.Select(magnitude < u32(0x7C00), u32(112 << 23), u32(224 << 23))
-        normal = tirx.reinterpret("float32", (magnitude << u32(13)) + rebias)
+        special = (magnitude >= u32(0x7C00)).astype("uint32")
+        normal = tirx.reinterpret("float32", (magnitude << u32(13)) + u32(112 << 23) * (u32(1) + special))
         subnormal = magnitude.astype("float32") * tirx.reinterpret("float32", u32(103 << 23))
-        value = tirx.Select(magnitude < u32(0x400), subnormal, normal)
-        return tirx.Select((bits & u32(0x8000)) != u32(0), -value, value)
+        is_normal = (magnitude >= u32(0x400)).astype("float32")
+        value = normal * is_normal + subnormal * (f32(1) - is_normal)
+        return value * (f32(1) - (bits >> u32(15)).astype("float32") * f32(2))
 
     def bf16(self, offset: PrimExpr) -> PrimExpr:
         return tirx.reinterpret("float32", self.u16(offset) << u32(16))
@@ -167,11 +169,11 @@ def k_scale_and_min(b: RowBytes, block: PrimExpr, sub: PrimExpr) -> tuple[PrimEx
     """Q4_K/Q5_K (d, dmin, scales[12], ...): the 6-bit scale and min of sub-block `sub` (0..7),
     packed in 12 bytes (ggml's get_scale_min_k4)."""
     scales = block + 4
-    low = sub < 4
     first, second = b.u8(scales + sub % 4), b.u8(scales + 4 + sub % 4)
     sixth = b.u8(scales + 8 + sub % 4)
-    scale = tirx.Select(low, first & u32(63), (sixth & u32(0xF)) | ((first >> u32(6)) << u32(4)))
-    minimum = tirx.Select(low, second & u32(63), (sixth >> u32(4)) | ((second >> u32(6)) << u32(4)))
+    high = (sub >= 4).astype("uint32")  # sub-blocks 4..7 add 4 low bits from the last 4 bytes
+    scale = (first & u32(63)) * (u32(1) - high) + ((sixth & u32(0xF)) | ((first >> u32(6)) << u32(4))) * high
+    minimum = (second & u32(63)) * (u32(1) - high) + ((sixth >> u32(4)) | ((second >> u32(6)) << u32(4))) * high
     return as_float(scale), as_float(minimum)
 
 
