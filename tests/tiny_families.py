@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from typing import Callable
 import gguf
 import numpy as np
 
+from random_blocks import BLOCK_SHAPES, HALF_FIELDS, random_blocks
 from tiny_llama import VOCAB_SIZE, write_tokenizer
 
 COMMON = dict(
@@ -196,19 +198,7 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
     config = AutoConfig.from_pretrained(hf_folder)
     tensors = load_file(hf_folder / "model.safetensors")
     writer = gguf.GGUFWriter(path, family.gguf_architecture)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(rope_parameters(config)["rope_theta"])
-    writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0)))
-    writer.add_vocab_size(config.vocab_size)
+    add_hyperparameters(writer, config)
     add_vocabulary(writer, hf_folder)
     family.extra_gguf(config, writer)
 
@@ -233,6 +223,138 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# A Llama whose rows are whole K-quant blocks (256 values), stored as a llama.cpp Q4_K_M file
+# stores one: layer 0 has Q4_K_M's types, with V and down in Q6_K apart from Q4_K Q and K, gate
+# and up, so the fused qkv and gate_up mix types; layer 1 mixes a type per part; layer 2 keeps one
+# type per fused weight. Every type Kiln keeps as it is (ggml_blocks.BLOCK_TYPES) appears once at least.
+MIXED_BLOCKS_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3)
+MIXED_BLOCK_TYPES = {
+    "token_embd": "Q8_0", "output": "Q6_K",
+    **{f"blk.0.{part}": kind for part, kind in dict(
+        attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_K",
+        ffn_gate="Q4_K", ffn_up="Q4_K", ffn_down="Q6_K").items()},
+    **{f"blk.1.{part}": kind for part, kind in dict(
+        attn_q="Q4_0", attn_k="Q4_1", attn_v="Q5_1", attn_output="Q5_0",
+        ffn_gate="F16", ffn_up="BF16", ffn_down="F32").items()},
+    **{f"blk.2.{part}": kind for part, kind in dict(
+        attn_q="Q5_K", attn_k="Q5_K", attn_v="Q5_K", attn_output="Q8_0",
+        ffn_gate="Q6_K", ffn_up="Q6_K", ffn_down="Q4_0").items()},
+}
+# Every weight spreads like the tiny families' (initializer_range): mean about 0, this std.
+MIXED_WEIGHT_STD = COMMON["initializer_range"]
+# The midpoint of the quants of the types with a per-block minimum.
+QUANT_MIDPOINTS = {"Q4_1": 7.5, "Q5_1": 15.5, "Q4_K": 7.5, "Q5_K": 15.5}
+
+
+def mixed_blocks_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**COMMON, **MIXED_BLOCKS_SIZES}, tie_word_embeddings=False)
+
+
+def read_halves(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 field at `offset` of every block of a [..., block bytes] array, as float32."""
+    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view("<f2")[..., 0].astype(np.float32)
+
+
+def write_halves(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
+    blocks[..., offset:offset + 2] = values.astype("<f2")[..., None].view(np.uint8)
+
+
+def center_minimums(type_name: str, blocks: np.ndarray) -> None:
+    """random_blocks' minimums are random, so its Q4_1/Q5_1/Q4_K/Q5_K weights are mostly positive
+    (and a model of them repeats a few tokens). A real file's minimums offset the quants by about
+    half their range: set them so, in place (K-quants: each sub-block's min equal to its scale)."""
+    if type_name not in QUANT_MIDPOINTS:
+        return
+    d = read_halves(blocks, 0)
+    if type_name in ("Q4_1", "Q5_1"):  # weight = d·q + m
+        write_halves(blocks, 2, -QUANT_MIDPOINTS[type_name] * d)
+        return
+    # weight = d·scale·q − dmin·min, scales and mins packed in 6 bits in bytes 4..15
+    write_halves(blocks, 2, QUANT_MIDPOINTS[type_name] * d)
+    blocks[..., 8:12] = blocks[..., 4:8]
+    blocks[..., 12:16] = (blocks[..., 12:16] & 0x0F) * 0x11
+
+
+def tensor_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, row bytes] of valid `type_name` blocks of weights of mean about 0 and std
+    MIXED_WEIGHT_STD (random_blocks' own, centered, their float16 scales rescaled), or zeros
+    (weights of 0) for a type random_blocks does not make (Q2_K, Q3_K)."""
+    if type_name in ("F32", "F16", "BF16"):
+        return random_blocks(type_name, rows, cols, rng, MIXED_WEIGHT_STD)
+    kind = gguf.GGMLQuantizationType[type_name]
+    elements, size = gguf.GGML_QUANT_SIZES[kind]
+    if type_name not in BLOCK_SHAPES:
+        return np.zeros((rows, cols // elements * size), dtype=np.uint8)
+    blocks = random_blocks(type_name, rows, cols, rng).reshape(rows, cols // elements, size)
+    center_minimums(type_name, blocks)
+    weights = gguf.quants.dequantize(blocks.reshape(rows, -1), kind)
+    factor = MIXED_WEIGHT_STD / np.sqrt(np.mean(np.square(weights, dtype=np.float64)))
+    for offset in HALF_FIELDS[type_name]:
+        write_halves(blocks, offset, read_halves(blocks, offset) * factor)
+    return blocks.reshape(rows, -1)
+
+
+def write_mixed_blocks_gguf(path: Path, types: dict[str, str] = MIXED_BLOCK_TYPES, seed: int = 0) -> Path:
+    """A tiny Llama as a GGUF whose weights are random blocks of `types` (GGUF tensor name without
+    ".weight" → ggml type), Q and K rows in llama.cpp's permuted order, norms in F32."""
+    config = mixed_blocks_config()
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    add_hyperparameters(writer, config)
+    with tempfile.TemporaryDirectory() as tokenizer_folder:
+        write_tokenizer(Path(tokenizer_folder))
+        add_vocabulary(writer, Path(tokenizer_folder))
+
+    hidden, kv_rows = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_rows, hidden), "attn_v": (kv_rows, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (config.intermediate_size, hidden),
+              "ffn_up": (config.intermediate_size, hidden), "ffn_down": (hidden, config.intermediate_size)}
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+
+    def add_blocks(name: str, rows: int, cols: int, permute_heads: int | None = None) -> None:
+        blocks = tensor_blocks(types[name], rows, cols, rng)
+        if permute_heads:
+            blocks = permute_for_llama_cpp(blocks, permute_heads)
+        writer.add_tensor(f"{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[types[name]])
+
+    def add_norm(name: str) -> None:
+        writer.add_tensor(name, (1 + rng.standard_normal(hidden) * 0.2).astype(np.float32))
+
+    add_blocks("token_embd", config.vocab_size, hidden)
+    for layer in range(config.num_hidden_layers):
+        add_norm(f"blk.{layer}.attn_norm.weight")
+        for part, (rows, cols) in shapes.items():
+            add_blocks(f"blk.{layer}.{part}", rows, cols, heads.get(part))
+        add_norm(f"blk.{layer}.ffn_norm.weight")
+    add_norm("output_norm.weight")
+    add_blocks("output", config.vocab_size, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def add_hyperparameters(writer: gguf.GGUFWriter, config) -> None:
+    """A transformers config as llama.cpp's converter writes it."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(rope_parameters(config)["rope_theta"])
+    writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0)))
+    writer.add_vocab_size(config.vocab_size)
 
 
 def add_vocabulary(writer: gguf.GGUFWriter, hf_folder: Path) -> None:
