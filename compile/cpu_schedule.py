@@ -39,6 +39,16 @@ def block_names(sch: s_tir.Schedule) -> list[str]:
     return [sch.get(b).name_hint for b in sch.get_child_blocks(get_root_block(sch))]
 
 
+def one_matmul(func: tirx.PrimFunc) -> tuple[s_tir.Schedule, list[str], str] | None:
+    """A schedule of a kernel with exactly one matmul block, its blocks' names and the matmul's."""
+    if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+        return None
+    sch = s_tir.Schedule(func)
+    names = block_names(sch)
+    matmuls = [n for n in names if n in MATMUL_BLOCK_NAMES]
+    return (sch, names, matmuls[0]) if len(matmuls) == 1 else None
+
+
 def _vectorize_elementwise(sch: s_tir.Schedule, name: str) -> None:
     """An injective epilogue (e.g. a fused residual add): parallel outer, vector inner."""
     block = sch.get_sblock(name)
@@ -50,17 +60,13 @@ def _vectorize_elementwise(sch: s_tir.Schedule, name: str) -> None:
 
 class RowParallelMatmul(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+        if (found := one_matmul(func)) is None:
             return None
-        sch = s_tir.Schedule(func)
-        names = block_names(sch)
-        matmuls = [n for n in names if n in MATMUL_BLOCK_NAMES]
-        if len(matmuls) != 1:
-            return None
+        sch, names, matmul = found
         for name in names:
             if name in INLINED_PRODUCERS:
                 sch.compute_inline(sch.get_sblock(name))
-        block = sch.get_sblock(matmuls[0])
+        block = sch.get_sblock(matmul)
         *batch, out, reduce = sch.get_loops(block)
         rows = sch.fuse(*batch) if batch else None
         single_row = rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1
@@ -79,7 +85,7 @@ class RowParallelMatmul(dl.ScheduleRule):
             return sch
         for name in block_names(sch):
             # not the matmul's own blocks (update, partial sums, init) nor the unpacked weight tile
-            if not name.startswith(matmuls[0]) and name not in (DEQUANTIZE, *GROUP_STAGES):
+            if not name.startswith(matmul) and name not in (DEQUANTIZE, *GROUP_STAGES):
                 _vectorize_elementwise(sch, name)
         return sch
 

@@ -9,29 +9,25 @@ Here a workgroup of `THREADS` threads computes one output, each thread summing e
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
-from .cpu_schedule import MATMUL_BLOCK_NAMES, block_names
+from .cpu_schedule import one_matmul
 
 THREADS = 64
 
 
 class SplitReductionGEMV(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+        if (found := one_matmul(func)) is None:
             return None
-        sch = s_tir.Schedule(func)
-        names = block_names(sch)
-        matmuls = [n for n in names if n in MATMUL_BLOCK_NAMES]
-        if len(matmuls) != 1:
-            return None
-        block = sch.get_sblock(matmuls[0])
+        sch, names, matmul = found
+        block = sch.get_sblock(matmul)
         *batch, out, reduce = sch.get_loops(block)
         if any(not isinstance(sch.get(loop).extent, tirx.IntImm) or sch.get(loop).extent.value != 1 for loop in batch):
             return None  # prefill: more than one input row
-        for name in names[:names.index(matmuls[0])]:  # the weights' producers: dequantize, gathered rows
+        for name in names[:names.index(matmul)]:  # the weights' producers: dequantize, gathered rows
             sch.compute_inline(sch.get_sblock(name))
         _, threads = sch.split(reduce, [None, THREADS])
         partial = sch.rfactor(threads, factor_axis=len(batch) + 1)
@@ -43,7 +39,7 @@ class SplitReductionGEMV(dl.ScheduleRule):
         sch.bind(thread, "threadIdx.x")
         sch.reverse_compute_at(block, output)
         sch.bind(sch.get_loops(block)[-1], "threadIdx.x")
-        epilogue = names[names.index(matmuls[0]) + 1:]  # a fused residual add
+        epilogue = names[names.index(matmul) + 1:]  # a fused residual add
         for name in epilogue:
             sch.reverse_compute_at(sch.get_sblock(name), output)
         if epilogue:  # the output before the epilogue: one value per workgroup, which every thread holds
