@@ -68,6 +68,7 @@ def max_logit_difference(model: NativeModel, reference: NativeModel) -> float:
     return float(max(differences))
 
 
+@pytest.mark.slow
 def test_the_mixed_gguf_is_a_model_worth_comparing(mixed_build, mixed_gguf):
     """Its q0f32 build (gguf-py's dequantization) is transformers' reading of the same file, and
     its greedy continuations are varied, its logits peaked."""
@@ -99,6 +100,7 @@ def test_gguf_f32_gives_the_logits_of_the_gguf_dequantized_by_gguf_py(mixed_buil
     assert_same_greedy_tokens(blocks, floats, LOGIT_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_gguf_f16_gives_the_logits_of_the_gguf_dequantized_by_gguf_py(mixed_build):
     """Close to q0f32 as float16 activations allow, and the logits of q0f16 (float16 weights and
     activations): the blocks' kernels add no error of their own."""
