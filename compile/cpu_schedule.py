@@ -7,7 +7,7 @@ fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` part
 - prefill (a symbolic number of rows): groups of `WEIGHT_ROWS_PER_TILE` weight rows in parallel,
   kept in L1 while every input row streams past them, with the partial sums of one output at a
   time (8 floats) instead of a buffer as large as the output. Packed weights are unpacked once
-  per tile into that buffer, not once per input row.
+  per tile, into a buffer of their own, not once per input row.
 dlight's CPU GEMV rule instead vectorizes the output axis around the whole reduction, which LLVM
 scalarizes and unrolls into bodies of thousands of instructions (minutes to compile, slow to run).
 """
