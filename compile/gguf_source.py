@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import GenericAlias
 from typing import Any, Callable
 
 import gguf
@@ -26,6 +27,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from kiln.errors import KilnError
 from kiln.models import MODELS, GGUFMapping, GGUFTensors
+
+from .gguf_file import GGUFTensor, read_gguf
 
 # Tensor types dequantized here (by `gguf.quants.dequantize`, in numpy). Integer tensors, the
 # i-quants and the ternary types are refused until a model that needs them comes along.
@@ -47,28 +50,49 @@ def model_name_from_gguf_path(path: Path) -> str:
     return QUANTIZATION_SUFFIX.sub("", path.stem)
 
 
+def is_kind(value: Any, kind: type | GenericAlias | None) -> bool:
+    """`value` is a `kind` (`list[str]`: a list of str); an int is a float too, a bool is no number."""
+    if kind is None:
+        return True
+    if isinstance(kind, GenericAlias):
+        return isinstance(value, list) and all(is_kind(item, kind.__args__[0]) for item in value)
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
 class GGUFMetadata:
-    """The key/value metadata of a GGUF file; missing required keys are errors naming the file."""
+    """The key/value metadata of a GGUF file; a missing required key or a value of the wrong kind is
+    an error naming the file."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path):
+    def __init__(self, values: dict[str, Any], path: Path):
         self.path = path
-        self._fields = reader.fields
+        self._values = values
 
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
 
-    def require(self, key: str) -> Any:
-        if key not in self._fields:
+    def get(self, key: str, default: Any = None, kind: type | GenericAlias | None = None) -> Any:
+        if key not in self._values:
+            return default
+        value = self._values[key]
+        if not is_kind(value, kind):
+            shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+            kind_name = kind if isinstance(kind, GenericAlias) else kind.__name__
+            raise KilnError(f"GGUF metadata {key} should be {kind_name}, got {shown}", self.path)
+        return value
+
+    def require(self, key: str, kind: type | GenericAlias | None = None) -> Any:
+        if key not in self._values:
             raise KilnError(f"GGUF metadata has no {key}", self.path)
-        return self._fields[key].contents()
+        return self.get(key, kind=kind)
 
-
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, KeyError, IndexError, OSError) as error:
-        raise KilnError(f"not a readable GGUF file ({error})", path) from error
+    def size(self, key: str, default: int | None = None) -> int:
+        """A dimension or a count: a positive int."""
+        value = self.require(key, int) if default is None else self.get(key, default, int)
+        if value <= 0:
+            raise KilnError(f"GGUF metadata {key} should be positive, got {value}", self.path)
+        return value
 
 
 GGUF_MAPPINGS: dict[str, GGUFMapping] = {arch.gguf.architecture: arch.gguf for arch in MODELS.values() if arch.gguf}
@@ -86,10 +110,10 @@ class GGUFTensorBlocks:
     read: Callable[[], np.ndarray]
 
 
-def dequantized(tensor) -> np.ndarray:
+def dequantized(tensor: GGUFTensor) -> np.ndarray:
     values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     # GGUF lists dimensions innermost first (ggml's ne order): numpy's shape is the reverse.
-    return values.reshape(tuple(reversed(tensor.shape.tolist())))
+    return values.reshape(tuple(reversed(tensor.shape)))
 
 
 class GGUFModel:
@@ -97,15 +121,15 @@ class GGUFModel:
 
     def __init__(self, path: Path):
         self.path = path
-        reader = open_gguf(path)
-        self.metadata = GGUFMetadata(reader, path)
-        architecture_name = self.metadata.require("general.architecture")
+        gguf_file = read_gguf(path)
+        self.metadata = GGUFMetadata(gguf_file.metadata, path)
+        architecture_name = self.metadata.require("general.architecture", str)
         if architecture_name not in GGUF_MAPPINGS:
             raise KilnError(
                 f"unsupported GGUF architecture {architecture_name!r} (supported: {', '.join(GGUF_MAPPINGS)})", path
             )
         self._architecture = GGUF_MAPPINGS[architecture_name]
-        for tensor in reader.tensors:
+        for tensor in gguf_file.tensors:
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
                 supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
                 raise KilnError(
@@ -113,7 +137,7 @@ class GGUFModel:
                     f"(supported: {supported})",
                     path,
                 )
-        by_name = {tensor.name: tensor for tensor in reader.tensors}
+        by_name = {tensor.name: tensor for tensor in gguf_file.tensors}
         self.config = self._architecture.config(self.metadata, GGUFTensors(set(by_name), lambda name: dequantized(by_name[name])))
         self._tensors = {self._hf_name(name): tensor for name, tensor in by_name.items()
                          if name not in self._architecture.config_tensors}
@@ -139,7 +163,7 @@ class GGUFModel:
 
     def blocks(self, name: str) -> GGUFTensorBlocks:
         tensor = self._tensors[name]
-        *outer, cols = reversed(tensor.shape.tolist())
+        *outer, cols = reversed(tensor.shape)
         rows = math.prod(outer)
 
         def read() -> np.ndarray:
@@ -188,11 +212,16 @@ class GGUFVocabulary:
 
     @classmethod
     def read(cls, metadata: GGUFMetadata) -> GGUFVocabulary:
-        model = metadata.require("tokenizer.ggml.model")
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        tokens = metadata.require("tokenizer.ggml.tokens")
+        model = metadata.require("tokenizer.ggml.model", str)
+        pre = metadata.get("tokenizer.ggml.pre", "default", str)
+        tokens = metadata.require("tokenizer.ggml.tokens", list[str])
+        token_types = metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens), list[int])
+        scores = metadata.get("tokenizer.ggml.scores", kind=list[float])
+        for key, values in (("tokenizer.ggml.token_type", token_types), ("tokenizer.ggml.scores", scores)):
+            if values is not None and len(values) != len(tokens):
+                raise KilnError(f"GGUF metadata {key} has {len(values)} entries for {len(tokens)} tokens", metadata.path)
         special_ids = {
-            name: metadata.get(f"tokenizer.ggml.{key}")
+            name: metadata.get(f"tokenizer.ggml.{key}", kind=int)
             for name, key in (
                 ("bos_token", "bos_token_id"),
                 ("eos_token", "eos_token_id"),
@@ -206,14 +235,14 @@ class GGUFVocabulary:
             model=model,
             pre=pre,
             tokens=tokens,
-            token_types=metadata.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens),
-            scores=metadata.get("tokenizer.ggml.scores"),
-            merges=metadata.get("tokenizer.ggml.merges"),
-            special_ids={name: i for name, i in special_ids.items() if i is not None and i < len(tokens)},
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre in LLAMA3_PRE_NAMES)),
-            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", model == "llama")),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            token_types=token_types,
+            scores=scores,
+            merges=metadata.get("tokenizer.ggml.merges", kind=list[str]),
+            special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
+            add_bos=metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre in LLAMA3_PRE_NAMES, bool),
+            add_eos=metadata.get("tokenizer.ggml.add_eos_token", False, bool),
+            add_space_prefix=metadata.get("tokenizer.ggml.add_space_prefix", model == "llama", bool),
+            chat_template=metadata.get("tokenizer.chat_template", kind=str),
         )
 
     def special_token(self, name: str) -> str | None:

@@ -29,8 +29,10 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError
 from tqdm import tqdm
 
+from kiln.chat_template import ChatTemplate
 from kiln.compile.gguf_source import GGUFModel, model_name_from_gguf_path
-from kiln.errors import KilnError
+from kiln.engine import load_tokenizer
+from kiln.errors import KilnError, one_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 TOKENIZER_SIDE_FILES = (
@@ -82,8 +84,21 @@ class StoredTensor:
     shape: tuple[int, ...]
 
 
-def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
-    """The tensors of one safetensors file, checked to lie inside the file."""
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys each appear once (json.loads would keep the last of a repeated key)."""
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = next(key for key in keys if keys.count(key) > 1)
+        raise ValueError(f"{repeated!r} appears twice")
+    return dict(pairs)
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_safetensors_json(path: Path) -> tuple[dict, int]:
+    """The header of a safetensors file (a JSON object) and where its data starts."""
     file_size = path.stat().st_size
     if file_size < 8:
         raise KilnError(f"truncated safetensors file: {file_size} bytes", path)
@@ -92,35 +107,60 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         if header_size > file_size - 8:
             raise KilnError(f"truncated or corrupt safetensors file: a {header_size}-byte header does not fit", path)
         try:
-            header = json.loads(file.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise KilnError(f"corrupt safetensors header ({error})", path) from error
+            header = json.loads(file.read(header_size), object_pairs_hook=unique_keys)
+        except (UnicodeDecodeError, ValueError, RecursionError) as error:
+            raise KilnError(f"corrupt safetensors header ({one_line(error)})", path) from None
     if not isinstance(header, dict):
         raise KilnError("corrupt safetensors header (not a JSON object)", path)
-    data_start = 8 + header_size
-    tensors = {}
+    return header, 8 + header_size
+
+
+def stored_tensor(path: Path, name: str, entry, data_start: int) -> tuple[StoredTensor, int]:
+    """One header entry, checked: a known dtype, a shape and data offsets that agree, inside the file.
+    Returns the tensor and the end of its data."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_ITEM_SIZES:
+        raise KilnError(f"corrupt safetensors header entry for {name}: no known dtype "
+                        f"({', '.join(SAFETENSORS_ITEM_SIZES)})", path)
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(map(is_count, shape)):
+        raise KilnError(f"corrupt safetensors header entry for {name}: shape {shape!r} is not a list of sizes", path)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)) and offsets[0] <= offsets[1]):
+        raise KilnError(f"corrupt safetensors header entry for {name}: data_offsets {offsets!r} are not "
+                        "[begin, end]", path)
+    (begin, end), dtype = offsets, entry["dtype"]
+    expected_size = math.prod(shape) * SAFETENSORS_ITEM_SIZES[dtype]
+    if end - begin != expected_size:
+        raise KilnError(f"tensor {name} takes {end - begin} bytes, its shape and dtype need {expected_size}", path)
+    file_size = path.stat().st_size
+    if data_start + end > file_size:
+        raise KilnError(
+            f"truncated safetensors file: tensor {name} ends at byte {data_start + end}, the file has {file_size}", path
+        )
+    return StoredTensor(path, data_start + begin, dtype, tuple(shape)), data_start + end
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file, checked to lie inside the file, apart from each other."""
+    header, data_start = read_safetensors_json(path)
+    tensors, ends = {}, {}
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            stored_size, expected_size = end - begin, math.prod(shape) * SAFETENSORS_ITEM_SIZES[dtype]
-        except (KeyError, TypeError, ValueError) as error:
-            raise KilnError(f"corrupt safetensors header entry for {name} ({error!r})", path) from error
-        if stored_size != expected_size:
-            raise KilnError(f"tensor {name} takes {stored_size} bytes, its shape and dtype need {expected_size}", path)
-        if data_start + end > file_size:
-            raise KilnError(
-                f"truncated safetensors file: tensor {name} ends at byte {data_start + end}, the file has {file_size}",
-                path,
-            )
-        tensors[name] = StoredTensor(path, data_start + begin, dtype, shape)
+        if name != "__metadata__":
+            tensors[name], ends[name] = stored_tensor(path, name, entry, data_start)
+    by_offset = sorted(tensors, key=lambda name: tensors[name].offset)
+    for before, after in zip(by_offset, by_offset[1:]):
+        if ends[before] > tensors[after].offset:
+            raise KilnError(f"corrupt safetensors header: tensors {before} and {after} overlap", path)
     return tensors
 
 
 class SafetensorsTensors:
     def __init__(self, files: list[Path]):
-        self._tensors = {name: tensor for file in files for name, tensor in read_safetensors_header(file).items()}
+        self._tensors = {}
+        for file in files:
+            for name, tensor in read_safetensors_header(file).items():
+                if name in self._tensors:
+                    raise KilnError(f"tensor {name} is also in {self._tensors[name].file.name}", file)
+                self._tensors[name] = tensor
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -179,9 +219,12 @@ class WeightFormat:
             return sorted(folder.glob(self.shards))
         try:
             shard_names = sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
-            shard_files = [folder / shard_name for shard_name in shard_names]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-            raise KilnError(f"malformed weight index ({error!r})", index_path) from error
+            raise KilnError(f"malformed weight index ({one_line(repr(error))})", index_path) from error
+        for shard_name in shard_names:
+            if Path(shard_name).name != shard_name or shard_name in ("", ".", ".."):
+                raise KilnError(f"the index lists {shard_name!r}, which is not a file name in its folder", index_path)
+        shard_files = [folder / shard_name for shard_name in shard_names]
         for shard_file in shard_files:
             if not shard_file.is_file():
                 raise KilnError(f"the index lists {shard_file.name}, which is missing", index_path)
@@ -199,8 +242,8 @@ def read_config(path: Path) -> dict:
         raise KilnError("missing config.json", path)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise KilnError(f"malformed JSON ({error})", path) from error
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise KilnError(f"malformed JSON ({one_line(error)})", path) from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise KilnError("no model_type", path)
     return config
@@ -215,6 +258,7 @@ def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
                             "transformers (AutoTokenizer.from_pretrained(folder).save_pretrained(folder))",
                             folder / "tokenizer.model")
         raise KilnError("no tokenizer (tokenizer.json)", folder)
+    check_tokenizer(folder)
     tokenizer_files = [
         folder / file_name for file_name in TOKENIZER_FILES + TOKENIZER_SIDE_FILES if (folder / file_name).is_file()
     ]
@@ -233,6 +277,14 @@ def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
         source_hash=hash_source_files(folder, [config_path, *tokenizer_files, *index_files, *shard_files]),
         tensors=tensors,
     )
+
+
+def check_tokenizer(folder: Path) -> None:
+    """What later stages read of the tokenizer folder: tokenizer.json, the special tokens and the
+    chat template (parsed here, rendered when the conv_template is derived)."""
+    load_tokenizer(folder)
+    if chat_template := ChatTemplate.find(folder):
+        chat_template.compiled()
 
 
 # ---- hub ids ---------------------------------------------------------------------------------
@@ -269,6 +321,7 @@ def read_gguf_file(source: str, work_dir: Path) -> SourceModel:
     model = GGUFModel(path)
     tokenizer_dir = work_dir / "tokenizer"
     model.write_tokenizer_files(tokenizer_dir)
+    check_tokenizer(tokenizer_dir)
     return SourceModel(
         name=model_name_from_gguf_path(path),
         path=path,

@@ -12,3 +12,8 @@ class KilnError(Exception):
         self.problem = problem
         self.path = Path(path) if path is not None else None
         super().__init__(f"{self.path}: {problem}" if self.path is not None else problem)
+
+
+def one_line(text: object) -> str:
+    """Another library's message (JSON, jinja, tokenizers), fit for a KilnError's one line."""
+    return " ".join(str(text).split())

@@ -26,6 +26,14 @@ from .gguf import GGUFMapping
 from .layers import gather_positions, last_position
 
 SUPPORTED_ROPE_SCALING = ("llama3", "yarn", "longrope", "gptj")
+# Far above the largest published models (Llama 3.1 405B: hidden 16384, 126 layers; vocabularies
+# of 256k): a larger value is a corrupt or hostile config.json, refused before anything is sized by it.
+SIZE_LIMITS = {
+    "hidden_size": 1 << 17, "intermediate_size": 1 << 19, "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "head_dim": 1 << 12,
+    "vocab_size": 1 << 22, "max_position_embeddings": 1 << 27, "original_max_position_embeddings": 1 << 27,
+    "sliding_window": 1 << 27,
+}
 
 
 @dataclass
@@ -69,8 +77,11 @@ class ConfigReader:
             value = float(value)
         if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
             raise KilnError(f"config.json field '{key}' should be {kind.__name__}, got {value!r}", self.path)
-        if kind in (int, float) and value <= 0:
+        if kind in (int, float) and not 0 < value < math.inf:
             raise KilnError(f"config.json field '{key}' should be positive, got {value!r}", self.path)
+        if key in SIZE_LIMITS and value > SIZE_LIMITS[key]:
+            raise KilnError(f"config.json field '{key}' is {value}, beyond any real model's "
+                            f"(at most {SIZE_LIMITS[key]})", self.path)
         return value
 
     def rope(self) -> tuple[float, dict[str, Any] | None]:
@@ -98,13 +109,20 @@ class ConfigReader:
             self.expect("partial_rotary_factor", (1, 1.0), rope_parameters.get("partial_rotary_factor", 1.0))
         hidden_size = self.get("hidden_size", int)
         num_heads = self.get("num_attention_heads", int)
+        num_kv_heads = self.get("num_key_value_heads", int, num_heads)
+        if self.hf_config.get("head_dim") is None and hidden_size % num_heads:
+            raise KilnError(f"config.json num_attention_heads {num_heads} does not divide hidden_size {hidden_size}",
+                            self.path)
+        if num_heads % num_kv_heads:
+            raise KilnError(f"config.json num_key_value_heads {num_kv_heads} does not divide num_attention_heads "
+                            f"{num_heads}", self.path)
         rope_theta, rope_scaling = self.rope()
         context = overrides.get("context_window_size") or min(self.get("max_position_embeddings", int, 4096), max_context)
         return dict(
             hidden_size=hidden_size,
             num_hidden_layers=self.get("num_hidden_layers", int),
             num_attention_heads=num_heads,
-            num_key_value_heads=self.get("num_key_value_heads", int, num_heads),
+            num_key_value_heads=num_kv_heads,
             head_dim=self.get("head_dim", int, hidden_size // num_heads),
             vocab_size=self.get("vocab_size", int),
             rope_theta=rope_theta,

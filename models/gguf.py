@@ -32,9 +32,13 @@ LLAMA_LAYER_TENSORS = {
 class Metadata(Protocol):
     path: Any
 
-    def get(self, key: str, default: Any = None) -> Any: ...
+    def get(self, key: str, default: Any = None, kind: Any = None) -> Any: ...
 
-    def require(self, key: str) -> Any: ...
+    def require(self, key: str, kind: Any = None) -> Any: ...
+
+    def size(self, key: str, default: int | None = None) -> int: ...
+
+    def __contains__(self, key: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -62,15 +66,18 @@ def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, a
                     partial_rotary: bool = False) -> dict:
     """The config.json fields every llama.cpp decoder stores the same way; RoPE over part of each
     head (`partial_rotary_factor`) only for a family that computes it."""
-    arch = metadata.require("general.architecture")
-    hidden_size = metadata.require(f"{arch}.embedding_length")
-    num_heads = metadata.require(f"{arch}.attention.head_count")
-    head_dim = metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads)
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    arch = metadata.require("general.architecture", str)
+    hidden_size = metadata.size(f"{arch}.embedding_length")
+    num_heads = metadata.size(f"{arch}.attention.head_count")
+    if f"{arch}.attention.key_length" not in metadata and hidden_size % num_heads:
+        raise KilnError(f"{arch}.attention.head_count {num_heads} does not divide {arch}.embedding_length "
+                        f"{hidden_size}", metadata.path)
+    head_dim = metadata.size(f"{arch}.attention.key_length", hidden_size // num_heads)
+    rope_dims = metadata.size(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim and not partial_rotary:
         raise KilnError(f"RoPE over {rope_dims} of {head_dim} head dimensions ({arch}.rope.dimension_count) "
                         f"is not supported for {arch}", metadata.path)
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none", str)
     if scaling not in ("none", "linear"):
         raise KilnError(f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type "
                         "(supported: none, linear)", metadata.path)
@@ -87,7 +94,7 @@ def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, a
         "rms_norm_eps": metadata.require(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": metadata.require(f"{arch}.context_length"),
-        "vocab_size": metadata.get(f"{arch}.vocab_size") or len(metadata.require("tokenizer.ggml.tokens")),
+        "vocab_size": metadata.get(f"{arch}.vocab_size") or len(metadata.require("tokenizer.ggml.tokens", list)),
         "tie_word_embeddings": "output.weight" not in tensors.names,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),

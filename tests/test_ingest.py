@@ -262,7 +262,7 @@ def test_gguf_errors_name_the_file_and_the_problem(tmp_path, byte_level_vocabula
 def test_truncated_gguf_is_an_error_naming_the_file(tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(KilnError, match="not a readable GGUF file") as error:
+    with pytest.raises(KilnError, match="not a readable GGUF file: truncated") as error:
         ingest(path, tmp_path / "work")
     assert str(path) in str(error.value)
 
@@ -335,10 +335,11 @@ def test_gguf_model_name_drops_the_quantization_suffix(file_name, model_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("vocabulary", LLAMA_CPP_VOCABULARIES)
 def test_gguf_tokenizer_matches_llama_cpp_reference_ids(vocabulary, tmp_path):
-    from kiln.compile.gguf_source import GGUFMetadata, open_gguf, write_tokenizer_files
+    from kiln.compile.gguf_file import read_gguf
+    from kiln.compile.gguf_source import GGUFMetadata, write_tokenizer_files
 
     path = llama_cpp_vocabulary(vocabulary)
-    write_tokenizer_files(GGUFMetadata(open_gguf(path), path), tmp_path)
+    write_tokenizer_files(GGUFMetadata(read_gguf(path).metadata, path), tmp_path)
     tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     texts = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
     reference_ids = Path(f"{path}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]
