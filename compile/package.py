@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from kiln.errors import KilnError
 from kiln.runtime import read_json
 
 from .pipeline import BUILD_RECORD, MODEL_ID
+from .staging import staging_folder
 from .system_lib import (LIBRARY_BIN_SYMBOL, OBJECT_FORMATS, defined_globals, model_lib, object_format,
                          tar_objects, write_static_archive)
 from .targets import TARGETS
@@ -226,11 +226,11 @@ def package(config_path: Path, output: Path) -> dict[str, Path]:
     config = read_package_config(config_path)
     output.mkdir(parents=True, exist_ok=True)
     bundles = {platform: output / f"bundle-{platform}" for platform in config.platforms}
-    with tempfile.TemporaryDirectory(prefix=".kiln-package-", dir=output) as tmp:
+    with staging_folder(output, ".kiln-package-") as tmp:
         for platform in config.platforms:
-            write_bundle(config, platform, Path(tmp) / platform / "bundle")
+            write_bundle(config, platform, tmp / platform / "bundle")
         for platform, bundle in bundles.items():
             if bundle.exists():
-                bundle.rename(Path(tmp) / platform / "previous")
-            (Path(tmp) / platform / "bundle").rename(bundle)
+                bundle.rename(tmp / platform / "previous")
+            (tmp / platform / "bundle").rename(bundle)
     return bundles

@@ -15,7 +15,6 @@ import platform
 import re
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,10 +28,11 @@ from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_
 
 from .configure import write_chat_config
 from .convert import convert_weights
-from .ingest import SourceModel, ingest
+from .ingest import SourceModel, ingest, looks_like_hub_id
 from .library import compile_library, library_metadata, param_specs
 from .quantization import Scheme, quantization_named
 from .source_weights import SourceWeights
+from .staging import staging_folder
 from .system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
 from .targets import TargetEntry, target_named
 
@@ -50,6 +50,7 @@ class BuildRequest:
     model_id: str | None = None
     context_window_size: int | None = None
     prefill_chunk_size: int | None = None
+    cpu_tuning: str = "portable"
 
     def overrides(self) -> dict[str, int]:
         return {k: v for k, v in (("context_window_size", self.context_window_size),
@@ -131,6 +132,12 @@ def target_files(record: dict) -> list[str]:
     return [record[key] for key in ("library", "static_library", "kernel_source") if key in record]
 
 
+def public_source_name(source: str) -> str:
+    """A hub id as it is; a local file or folder by its name only: the record is served with the
+    model, and the user's directories are nobody's business."""
+    return source if looks_like_hub_id(source) else Path(source).name
+
+
 def checked_model_id(model_id: str) -> str:
     if not MODEL_ID.fullmatch(model_id):
         raise KilnError(f"model id {model_id!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
@@ -160,16 +167,16 @@ def quantized_model(source: SourceModel, arch: Architecture, config: DecoderConf
 
 def build(request: BuildRequest) -> BuildResult:
     quantization = quantization_named(request.quantization)
-    entries = [target_named(name) for name in request.targets]
+    entries = [target_named(name, request.cpu_tuning) for name in request.targets]
     code_digest = kiln_code_digest()
     request.output.mkdir(parents=True, exist_ok=True)
     clock = StageClock()
-    with tempfile.TemporaryDirectory(prefix=".kiln-build-", dir=request.output) as tmp:
-        staging = Path(tmp) / "model"
+    with staging_folder(request.output, ".kiln-build-") as tmp:
+        staging = tmp / "model"
         (staging / "libs").mkdir(parents=True)
 
         with clock.stage("ingest"):
-            source = ingest(request.source, Path(tmp) / "work")
+            source = ingest(request.source, tmp / "work")
             arch = architecture_for(source.config, config_file(source))
             config = arch.parse_config(source.config, config_file(source), request.overrides())
 
@@ -202,6 +209,8 @@ def build(request: BuildRequest) -> BuildResult:
         for entry in entries:
             built_targets[entry.name] = {"library": f"libs/{libraries[entry.name].name}",
                                          "seconds": clock.timings[f"compile {entry.name}"]}
+            if entry.tunes_cpu:
+                built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}
             if entry.system_lib:
                 built_targets[entry.name] |= {
                     "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",
@@ -210,7 +219,7 @@ def build(request: BuildRequest) -> BuildResult:
                 built_targets[entry.name]["kernel_source"] = f"libs/{entry.kernel_source_path(libraries[entry.name]).name}"
         record = {
             "model_id": model_id,
-            "source": str(request.source),
+            "source": public_source_name(request.source),
             "source_hash": source.source_hash,
             "model_type": arch.model_type,
             "quantization": quantization.name,
@@ -226,7 +235,7 @@ def build(request: BuildRequest) -> BuildResult:
         (staging / BUILD_RECORD).write_text(json.dumps(record, indent=2))
 
         if model_dir.exists():
-            model_dir.rename(Path(tmp) / "previous")
+            model_dir.rename(tmp / "previous")
         staging.rename(model_dir)
 
     return BuildResult(model_id, model_dir, {t: model_dir / "libs" / p.name for t, p in libraries.items()},

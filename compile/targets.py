@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import platform
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -90,9 +92,18 @@ def export_wasm(executable, path: Path) -> None:
     executable.export_library(str(path), fcompile=link_tvmjs_wasm)
 
 
-def host_cpu_target() -> dict:
+# The oldest CPU of each architecture a `cpu` library runs on by default: x86-64-v2 (SSE4.2,
+# POPCNT; every x86-64 CPU since 2009) and ARMv8-A with NEON.
+PORTABLE_CPUS = {"x86_64": "x86-64-v2", "AMD64": "x86-64-v2", "aarch64": "generic", "arm64": "generic"}
+CPU_TUNINGS = {
+    "portable": lambda: PORTABLE_CPUS.get(platform.machine(), "generic"),
     # "native" is rejected by this LLVM for the conda triple it was built with: name the CPU.
-    return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+    "host": lambda: tvm.target.codegen.llvm_get_system_cpu(),
+}
+
+
+def cpu_target(tuning: str = "portable") -> dict:
+    return {"kind": "llvm", "mcpu": CPU_TUNINGS[tuning]()}
 
 
 def metal_target(host_triple: str) -> dict:
@@ -127,6 +138,8 @@ class TargetEntry:
     # Also write the generated kernel source beside the library, with this extension (so that
     # kernels can be read and checked without a device: `kiln.compile.opencl_check`).
     kernel_source: str | None = None
+    # Runs on the CPU of the machine that loads it: `--cpu-tuning` chooses the instruction set.
+    tunes_cpu: bool = False
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target())
@@ -138,8 +151,8 @@ class TargetEntry:
 TARGETS: dict[str, TargetEntry] = {
     t.name: t
     for t in (
-        TargetEntry("cpu", "this machine's CPU (shared library)", host_cpu_target, cpu_schedules,
-                    export_shared_library, "so"),
+        TargetEntry("cpu", "x86-64 and ARM CPUs (shared library; --cpu-tuning host for this machine's)", cpu_target,
+                    cpu_schedules, export_shared_library, "so", tunes_cpu=True),
         TargetEntry("cuda", "NVIDIA GPUs (shared library; kernels compiled at load by nvrtc/nvcc)",
                     lambda: {"kind": "cuda", "arch": "sm_80", "max_shared_memory_per_block": 49152,
                              "max_num_threads": 1024, "thread_warp_size": 32, "host": {"kind": "llvm"}},
@@ -163,10 +176,11 @@ TARGETS: dict[str, TargetEntry] = {
 }
 
 
-def target_named(name: str) -> TargetEntry:
+def target_named(name: str, cpu_tuning: str = "portable") -> TargetEntry:
     if name not in TARGETS:
         raise KilnError(f"unknown target {name!r} (supported: {', '.join(TARGETS)})")
-    return TARGETS[name]
+    entry = TARGETS[name]
+    return replace(entry, tvm_target=partial(cpu_target, cpu_tuning)) if entry.tunes_cpu else entry
 
 
 def kiln_pipeline(entry: TargetEntry) -> tvm.transform.Pass:

@@ -24,6 +24,9 @@ def add_compile(sub) -> None:
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
     p.add_argument("--context-window-size", type=int)
     p.add_argument("--prefill-chunk-size", type=int)
+    p.add_argument("--cpu-tuning", choices=("portable", "host"), default="portable",
+                   help="the cpu library's instruction set: portable (default; x86-64-v2 or ARMv8-A, runs on any "
+                        "machine of the architecture) or host (this machine's CPU: faster, may not run elsewhere)")
     p.set_defaults(run=run_compile)
 
 
@@ -33,7 +36,7 @@ def run_compile(args) -> int:
     result = build(BuildRequest(
         source=args.source, quantization=args.quantization, targets=args.target, output=args.output,
         model_id=args.model_id, context_window_size=args.context_window_size,
-        prefill_chunk_size=args.prefill_chunk_size,
+        prefill_chunk_size=args.prefill_chunk_size, cpu_tuning=args.cpu_tuning,
     ))
     print(result.model_dir)
     for target, path in result.libraries.items():

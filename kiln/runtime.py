@@ -7,6 +7,7 @@ generation, sampling and chat on top of it; parity checks use it directly.
 from __future__ import annotations
 
 import json
+import re
 from itertools import groupby
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +23,10 @@ from kiln.tensor_cache import records, verify_shards
 PAGE_SIZE = 16
 SEQUENCE_ID = 0
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
+# LLVM's CPU features that are instructions (x86 and ARM); the rest ("slow-lea", "prefer-256-bit",
+# …) only tune code generation and are no requirement.
+INSTRUCTION_SET = re.compile(r"(mmx|sse|ssse|avx|amx|fma|f16c|bmi|popcnt|lzcnt|movbe|aes|pclmul|vpclmul|gfni|sha|"
+                             r"cx16|neon|sve|fullfp16|fp16|dotprod|i8mm|bf16|crc)")
 
 
 def read_json(path: Path) -> dict:
@@ -41,7 +46,22 @@ def library_path(model_dir: Path, target: str) -> Path:
         raise KilnError(f"no {target} library in this model folder (built for: {built}); "
                         f"build it with: kiln compile {build.get('source', 'SOURCE')} "
                         f"--quantization {build.get('quantization', 'Q')} --target {target}", model_dir)
+    if missing := missing_cpu_features(entry.get("mcpu")):
+        raise KilnError(f"the {target} library was built for the {entry['mcpu']} CPU and this machine's lacks "
+                        f"{', '.join(missing)}; rebuild it here, or with --cpu-tuning portable", model_dir)
     return model_dir / entry["library"]
+
+
+def missing_cpu_features(mcpu: str | None) -> list[str]:
+    """The instruction-set features a library built for `mcpu` needs and this machine's CPU lacks
+    (running it would end in an illegal instruction)."""
+    if mcpu is None:
+        return []
+    def instruction_sets(cpu: str) -> set[str]:
+        features = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
+        return {str(feature) for feature in features if INSTRUCTION_SET.match(str(feature))}
+
+    return sorted(instruction_sets(mcpu) - instruction_sets(tvm.target.codegen.llvm_get_system_cpu()))
 
 
 class NativeModel:
