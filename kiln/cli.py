@@ -271,14 +271,25 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the chat harness, the models and an OpenAI-compatible API")
     p.add_argument("--dist", type=Path, default=Path("dist"), help="folder of compiled models (default dist/)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also accept requests whose Host is NAME (e.g. behind a proxy; repeatable); others "
+                        "than the bound address are refused against DNS rebinding")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let pages of ORIGIN (e.g. http://localhost:5173, or *) call /v1 (repeatable)")
+    p.add_argument("--idle-unload", type=float, default=600.0, metavar="SECONDS",
+                   help="release a model's engine unused this long (default 600; 0 never)")
+    p.add_argument("--max-loaded-models", type=int, default=2, metavar="N",
+                   help="keep at most N engines loaded, releasing the least recently used (default 2; 0 no limit)")
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args) -> int:
     from kiln.server import ServerConfig, serve
 
-    serve(ServerConfig(dist=args.dist), args.host, args.port)
+    config = ServerConfig(dist=args.dist, allowed_hosts=tuple(args.allow_host), cors_origins=tuple(args.cors_origin),
+                          idle_unload_s=args.idle_unload, max_loaded_models=args.max_loaded_models)
+    serve(config, args.host, args.port)
     return 0
 
 

@@ -34,6 +34,8 @@ from kiln.runtime import NativeModel, read_json
 # for decoders that treat the first token specially (SentencePiece drops its leading space).
 DETOKENIZE_CONTEXT_TOKENS = 4
 NUCLEUS_FIRST_SLICE = 64
+# Sampling at a lower temperature is greedy anyway, and dividing logits by a subnormal one overflows.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -58,6 +60,7 @@ class GenerationConfig:
             (self.top_k < 0, f"top_k must be 0 (off) or positive, got {self.top_k}"),
             (self.repetition_penalty <= 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
             (self.logits_top_k < 0, f"logits_top_k must be 0 (off) or positive, got {self.logits_top_k}"),
+            (self.seed is not None and self.seed < 0, f"seed must be 0 or positive, got {self.seed}"),
         ]
         for failed, problem in problems:
             if failed:
@@ -138,7 +141,7 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         c = self.config
         logits = self.penalized(logits)
-        if c.temperature == 0:
+        if c.temperature < GREEDY_BELOW_TEMPERATURE:
             return int(np.argmax(logits))
         scaled = logits.astype(np.float64) / c.temperature
         candidates = np.argpartition(-scaled, c.top_k - 1)[:c.top_k] if 0 < c.top_k < scaled.size else None
@@ -261,6 +264,7 @@ class Engine:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
+        self.last_active = time.monotonic()   # when the last generation ended (or the engine loaded)
         self._cached_ids: list[int] = []
         self._conversation: Conversation | None = None
 
@@ -303,6 +307,11 @@ class Engine:
         prompt_ids, text = self._chat_prompt_ids(messages)
         stops = [*config.stop, *self.chat_stop_strings]
         return collect(prompt_ids, self._start(prompt_ids, config, stops, conversation_text=text))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a generation holds the engine."""
+        return self._lock.locked()
 
     def interrupt(self) -> None:
         """End the running generation after its current step (finish_reason "interrupted")."""
@@ -394,6 +403,7 @@ class Engine:
             self._forget()
             raise
         finally:
+            self.last_active = time.monotonic()
             self._lock.release()
 
     def _run(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flask import Flask, jsonify, request
+from flask import Flask, Response, abort, jsonify, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import make_server
 
@@ -14,7 +14,10 @@ from kiln.app_config import compiled_models
 from kiln.errors import KilnError
 
 from .artifacts import make_artifacts_blueprint
-from .openai_api import ApiError, NativeEngines, make_openai_blueprint
+from .api_request import ApiError
+from .engines import NativeEngines
+from .openai_api import make_openai_blueprint
+from .origins import allow_cors, host_allowed
 
 REPOSITORY_WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 NPM_PACKAGES = ("@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers")
@@ -27,6 +30,10 @@ class ServerConfig:
     native_target: str = "cpu"                  # the library the OpenAI API runs
     max_request_bytes: int = 1 << 20
     queue_timeout_s: float = 600.0              # how long a request waits for its model to be free
+    allowed_hosts: tuple[str, ...] = ()         # Host names accepted besides the bound address
+    cors_origins: tuple[str, ...] = ()          # page origins allowed to call /v1 ("*": any)
+    idle_unload_s: float = 600.0                # release a model's engine unused this long (0: never)
+    max_loaded_models: int = 2                  # release the least recently used past this many (0: no limit)
 
 
 def create_app(config: ServerConfig) -> Flask:
@@ -36,9 +43,23 @@ def create_app(config: ServerConfig) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     # A path with `//` is refused like any other odd path rather than redirected to a cleaned one.
     app.url_map.merge_slashes = False
-    engines = NativeEngines(config.dist, config.native_target, config.queue_timeout_s)
+    engines = NativeEngines(config.dist, config.native_target, config.queue_timeout_s, config.idle_unload_s,
+                            config.max_loaded_models)
+    allowed_names = tuple(name.lower() for name in config.allowed_hosts)
     app.register_blueprint(make_artifacts_blueprint(config))
     app.register_blueprint(make_openai_blueprint(engines))
+
+    @app.before_request
+    def refuse_other_hosts():
+        if not host_allowed(request.host, request.environ, allowed_names):
+            abort(403, f"The Host {request.host!r} is not this server (DNS rebinding?): use its address, "
+                       "or allow the name with `kiln serve --allow-host NAME`.")
+
+    @app.after_request
+    def api_cors(response: Response) -> Response:
+        if request.path.startswith("/v1/") and config.cors_origins:
+            allow_cors(response, config.cors_origins)
+        return response
 
     @app.get("/health")
     def health():

@@ -24,6 +24,8 @@ MODEL_ID = "tiny-llama-q4f32_1"
 SECRET = b"KILN-SECRET-3141592653"
 KILN = str(Path(sys.executable).with_name("kiln"))
 QUESTION = [{"role": "user", "content": "Tell me about the history of the city"}]
+ALLOWED_ORIGIN = "http://page.example"
+ALLOWED_HOST = "kiln.example"
 
 
 def raw_get(base: str, path: str) -> tuple[int, bytes]:
@@ -179,6 +181,33 @@ def test_path_traversal_never_reads_outside_the_served_roots(traversal_dist):
     ({"model": MODEL_ID, "messages": QUESTION, "n": 2}, 400, "n"),
     ({"model": MODEL_ID, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
     ({"model": "no-such-model", "messages": QUESTION}, 404, "model"),
+    ({"model": MODEL_ID, "messages": QUESTION, "seed": -1}, 400, "seed"),
+    ({"model": MODEL_ID, "messages": QUESTION, "seed": 2**64}, 400, "seed"),
+    ({"model": MODEL_ID, "messages": QUESTION, "seed": 1.5}, 400, "seed"),
+    (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "temperature": NaN}}', 400, "temperature"),
+    (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "top_p": Infinity}}', 400, "top_p"),
+    (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "presence_penalty": 1e999}}', 400,
+     "presence_penalty"),
+    ({"model": MODEL_ID, "messages": QUESTION, "top_k": True}, 400, "top_k"),
+    ({"model": MODEL_ID, "messages": QUESTION, "n": True}, 400, "n"),
+    ({"model": MODEL_ID, "messages": QUESTION, "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"model": MODEL_ID, "messages": QUESTION, "stop": [1]}, 400, "stop"),
+    ({"model": MODEL_ID, "messages": QUESTION, "stop": {"a": 1}}, 400, "stop"),
+    ({"model": MODEL_ID, "messages": QUESTION, "max_completion_tokens": -3}, 400, "max_completion_tokens"),
+    ({"model": MODEL_ID, "messages": QUESTION, "stream": True, "stream_options": []}, 400, "stream_options"),
+    ({"model": MODEL_ID, "messages": QUESTION, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage"),
+    ({"model": MODEL_ID, "messages": QUESTION, "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL_ID, "messages": QUESTION, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, 400,
+     "messages[0].content"),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ({"model": MODEL_ID, "messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": MODEL_ID, "messages": ["hello"]}, 400, "messages[0].role"),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
+    ({"model": 7, "messages": QUESTION}, 400, "model"),
+    ("[" * 100_000, 400, None),
 ])
 def test_malformed_chat_requests_get_json_errors(url, body, status, param):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -226,7 +255,9 @@ def free_port() -> int:
 def kiln_serve(tiny_dir):
     """`kiln serve` itself, as a user starts it."""
     port = free_port()
-    process = subprocess.Popen([KILN, "serve", "--dist", str(tiny_dir.parent), "--port", str(port)],
+    process = subprocess.Popen([KILN, "serve", "--dist", str(tiny_dir.parent), "--port", str(port),
+                                "--cors-origin", ALLOWED_ORIGIN, "--cors-origin", "http://other.example",
+                                "--allow-host", ALLOWED_HOST],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + 60
@@ -291,14 +322,33 @@ def test_requests_for_one_model_wait_for_each_other(url):
     assert len({r.json()["choices"][0]["message"]["content"] for r in results}) == 1
 
 
+def raw_post(url: str, path: str, body: dict) -> socket.socket:
+    """A connection that has sent a POST of `body` to `path` and reads nothing yet."""
+    parts = urlsplit(url)
+    data = json.dumps(body).encode()
+    client = socket.create_connection((parts.hostname, parts.port), timeout=60)
+    client.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (path.encode(), parts.netloc.encode(), len(data), data))
+    return client
+
+
+def went_away_records(caplog, deadline_s: float = 30) -> list[logging.LogRecord]:
+    """The server's "client went away" log records, waiting for the first (it is written just
+    after the model is released)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        records = [r for r in caplog.records if "went away" in r.getMessage()]
+        if records:
+            return records
+        time.sleep(0.05)
+    return []
+
+
 def test_a_client_that_disconnects_stops_its_generation(url, caplog):
     caplog.set_level(logging.INFO, logger="kiln.server.openai_api")
-    body = json.dumps({"model": MODEL_ID, "prompt": "The history of", "max_tokens": 400, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=60) as client:
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kiln\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    body = {"model": MODEL_ID, "prompt": "The history of", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with raw_post(url, "/v1/completions", body) as client:
         received = b""
         while b"data:" not in received:
             received += client.recv(4096)
@@ -307,5 +357,184 @@ def test_a_client_that_disconnects_stops_its_generation(url, caplog):
     follow_up = requests.post(f"{url}v1/completions", timeout=300,
                               json={"model": MODEL_ID, "prompt": "The history of", "max_tokens": 1})
     assert follow_up.status_code == 200
-    (stopped,) = [r for r in caplog.records if "went away" in r.getMessage()]
+    (stopped,) = went_away_records(caplog)
     assert stopped.args[0] < 400, "the generation ran to its end although nobody was reading"
+
+
+def test_a_client_that_disconnects_stops_its_non_streamed_generation(url, caplog):
+    caplog.set_level(logging.INFO, logger="kiln.server.openai_api")
+    body = {"model": MODEL_ID, "prompt": "The history of", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    raw_post(url, "/v1/completions", body).close()  # gone before any reply
+    follow_up = requests.post(f"{url}v1/completions", timeout=300,
+                              json={"model": MODEL_ID, "prompt": "The history of", "max_tokens": 1})
+    assert follow_up.status_code == 200
+    records = went_away_records(caplog)
+    assert records, "the generation ran to its end although nobody was waiting"
+    assert records[0].args[0] < 400
+
+
+def test_max_tokens_defaults_to_512_and_stops_at_the_context_window(url):
+    from kiln.server.api_request import DEFAULT_MAX_TOKENS, ApiRequest
+
+    asked = ApiRequest(MODEL_ID, stream=False, include_usage=False, sampling={})
+    config = asked.generation_config({"temperature": 0.5})
+    assert (config.max_tokens, config.temperature) == (DEFAULT_MAX_TOKENS, 0.5) == (512, 0.5)
+    # The tiny model's window is 512 tokens: a reply without max_tokens ends where the window does.
+    reply = requests.post(f"{url}v1/completions", timeout=300,
+                          json={"model": MODEL_ID, "prompt": "The history of", "ignore_eos": True}).json()
+    assert reply["choices"][0]["finish_reason"] == "length"
+    # The last token comes from the logits of the full window; it never enters it.
+    assert reply["usage"]["total_tokens"] == 512 + 1
+
+
+# Hosts and origins
+
+
+def host_status(url: str, host: str, path: str = "/v1/models") -> requests.Response:
+    return requests.get(url.rstrip("/") + path, headers={"Host": host}, timeout=30)
+
+
+def test_requests_naming_another_host_are_refused(url):
+    port = urlsplit(url).port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"LOCALHOST:{port}"):
+        assert host_status(url, host).status_code == 200, host
+    for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1:{port + 1}", "127.0.0.1",
+                 f"localhost.attacker.example:{port}", f"10.0.0.1:{port}", ""):
+        api = host_status(url, host)
+        assert api.status_code == 403, host
+        assert "DNS rebinding" in api.json()["error"]["message"]
+        for path in ("/", "/web/harness/harness.js", f"/models/{MODEL_ID}/mlc-chat-config.json"):
+            page = host_status(url, host, path)
+            assert page.status_code == 403 and SECRET not in page.content, (host, path)
+
+
+def test_a_host_name_can_be_allowed(tiny_dir):
+    with served(tiny_dir.parent, allowed_hosts=("Kiln.Test",)) as base:
+        assert host_status(base, "kiln.test:8443").status_code == 200
+        assert host_status(base, "kiln.test").status_code == 200
+        assert host_status(base, "other.test").status_code == 403
+
+
+def test_the_api_has_no_cors_by_default_and_model_files_do(url):
+    origin = {"Origin": "http://page.example"}
+    api = requests.get(f"{url}v1/models", headers=origin)
+    assert api.status_code == 200 and "Access-Control-Allow-Origin" not in api.headers
+    preflight = requests.options(f"{url}v1/chat/completions",
+                                 headers={**origin, "Access-Control-Request-Method": "POST"})
+    assert "Access-Control-Allow-Origin" not in preflight.headers
+    weights = requests.get(f"{url}models/{MODEL_ID}/tensor-cache.json", headers=origin)
+    assert weights.headers["Access-Control-Allow-Origin"] == "*"
+
+
+def test_allowed_origins_may_call_the_api(kiln_serve):
+    allowed, other = {"Origin": ALLOWED_ORIGIN}, {"Origin": "http://elsewhere.example"}
+    preflight = requests.options(f"{kiln_serve}v1/chat/completions", headers={
+        **allowed, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert preflight.status_code == 200
+    assert preflight.headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+    assert preflight.headers["Access-Control-Allow-Headers"] == "content-type,authorization"
+    body = {"model": MODEL_ID, "messages": QUESTION, "max_tokens": 2}
+    reply = requests.post(f"{kiln_serve}v1/chat/completions", json=body, headers=allowed)
+    assert reply.status_code == 200 and reply.headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    assert "Origin" in reply.headers["Vary"]
+    error = requests.post(f"{kiln_serve}v1/chat/completions", json={"model": MODEL_ID}, headers=allowed)
+    assert error.status_code == 400 and error.headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    refused = requests.post(f"{kiln_serve}v1/chat/completions", json=body, headers=other)
+    assert "Access-Control-Allow-Origin" not in refused.headers
+    assert requests.get(f"{kiln_serve}v1/models", headers={"Host": f"{ALLOWED_HOST}:1"}).status_code == 200
+
+
+# Loading and releasing engines
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_dir, tiny_build) -> tuple[Path, str, str]:
+    """A dist holding two models with a cpu library."""
+    return tiny_dir.parent, MODEL_ID, tiny_build("q0f32").name
+
+
+def test_loading_one_model_does_not_hold_up_another(two_models):
+    from kiln.server.engines import NativeEngines
+
+    dist, loaded_first, slow = two_models
+    gate = threading.Event()
+
+    class SlowLoading(NativeEngines):
+        def load(self, model_id):
+            if model_id == slow:
+                gate.wait(120)
+            return super().load(model_id)
+
+    engines = SlowLoading(dist, "cpu", queue_timeout_s=60)
+    ready = engines.get(loaded_first)
+    loading = threading.Thread(target=engines.get, args=(slow,))
+    loading.start()
+    try:
+        again = threading.Thread(target=engines.get, args=(loaded_first,))
+        again.start()
+        again.join(timeout=60)
+        assert not again.is_alive(), "a request to a loaded model waited for another model to load"
+        assert loading.is_alive() and engines.loaded() == [loaded_first]
+    finally:
+        gate.set()
+        loading.join()
+    assert engines.loaded() == sorted([loaded_first, slow]) and engines.get(loaded_first) is ready
+
+
+def completion(client, model_id: str, **extra):
+    return client.post("/v1/completions", json={"model": model_id, "prompt": "The history of", "max_tokens": 2,
+                                                "temperature": 0, **extra})
+
+
+def loaded(client) -> list[str]:
+    return client.get("/health").json["engines_loaded"]
+
+
+def test_past_the_budget_the_least_recently_used_idle_engine_is_released(two_models):
+    from kiln.server import ServerConfig, create_app
+
+    dist, first, second = two_models
+    client = create_app(ServerConfig(dist=dist, max_loaded_models=1)).test_client()
+    assert completion(client, first).status_code == 200 and loaded(client) == [first]
+    assert completion(client, second).status_code == 200 and loaded(client) == [second]
+    streaming = completion(client, first, stream=True, max_tokens=50, ignore_eos=True, buffered=False)
+    chunks = iter(streaming.response)
+    assert next(chunks).startswith(b"data:")  # generating, suspended until read
+    assert completion(client, second).status_code == 200
+    assert loaded(client) == sorted([first, second]), "an engine was released in the middle of a generation"
+    streaming.close()
+    assert completion(client, second).status_code == 200 and loaded(client) == [second]
+
+
+def test_idle_engines_are_released(two_models):
+    from kiln.server import ServerConfig, create_app
+
+    dist, first, _ = two_models
+    client = create_app(ServerConfig(dist=dist, idle_unload_s=0.2)).test_client()
+    assert completion(client, first).status_code == 200 and loaded(client) == [first]
+    deadline = time.monotonic() + 30
+    while loaded(client) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loaded(client) == []
+    assert completion(client, first).status_code == 200 and loaded(client) == [first]
+
+
+@pytest.mark.parametrize("bound, host, allowed", [
+    ("127.0.0.1", "localhost:8000", True),
+    ("127.0.0.1", "localhost:8001", False),
+    ("::1", "[::1]:8000", True),
+    ("::1", "127.0.0.1:8000", True),
+    ("192.168.1.5", "192.168.1.5:8000", True),
+    ("192.168.1.5", "localhost:8000", False),
+    ("0.0.0.0", "192.168.1.5:8000", True),
+    ("0.0.0.0", "[fe80::1]:8000", True),
+    ("0.0.0.0", "rebound.example:8000", False),
+    ("0.0.0.0", "localhost:8000", False),
+])
+def test_which_hosts_name_the_server(bound, host, allowed):
+    from kiln.server.origins import host_allowed
+
+    environ = {"SERVER_NAME": bound, "SERVER_PORT": "8000", "wsgi.url_scheme": "http"}
+    assert host_allowed(host, environ, ()) is allowed
