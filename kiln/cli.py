@@ -24,9 +24,10 @@ def add_compile(sub) -> None:
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
     p.add_argument("--context-window-size", type=int)
     p.add_argument("--prefill-chunk-size", type=int)
-    p.add_argument("--cpu-tuning", choices=("portable", "host"), default="portable",
-                   help="the cpu library's instruction set: portable (default; x86-64-v2 or ARMv8-A, runs on any "
-                        "machine of the architecture) or host (this machine's CPU: faster, may not run elsewhere)")
+    p.add_argument("--cpu-tuning", choices=("portable", "legacy", "host"), default="portable",
+                   help="the cpu library's instruction set: portable (default; x86-64-v3 — AVX2, every x86-64 CPU "
+                        "since 2013–2015 — or ARMv8-A), legacy (x86-64-v2: any x86-64 since 2009, 2.5x slower "
+                        "decode) or host (this machine's CPU; may not run elsewhere)")
     p.set_defaults(run=run_compile)
 
 

@@ -48,7 +48,8 @@ def library_path(model_dir: Path, target: str) -> Path:
                         f"--quantization {build.get('quantization', 'Q')} --target {target}", model_dir)
     if missing := missing_cpu_features(entry.get("mcpu")):
         raise KilnError(f"the {target} library was built for the {entry['mcpu']} CPU and this machine's lacks "
-                        f"{', '.join(missing)}; rebuild it here, or with --cpu-tuning portable", model_dir)
+                        f"{', '.join(missing)}; rebuild it with --cpu-tuning legacy (any x86-64) or host (this machine)",
+                        model_dir)
     return model_dir / entry["library"]
 
 

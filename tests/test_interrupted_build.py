@@ -70,7 +70,7 @@ def test_the_cpu_library_is_portable_by_default_and_the_record_names_no_local_fo
     model_dir = tiny_build("q4f32_1", ["cpu"])
     record = json.loads((model_dir / "kiln-build.json").read_text())
     assert record["targets"]["cpu"]["cpu_tuning"] == "portable"
-    assert record["targets"]["cpu"]["mcpu"] in ("x86-64-v2", "generic")
+    assert record["targets"]["cpu"]["mcpu"] in ("x86-64-v3", "generic")
     assert record["source"] == tiny_source.name
     assert str(tiny_source.parent) not in (model_dir / "kiln-build.json").read_text()
 
@@ -85,5 +85,5 @@ def test_a_library_for_a_cpu_this_machine_does_not_have_is_refused_with_one_line
     record = json.loads((model_dir / "kiln-build.json").read_text())
     record["targets"]["cpu"] |= {"mcpu": str(richer), "cpu_tuning": "host"}
     (model_dir / "kiln-build.json").write_text(json.dumps(record))
-    with pytest.raises(KilnError, match=f"built for the {richer} CPU and this machine's lacks .*--cpu-tuning portable"):
+    with pytest.raises(KilnError, match=f"built for the {richer} CPU and this machine's lacks .*--cpu-tuning legacy"):
         library_path(model_dir, "cpu")
