@@ -28,6 +28,7 @@ from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_
 
 from .configure import write_chat_config
 from .convert import convert_weights
+from .digests import file_digests
 from .ingest import SourceModel, ingest, looks_like_hub_id
 from .library import compile_library, library_metadata, param_specs
 from .quantization import Scheme, quantization_named
@@ -232,6 +233,7 @@ def build(request: BuildRequest) -> BuildResult:
             "reused_weights": bool(previous),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+        record["files"] = file_digests(staging)  # last: every file but the record itself
         (staging / BUILD_RECORD).write_text(json.dumps(record, indent=2))
 
         if model_dir.exists():

@@ -1,7 +1,7 @@
 """`kiln bench browser`: the browser engine's speed in headless Chromium (WebGPU, or the CPU
 wasm library), with the keys of `kiln bench native` plus the cold and warm load times.
 
-Cold load is a first visit (download, md5 check, shader compilation, upload); warm load is the
+Cold load is a first visit (download, SHA-256 check, shader compilation, upload); warm load is the
 next visit, from the Cache API — comparable to the native engine's load from disk, so `load_s`
 is the warm one. The prompt is the native benchmark's (the same seeded random ordinary tokens);
 generation is greedy through the engine's token-level API, timed inside the page.
@@ -134,7 +134,7 @@ def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32
     report["lines"] = [
         f"{report['model_id']} in headless Chromium on {on}: {prompt_tokens} prompt + {decode_tokens} decoded "
         f"tokens, median of {runs} run(s) after a warm-up",
-        f"  cold load            {report['cold_load_s']:8.2f} s   (download, md5, shaders, upload)",
+        f"  cold load            {report['cold_load_s']:8.2f} s   (download, SHA-256, shaders, upload)",
         f"  warm load            {report['warm_load_s']:8.2f} s   (from the Cache API)",
         f"  time to first token  {report['ttft_s']:8.3f} s",
         f"  prefill              {rate(report['prefill_tokens_per_s'])} tokens/s",

@@ -1,17 +1,19 @@
-"""The browser engine's pure parts, run in Node: md5, token choice, chat prompts from conv_template
-(token ids compared with `transformers`' jinja chat template), streamed text and stop strings."""
+"""The browser engine's parts that need no browser, run in Node: SHA-256 checks of a model's files
+(served by `kiln serve`), token choice, chat prompts from conv_template (token ids compared with
+`transformers`' jinja chat template), streamed text and stop strings."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
+import shutil
+import urllib.request
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from web_helpers import run_node_module
+from web_helpers import run_node_module, served
 
 from kiln.compile.conv_template import raw_completion_template
 
@@ -25,23 +27,70 @@ CONVERSATIONS = [
 ]
 
 
-def test_md5_matches_hashlib():
-    generator = random.Random(7)
-    # Lengths around the 64-byte block and the 56-byte padding boundary, and a few large ones.
-    payloads = [bytes(generator.getrandbits(8) for _ in range(n)) for n in (0, 1, 55, 56, 57, 63, 64, 65, 119, 120, 1000)]
-    payloads.append(bytes(range(256)) * 4099)
+def test_sha256_hex_matches_hashlib():
+    payloads = [b"", b"\x00\x0f", bytes(range(256)) * 4099]
     result = run_node_module("""
-        import { Md5, md5Hex } from "./src/md5.js";
-        const out = input.map((hex) => {
-          const bytes = Uint8Array.from(hex.match(/../g) ?? [], (pair) => parseInt(pair, 16));
-          const streamed = new Md5();
-          for (let at = 0; at < bytes.length; at += 1009) streamed.update(bytes.subarray(at, at + 1009));
-          return [md5Hex(bytes), streamed.hexdigest()];
-        });
-        console.log(JSON.stringify(out));
+        import { sha256Hex } from "./src/loader.js";
+        const bytes = (hex) => Uint8Array.from(hex.match(/../g) ?? [], (pair) => parseInt(pair, 16));
+        console.log(JSON.stringify(await Promise.all(input.map((hex) => sha256Hex(bytes(hex))))));
     """, [p.hex() for p in payloads])
-    for payload, (whole, streamed) in zip(payloads, result):
-        assert whole == streamed == hashlib.md5(payload).hexdigest()
+    assert result == [hashlib.sha256(p).hexdigest() for p in payloads]
+
+
+LOAD_MODEL_FILES_JS = """
+    import { ModelFiles } from "./src/loader.js";
+    const outcomes = {};
+    for (const [name, record] of Object.entries(input)) {
+      try {
+        const files = await ModelFiles.open(record, () => {});
+        const library = await files.bytes(record.model_lib);
+        await files.fetchShards();
+        let shardBytes = 0;
+        for await (const { bytes } of files.storedShards()) shardBytes += bytes.length;
+        outcomes[name] = { buildId: files.buildId, libraryBytes: library.length, shardBytes };
+      } catch (error) {
+        outcomes[name] = { code: error.code, message: error.message };
+      }
+    }
+    console.log(JSON.stringify(outcomes));
+"""
+
+
+def test_model_files_are_checked_against_the_build_record_it_pins(tiny_build, tmp_path):
+    """The loader in Node (no Cache API: files kept in memory) against `kiln serve`."""
+    model_dir = tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+    dist = tmp_path / "dist"
+    shutil.copytree(model_dir, dist / model_dir.name)
+    legacy = dist / "legacy"
+    shutil.copytree(model_dir, legacy)
+    build = json.loads((legacy / "kiln-build.json").read_text())
+    del build["files"]
+    (legacy / "kiln-build.json").write_text(json.dumps(build))
+    record_digest = hashlib.sha256((model_dir / "kiln-build.json").read_bytes()).hexdigest()
+    with served(dist) as url:
+        with urllib.request.urlopen(f"{url}api/app-config.json") as response:
+            records = {r["model_id"]: r for r in json.load(response)["model_list"]}
+        record = records[model_dir.name]
+        outcomes = run_node_module(LOAD_MODEL_FILES_JS, {
+            "unpinned": record,
+            "pinned": {**record, "kiln_build_sha256": record_digest.upper()},
+            "pinned to another build": {**record, "kiln_build_sha256": "0" * 64},
+            "library outside the folder": {**record, "model_lib": f"{url}elsewhere/model.wasm"},
+            "record without digests": records["legacy"],
+        })
+    shards = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
+    shard_bytes = sum(shard["nbytes"] for shard in shards)
+    library_bytes = (model_dir / "libs" / record["model_lib"].rsplit("/", 1)[1]).stat().st_size
+    loaded = {"buildId": record_digest, "libraryBytes": library_bytes, "shardBytes": shard_bytes}
+    assert outcomes["unpinned"] == outcomes["pinned"] == loaded
+    assert outcomes["pinned to another build"] == {
+        "code": "integrity", "message": f"kiln-build.json has SHA-256 {record_digest}, but the app config pins "
+                                        f"{'0' * 64}: the model on the server is not the build this page expects."}
+    assert outcomes["library outside the folder"]["code"] == "integrity"
+    assert outcomes["library outside the folder"]["message"].startswith(
+        f"{url}elsewhere/model.wasm has no SHA-256 in kiln-build.json")
+    assert outcomes["record without digests"]["code"] == "integrity"
+    assert "lists no file digests" in outcomes["record without digests"]["message"]
 
 
 def test_token_choice():

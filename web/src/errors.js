@@ -12,7 +12,7 @@ export const ERROR_CODES = [
   "out-of-memory",    // GPU or wasm memory could not be allocated
   "quota-exceeded",   // browser storage cannot hold the model
   "network",          // a model file could not be downloaded
-  "integrity",        // a downloaded file does not match its md5 or size
+  "integrity",        // a model file does not match its SHA-256 in kiln-build.json, or has none there
   "bad-model",        // the model's files are inconsistent
   "not-loaded",       // the engine was used before loading finished or after it failed
   "internal",         // anything else; the message carries the original error

@@ -1,7 +1,7 @@
 // Where a model comes from: which of its libraries this browser can run, and its files, fetched
-// with byte-level progress, md5-checked and kept in the Cache API for the next visit.
+// with byte-level progress, checked against the SHA-256 digests of the build record and kept in
+// the Cache API for the next visit.
 import { EngineError } from "./errors.js";
-import { Md5, md5Hex } from "./md5.js";
 
 // What Kiln's WebGPU kernels need beyond WebGPU's defaults (the attention kernels bind up to 10
 // storage buffers; TVM's GPU schedules use 256-thread workgroups and up to 32 KB shared memory).
@@ -13,6 +13,7 @@ const KERNEL_LIMITS = {
 const REQUESTED_LIMITS = ["maxBufferSize", "maxStorageBufferBindingSize", ...Object.keys(KERNEL_LIMITS)];
 const OPTIONAL_FEATURES = ["shader-f16", "subgroups"];
 const CACHE_PREFIX = "kiln-model";
+const BUILD_RECORD = "kiln-build.json";
 const PARALLEL_DOWNLOADS = 4;
 const MB = 1 << 20;
 
@@ -131,7 +132,7 @@ async function fetchOrFail(url, init) {
 }
 
 /** Read a response body into one Uint8Array, reporting each chunk's size to `onBytes`. */
-async function readBody(response, url, onBytes, md5) {
+async function readBody(response, url, onBytes) {
   const declared = Number(response.headers.get("Content-Length"));
   const chunks = [];
   let received = 0;
@@ -146,7 +147,6 @@ async function readBody(response, url, onBytes, md5) {
     if (step.done) break;
     chunks.push(step.value);
     received += step.value.length;
-    md5?.update(step.value);
     onBytes(step.value.length);
   }
   if (declared && received !== declared) {
@@ -161,6 +161,16 @@ async function readBody(response, url, onBytes, md5) {
   return bytes;
 }
 
+/** SHA-256 of `bytes` as 64 lowercase hex digits (SubtleCrypto: only on HTTPS or localhost pages). */
+export async function sha256Hex(bytes) {
+  if (globalThis.crypto?.subtle === undefined) {
+    throw new EngineError("integrity", "The model's files cannot be verified: browsers offer SHA-256 (SubtleCrypto) " +
+      "only to pages served over HTTPS or from localhost. Serve the page over HTTPS.");
+  }
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
+  return Array.from(digest, (byte) => byte.toString(16).padStart(2, "0")).join("");
+}
+
 function isQuotaError(error) {
   return error?.name === "QuotaExceededError" || /quota/i.test(String(error?.message));
 }
@@ -171,32 +181,51 @@ function quotaError(bytes, estimate) {
     `${free}. Free up disk space or clear this site's data, then reload.`);
 }
 
+/** The build record's SHA-256 (checked against the one the app-config record pins, if any) and its file digests. */
+async function buildRecord(record, baseUrl) {
+  const response = await fetchOrFail(new URL(BUILD_RECORD, baseUrl), { cache: "no-cache" });
+  const bytes = new Uint8Array(await response.arrayBuffer());
+  const digest = await sha256Hex(bytes);
+  const pinned = record.kiln_build_sha256;
+  if (pinned !== undefined && digest !== pinned.toLowerCase()) {
+    throw new EngineError("integrity", `${BUILD_RECORD} has SHA-256 ${digest}, but the app config pins ${pinned}: ` +
+      "the model on the server is not the build this page expects.");
+  }
+  const build = JSON.parse(new TextDecoder().decode(bytes));
+  if (typeof build.files !== "object" || build.files === null) {
+    throw new EngineError("integrity", `${BUILD_RECORD} lists no file digests, so no file of the model can be verified; ` +
+      "rebuild the model with this version of kiln compile.");
+  }
+  return { digest, files: build.files };
+}
+
 /**
- * One build of one model: its files by URL, read from the Cache API when this build was
- * fetched before, else downloaded (md5-checked when the tensor cache gives an md5) and cached.
+ * One build of one model: its files by URL, each checked against its SHA-256 in the build record
+ * (`kiln-build.json`, always fetched fresh) whether it was downloaded or read from the Cache API.
+ * A file without a digest in the record is refused.
  *
- * The cache is keyed by the build id, a hash of `kiln-build.json` and `tensor-cache.json`
- * (always fetched fresh), so a rebuilt model never mixes old and new files. Without the Cache
- * API (an insecure origin) the files are kept in memory for this load only.
+ * The cache is keyed by the build id, the SHA-256 of the build record, so a rebuilt model never
+ * mixes old and new files. Without the Cache API the files are kept in memory for this load only.
  */
 export class ModelFiles {
   static async open(record, onProgress) {
     const baseUrl = modelBaseUrl(record);
-    const [buildText, tensorCacheText, chatConfigText] = await Promise.all(
-      ["kiln-build.json", "tensor-cache.json", "mlc-chat-config.json"].map(async (name) =>
-        (await fetchOrFail(new URL(name, baseUrl), { cache: "no-cache" })).text()));
-    const files = new ModelFiles(record, baseUrl, md5Hex(`${buildText}\n${tensorCacheText}`), onProgress);
-    files.tensorCache = JSON.parse(tensorCacheText);
-    files.chatConfig = JSON.parse(chatConfigText);
+    const build = await buildRecord(record, baseUrl);
+    const files = new ModelFiles(record, baseUrl, build, onProgress);
     files.cache = typeof caches === "undefined" ? null : await caches.open(files.cacheName);
+    const json = async (name) => JSON.parse(new TextDecoder().decode(await files.bytes(files.url(name))));
+    files.tensorCache = await json("tensor-cache.json");
+    files.chatConfig = await json("mlc-chat-config.json");
     return files;
   }
 
-  constructor(record, baseUrl, buildId, onProgress) {
+  constructor(record, baseUrl, build, onProgress) {
     this.record = record;
     this.baseUrl = baseUrl;
-    this.buildId = buildId;
-    this.cacheName = `${CACHE_PREFIX}:${record.model_id}:${buildId}`;
+    this.folderUrl = new URL(record.model.endsWith("/") ? record.model : `${record.model}/`).href;
+    this.buildId = build.digest;
+    this.digests = build.files;
+    this.cacheName = `${CACHE_PREFIX}:${record.model_id}:${this.buildId}`;
     this.onProgress = onProgress;
     this.memory = new Map();
     this.totalBytes = 0;
@@ -209,18 +238,46 @@ export class ModelFiles {
     return new URL(name, this.baseUrl).href;
   }
 
-  shardUrls() {
-    return this.tensorCache.records.map((shard) => ({ url: this.url(shard.dataPath), nbytes: shard.nbytes, md5: shard.md5sum }));
+  /** The file's path in the model folder and its SHA-256 from the build record. */
+  expected(url) {
+    // WebLLM's folder URL (`…/resolve/main/`) or the plain one, as the app config's library URLs use.
+    const folder = [this.baseUrl, this.folderUrl].find((prefix) => url.startsWith(prefix));
+    const path = folder ? url.slice(folder.length) : url;
+    const sha256 = folder ? this.digests[path] : undefined;
+    if (typeof sha256 !== "string") {
+      throw new EngineError("integrity", `${path} has no SHA-256 in ${BUILD_RECORD}, so it cannot be verified: ` +
+        "the engine loads only files the build recorded. Rebuild the model with kiln compile.");
+    }
+    return { path, sha256 };
   }
 
-  /** The stored response for `url` when it has `nbytes` bytes (any size when nbytes is undefined). */
-  async stored(url, nbytes) {
+  /** `bytes` when their SHA-256 is the build record's; `source` ("server" or "cache") names where they came from. */
+  async verified(url, bytes, source) {
+    const { path, sha256 } = this.expected(url);
+    const digest = await sha256Hex(bytes);
+    if (digest === sha256) return bytes;
+    if (source === "server") {
+      throw new EngineError("integrity", `${path} from the server has SHA-256 ${digest}, but ${BUILD_RECORD} says ` +
+        `${sha256}: the file is corrupt, was altered, or belongs to another build. Reload the page.`);
+    }
+    await this.forget(url);
+    throw new EngineError("integrity", `${path} in the browser cache has SHA-256 ${digest}, but ${BUILD_RECORD} says ` +
+      `${sha256}: the stored copy is corrupt or was altered. It has been removed; reload the page to download it again.`);
+  }
+
+  shardUrls() {
+    return this.tensorCache.records.map((shard) => ({ url: this.url(shard.dataPath), nbytes: shard.nbytes }));
+  }
+
+  /** The stored response for `url`, or null. */
+  async stored(url) {
     if (!this.cache) return this.memory.has(url) ? new Response(this.memory.get(url)) : null;
-    const response = await this.cache.match(url);
-    if (!response) return null;
-    if (nbytes === undefined || Number(response.headers.get("Content-Length")) === nbytes) return response;
-    await this.cache.delete(url);
-    return null;
+    return (await this.cache.match(url)) ?? null;
+  }
+
+  async forget(url) {
+    this.memory.delete(url);
+    await this.cache?.delete(url);
   }
 
   /** Check the storage quota for the weights not stored yet (the other files' sizes are unknown until fetched). */
@@ -228,7 +285,7 @@ export class ModelFiles {
     let missingBytes = 0;
     for (const { url, nbytes } of this.shardUrls()) {
       this.totalBytes += nbytes;
-      if (!await this.stored(url, nbytes)) missingBytes += nbytes;
+      if (!await this.stored(url)) missingBytes += nbytes;
     }
     if (this.cache && missingBytes > 0 && navigator.storage?.estimate) {
       const estimate = await navigator.storage.estimate();
@@ -243,44 +300,35 @@ export class ModelFiles {
     });
   }
 
-  /** The bytes of one file, from the store or downloaded; `expected` = {nbytes, md5} when the tensor cache knows them. */
-  async bytes(url, expected = {}) {
-    const stored = await this.stored(url, expected.nbytes);
-    if (!stored) return this.download(url, expected);
-    const bytes = new Uint8Array(await stored.arrayBuffer());
-    this.count(bytes.length, expected, true);
+  /** The verified bytes of one file, from the store or downloaded; `nbytes` when the tensor cache knows the size. */
+  async bytes(url, nbytes) {
+    const stored = await this.stored(url);
+    if (!stored) return this.download(url, nbytes);
+    const bytes = await this.verified(url, new Uint8Array(await stored.arrayBuffer()), "cache");
+    this.count(bytes.length, nbytes, true);
     this.report(`Read ${url.slice(url.lastIndexOf("/") + 1)} from the browser cache`);
     return bytes;
   }
 
-  count(bytes, expected, fromStore) {
-    if (expected.nbytes === undefined) this.totalBytes += bytes;
+  count(bytes, nbytes, fromStore) {
+    if (nbytes === undefined) this.totalBytes += bytes;
     this.doneBytes += bytes;
     if (fromStore) this.cachedBytes += bytes;
     else this.downloadedBytes += bytes;
   }
 
-  async download(url, expected) {
+  /** Download, verify and store one file. */
+  async download(url, nbytes) {
+    this.expected(url); // a file without a digest is refused before it is downloaded
     const name = url.slice(url.lastIndexOf("/") + 1);
     const response = await fetchOrFail(url, { cache: "no-cache" });
-    if (expected.nbytes === undefined) this.totalBytes += Number(response.headers.get("Content-Length")) || 0;
-    const md5 = expected.md5 ? new Md5() : null;
+    if (nbytes === undefined) this.totalBytes += Number(response.headers.get("Content-Length")) || 0;
     const bytes = await readBody(response, url, (count) => {
       this.doneBytes += count;
       this.report(`Downloading ${name}`);
-    }, md5);
+    });
     this.downloadedBytes += bytes.length;
-    if (expected.nbytes !== undefined && bytes.length !== expected.nbytes) {
-      throw new EngineError("integrity", `${name} has ${bytes.length} bytes, the tensor cache says ${expected.nbytes}: ` +
-        "the model on the server is incomplete or was rebuilt during the download. Reload the page.");
-    }
-    if (md5) {
-      const digest = md5.hexdigest();
-      if (digest !== expected.md5) {
-        throw new EngineError("integrity", `${name} failed its md5 check (got ${digest}, expected ${expected.md5}): ` +
-          "the file on the server is corrupt or changed during the download. Reload the page.");
-      }
-    }
+    await this.verified(url, bytes, "server");
     await this.store(url, bytes, response.headers.get("Content-Type"));
     return bytes;
   }
@@ -304,24 +352,25 @@ export class ModelFiles {
     const queue = this.shardUrls();
     const next = async () => {
       for (let file = queue.shift(); file; file = queue.shift()) {
-        if (await this.stored(file.url, file.nbytes)) {
-          this.count(file.nbytes, file, true);
+        if (await this.stored(file.url)) {
+          this.count(file.nbytes, file.nbytes, true);
           this.report("Found the weights in the browser cache");
         } else {
-          await this.download(file.url, file);
+          await this.download(file.url, file.nbytes);
         }
       }
     };
     await Promise.all(Array.from({ length: PARALLEL_DOWNLOADS }, next));
   }
 
-  /** The stored shards in order, as {shard, bytes}, one at a time (after fetchShards). */
+  /** The stored shards in order, verified, as {shard, bytes}, one at a time (after fetchShards). */
   async *storedShards() {
-    for (const [index, { url, nbytes }] of this.shardUrls().entries()) {
-      const stored = await this.stored(url, nbytes);
+    for (const [index, { url }] of this.shardUrls().entries()) {
+      const stored = await this.stored(url);
       if (!stored) throw new EngineError("quota-exceeded", "The browser evicted the model's files while it loaded; reload the page.");
+      const bytes = await this.verified(url, new Uint8Array(await stored.arrayBuffer()), "cache");
       this.memory.delete(url);
-      yield { shard: this.tensorCache.records[index], bytes: new Uint8Array(await stored.arrayBuffer()) };
+      yield { shard: this.tensorCache.records[index], bytes };
     }
   }
 

@@ -95,7 +95,7 @@ class WorkerConnection {
     else call.reject(EngineError.fromJSON(message.error));
   }
 
-  fail(error, onFatal) {
+  fail(error, onFatal = () => {}) {
     this.failure = error;
     for (const call of this.pending.values()) call.reject(error);
     this.pending.clear();
@@ -174,6 +174,8 @@ export async function createEngine(appConfig, modelId, { onProgress = () => {}, 
     unload: async () => {
       await call("unload").catch(() => {});
       worker.terminate();
+      // A terminated worker never answers: later calls (a second unload too) must fail, not wait forever.
+      connection.fail(new EngineError("not-loaded", "The engine was unloaded; create a new one."));
     },
   };
 }
