@@ -11,15 +11,17 @@ new tokens even when the model's reply would tokenize differently on its own.
 
 Sampling runs in numpy on the step's logits: penalties first (repetition over prompt and output
 as in `transformers`, presence and frequency over the output as in OpenAI's API), then greedy
-at temperature 0, otherwise temperature, top-k, top-p and a draw from a generator seeded by
-`seed` — the same seed gives the same text.
+at temperature 0, otherwise temperature, top-k, top-p and a draw from mulberry32 seeded by
+`seed` — the same seed gives the same text, here and in the browser engine (see `Sampler`).
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterator
 
@@ -36,6 +38,11 @@ DETOKENIZE_CONTEXT_TOKENS = 4
 NUCLEUS_FIRST_SLICE = 64
 # Sampling at a lower temperature is greedy anyway, and dividing logits by a subnormal one overflows.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+UINT32 = 0xFFFFFFFF
+LOG2E = 1.4426950408889634
+LN2_HI, LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # k × LN2_HI is exact (fdlibm's split)
+EXP_UNDERFLOW = -708.0  # below, e^x is subnormal: its weight counts as 0
+EXP_TERMS = list(accumulate(range(1, 14), lambda term, n: term / n, initial=1.0))  # 1 / n! for n = 0 … 13
 
 
 @dataclass
@@ -111,11 +118,21 @@ class EngineBusy(KilnError):
 
 
 class Sampler:
-    """Picks each step's token from its logits, per a GenerationConfig."""
+    """Picks each step's token from its logits, per a GenerationConfig.
+
+    The same definition as `Sampler` in web/src/sampler.js, step for step, so that a seed picks
+    the same tokens natively and in the browser whenever the logits agree (README, "Chat in the browser"):
+    penalties in float64 (repetition over prompt and output, then presence + frequency × count
+    over the output); greedy (the first maximum) below temperature 1e-5; otherwise divide by the
+    temperature, keep the top_k largest (ties to the lower id), weigh with `exp_nonpositive`, keep
+    the most likely tokens until their weight reaches top_p of the total (ties to the lower id),
+    and draw u from mulberry32: the first kept token in id order whose running weight exceeds u ×
+    their total. Every sum runs in float64 in that stated order. Without a seed, a random one.
+    """
 
     def __init__(self, config: GenerationConfig, prompt_ids: list[int]):
         self.config = config
-        self.rng = np.random.default_rng(config.seed)
+        self.random = Mulberry32(secrets.randbits(32) if config.seed is None else config.seed)
         self.seen = set(prompt_ids)
         self.output_counts: dict[int, int] = {}
 
@@ -125,16 +142,14 @@ class Sampler:
 
     def penalized(self, logits: np.ndarray) -> np.ndarray:
         c = self.config
-        if c.repetition_penalty == 1 and not (self.output_counts and (c.presence_penalty or c.frequency_penalty)):
-            return logits
-        logits = logits.astype(np.float32, copy=True)
+        logits = logits.astype(np.float64)
         if c.repetition_penalty != 1 and self.seen:
             seen = np.fromiter(self.seen, dtype=np.int64)
             values = logits[seen]
             logits[seen] = np.where(values > 0, values / c.repetition_penalty, values * c.repetition_penalty)
         if self.output_counts:
             generated = np.fromiter(self.output_counts, dtype=np.int64)
-            counts = np.fromiter(self.output_counts.values(), dtype=np.float32)
+            counts = np.fromiter(self.output_counts.values(), dtype=np.float64)
             logits[generated] -= c.presence_penalty + c.frequency_penalty * counts
         return logits
 
@@ -143,36 +158,78 @@ class Sampler:
         logits = self.penalized(logits)
         if c.temperature < GREEDY_BELOW_TEMPERATURE:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / c.temperature
-        candidates = np.argpartition(-scaled, c.top_k - 1)[:c.top_k] if 0 < c.top_k < scaled.size else None
-        if candidates is not None:
-            scaled = scaled[candidates]
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
+        scaled = logits / c.temperature
+        ids = np.arange(scaled.size)
+        if 0 < c.top_k < scaled.size:
+            ids = np.sort(ranked(largest(scaled, c.top_k), scaled)[:c.top_k])
+        candidates = scaled[ids]
+        weights = exp_nonpositive(candidates - candidates.max())
         if c.top_p < 1:
-            kept = nucleus(probs, c.top_p)
-            candidates = kept if candidates is None else candidates[kept]
-            probs = probs[kept]
-        cumulative = np.cumsum(probs)
-        position = min(int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right")),
-                       cumulative.size - 1)
-        return int(position if candidates is None else candidates[position])
+            kept = np.sort(nucleus(candidates, weights, c.top_p))
+            ids, weights = ids[kept], weights[kept]
+        return int(ids[draw(weights, self.random())])
 
 
-def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Indices of the shortest most-probable prefix of `probs` whose mass reaches top_p, most
-    probable first. Sorts only a top slice that already holds that mass (sorting the whole
-    vocabulary every step costs as much as a decode step)."""
+class Mulberry32:
+    """mulberry32 on the seed's low 32 bits, as `seededRandom` in web/src/sampler.js: floats in [0, 1)."""
+
+    def __init__(self, seed: int):
+        self.state = seed & UINT32
+
+    def __call__(self) -> float:
+        self.state = (self.state + 0x6D2B79F5) & UINT32
+        t = self.state
+        t = ((t ^ (t >> 15)) * (t | 1)) & UINT32
+        t ^= (t + ((t ^ (t >> 7)) * (t | 61))) & UINT32
+        return (t ^ (t >> 14)) / 2**32
+
+
+def exp_nonpositive(x: np.ndarray) -> np.ndarray:
+    """e^x for x ≤ 0 from + − × ÷ alone, which IEEE 754 rounds the same in every language: numpy's
+    exp and JavaScript's Math.exp differ in the last bit on about 1 argument in 10, and the weights
+    must be equal bit for bit on both sides. Taylor's series to x^13 on |r| ≤ ln2 / 2: within an ulp."""
+    clipped = np.maximum(x, EXP_UNDERFLOW)
+    k = np.floor(clipped * LOG2E + 0.5)
+    r = (clipped - k * LN2_HI) - k * LN2_LO
+    total = np.full_like(r, EXP_TERMS[-1])
+    for term in reversed(EXP_TERMS[:-1]):
+        total *= r
+        total += term
+    return np.where(x < EXP_UNDERFLOW, 0.0, np.ldexp(total, k.astype(np.int32)))
+
+
+def largest(values: np.ndarray, count: int) -> np.ndarray:
+    """Ids of the `count` largest values and of every value equal to the smallest of those, in id
+    order (selecting costs less than sorting them all)."""
+    kth = np.partition(values, values.size - count)[values.size - count]
+    return np.flatnonzero(values >= kth)
+
+
+def ranked(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`ids` (in id order) from the largest value to the smallest, ties lower id first."""
+    return ids[np.argsort(-values[ids], kind="stable")]
+
+
+def nucleus(scaled: np.ndarray, weights: np.ndarray, top_p: float) -> np.ndarray:
+    """Positions of the most likely tokens, most likely first (ties lower position first), whose
+    weight first reaches top_p of the total. Sorts only a top slice that already holds that weight
+    (sorting the whole vocabulary every step costs as much as a decode step)."""
+    threshold = top_p * np.cumsum(weights)[-1]
     size = NUCLEUS_FIRST_SLICE
     while True:
         # Past a quarter of the vocabulary, selecting costs more than sorting it all.
-        whole = size * 4 >= probs.size
-        top = np.arange(probs.size) if whole else np.sort(np.argpartition(-probs, size - 1)[:size])
-        top = top[np.argsort(-probs[top], kind="stable")]  # ties in index order, as a full sort
-        cumulative = np.cumsum(probs[top])
-        if whole or cumulative[-1] >= top_p:
-            return top[:int(np.searchsorted(cumulative, top_p)) + 1]
+        whole = size * 4 >= scaled.size
+        top = ranked(np.arange(scaled.size) if whole else largest(scaled, size), scaled)
+        cumulative = np.cumsum(weights[top])
+        if whole or cumulative[-1] >= threshold:
+            return top[:int(np.searchsorted(cumulative, threshold)) + 1]
         size *= 8
+
+
+def draw(weights: np.ndarray, u: float) -> int:
+    """The first position whose running weight exceeds u × the total (the last one if rounding leaves none)."""
+    cumulative = np.cumsum(weights)
+    return min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), cumulative.size - 1)
 
 
 class TextStream:

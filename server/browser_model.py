@@ -3,7 +3,8 @@
 way on a model in headless Chromium.
 
 Each step runs in the page's engine (web/src, WebGPU or the CPU wasm library) and its full
-logits come back to Python, where tokens are chosen exactly as natively.
+logits come back to Python, where tokens are chosen exactly as natively. (The browser engine's
+own chat completions choose them in JavaScript by the same definition: web/src/sampler.js.)
 """
 
 from __future__ import annotations

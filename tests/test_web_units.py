@@ -95,13 +95,14 @@ def test_model_files_are_checked_against_the_build_record_it_pins(tiny_build, tm
 
 def test_token_choice():
     result = run_node_module("""
-        import { argmax, topK, sampleToken, seededRandom } from "./src/sampler.js";
+        import { Sampler, argmax, topK, seededRandom } from "./src/sampler.js";
         const logits = Float32Array.from([1, 5, 3, 5, -2, 4]);
+        const off = { topK: 0, repetitionPenalty: 1, presencePenalty: 0, frequencyPenalty: 0 };
         const counts = (settings, seed) => {
-          const random = seededRandom(seed);
+          const sampler = new Sampler({ ...off, ...settings, seed }, []);
           const seen = {};
           for (let i = 0; i < 2000; ++i) {
-            const token = sampleToken(logits, settings, random);
+            const token = sampler.sample(logits);
             seen[token] = (seen[token] ?? 0) + 1;
           }
           return seen;
@@ -110,9 +111,10 @@ def test_token_choice():
         console.log(JSON.stringify({
           argmax: argmax(logits),
           top3: topK(logits, 3),
-          greedy: sampleToken(logits, { temperature: 0, topP: 1 }, seededRandom(1)),
+          greedy: new Sampler({ ...off, temperature: 0, topP: 1, seed: 1 }, []).sample(logits),
           nucleus: counts({ temperature: 1, topP: 0.5 }, 3),
           hot: counts({ temperature: 1, topP: 1 }, 3),
+          top2: counts({ temperature: 1, topP: 1, topK: 2 }, 3),
           sameSeed: JSON.stringify(sequence(42)) === JSON.stringify(sequence(42)),
           otherSeed: JSON.stringify(sequence(42)) !== JSON.stringify(sequence(43)),
         }));
@@ -124,6 +126,7 @@ def test_token_choice():
     assert set(result["nucleus"]) == {"1", "3"}
     assert {"0", "1", "2", "3", "5"} <= set(result["hot"])
     assert abs(result["hot"]["5"] / 2000 - 0.144) < 0.03  # e^4 / Σ e^x
+    assert set(result["top2"]) == {"1", "3"}  # the two 5s; the 4 is third
     assert result["sameSeed"] and result["otherSeed"]
 
 

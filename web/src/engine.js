@@ -8,7 +8,7 @@
 import { encodePrompt, formatChat, piecesFrom } from "./chat-format.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
-import { randomSeed, sampleToken, seededRandom, topK } from "./sampler.js";
+import { Sampler, randomSeed, topK } from "./sampler.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
@@ -275,19 +275,34 @@ function numberIn(value, name, low, high, { lowOpen = false } = {}) {
   return value;
 }
 
-/** The sampling settings of a request, with the model's defaults for what it leaves out. */
+// What a request leaves out comes from the chat config (mlc-chat-config.json) for these fields, as
+// on the native server (server/api_request.py MODEL_DEFAULTS), else from DEFAULTS.
+const MODEL_DEFAULTS = ["temperature", "top_p", "repetition_penalty"];
+const DEFAULTS = { temperature: 1, top_p: 1, top_k: 0, repetition_penalty: 1, presence_penalty: 0, frequency_penalty: 0, ignore_eos: false };
+
+/** The sampling settings of a request, with the fields and ranges of the native server's API. */
 function generationSettings(request, chatConfig) {
+  const field = (name) => request[name] ?? (MODEL_DEFAULTS.includes(name) ? chatConfig[name] : undefined) ?? DEFAULTS[name];
   const settings = {
-    temperature: numberIn(request.temperature ?? chatConfig.temperature ?? 1, "temperature", 0, 2),
-    topP: numberIn(request.top_p ?? chatConfig.top_p ?? 1, "top_p", 0, 1, { lowOpen: true }),
+    temperature: numberIn(field("temperature"), "temperature", 0, 2),
+    topP: numberIn(field("top_p"), "top_p", 0, 1, { lowOpen: true }),
+    topK: field("top_k"),
+    repetitionPenalty: numberIn(field("repetition_penalty"), "repetition_penalty", 0.01, 10),
+    presencePenalty: numberIn(field("presence_penalty"), "presence_penalty", -2, 2),
+    frequencyPenalty: numberIn(field("frequency_penalty"), "frequency_penalty", -2, 2),
+    ignoreEos: field("ignore_eos"),
     maxTokens: request.max_tokens ?? null,
     seed: request.seed ?? randomSeed(),
     stop: request.stop ?? [],
   };
+  if (!(Number.isInteger(settings.topK) && settings.topK >= 0)) throw new EngineError("bad-request", "top_k must be an integer ≥ 0 (0 = off)");
+  if (typeof settings.ignoreEos !== "boolean") throw new EngineError("bad-request", "ignore_eos must be true or false");
   if (settings.maxTokens !== null && !(Number.isInteger(settings.maxTokens) && settings.maxTokens > 0)) {
     throw new EngineError("bad-request", "max_tokens must be a positive integer");
   }
-  if (!Number.isInteger(settings.seed)) throw new EngineError("bad-request", "seed must be an integer");
+  if (!(Number.isSafeInteger(settings.seed) && settings.seed >= 0)) {
+    throw new EngineError("bad-request", "seed must be an integer in [0, 2^53)");
+  }
   if (typeof settings.stop === "string") settings.stop = [settings.stop];
   if (!Array.isArray(settings.stop) || !settings.stop.every((stop) => typeof stop === "string")) {
     throw new EngineError("bad-request", "stop must be a string or a list of strings");
@@ -527,7 +542,6 @@ export class Engine {
     const id = completionId();
     const created = Math.floor(Date.now() / 1000);
     const chunk = (choices, extra = {}) => ({ id, object: "chat.completion.chunk", created, model: this.record.model_id, choices, ...extra });
-    const random = seededRandom(settings.seed);
     const text = new TextStream(this.tokenizer, [...this.chatConfig.conv_template.stop_str ?? [], ...settings.stop]);
     const started = performance.now();
     let finishReason = null;
@@ -542,10 +556,12 @@ export class Engine {
       prefillSeconds = seconds(started);
       prefilled = prompt.prefilled;
       let logits = prompt.logits;
+      const sampler = new Sampler(settings, promptIds);
       for (;;) {
-        const token = sampleToken(logits, settings, random);
+        const token = sampler.sample(logits);
+        sampler.record(token);
         firstTokenAt ??= performance.now();
-        if (this.stopTokenIds.has(token)) {
+        if (this.stopTokenIds.has(token) && !settings.ignoreEos) {
           finishReason = "stop";
           break;
         }

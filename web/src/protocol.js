@@ -136,7 +136,11 @@ export async function createEngine(appConfig, modelId, { onProgress = () => {}, 
     backend: loaded.backend,
     chat: {
       completions: {
-        /** OpenAI's chat.completions.create: a completion, or with `stream: true` an async iterable of chunks. */
+        /**
+         * OpenAI's chat.completions.create: a completion, or with `stream: true` an async iterable of chunks.
+         * Sampling honours the native engine's fields (top_k, the penalties, ignore_eos, seed, …), and a
+         * seed picks the native engine's tokens (sampler.js).
+         */
         async create(request) {
           if (!request.stream) return call("chatCompletion", { request });
           // Leaving the loop early ends the generation (as closing an OpenAI stream does) and
