@@ -41,7 +41,7 @@ def peer_closed(connection: socket.socket) -> bool:
 
 def watch_connection(connection: socket.socket, done: threading.Event, on_close) -> None:
     poller = select.poll()
-    poller.register(connection, select.POLLIN | select.POLLRDHUP)
+    poller.register(connection, select.POLLIN)  # a closed connection reads as end-of-file (POLLRDHUP is Linux's only)
     while not done.is_set():
         if poller.poll(WATCH_INTERVAL_MS):
             if peer_closed(connection):
