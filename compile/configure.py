@@ -49,16 +49,36 @@ def token_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
+def flattened(component: dict | None) -> list[dict]:
+    """A tokenizer.json component (decoder, normalizer, pre_tokenizer) and the parts of its Sequence."""
+    if not isinstance(component, dict):
+        return []
+    parts = component.get(next((k for k in ("decoders", "normalizers", "pretokenizers") if k in component), ""), [])
+    return [component, *(p for p in parts if isinstance(p, dict))]
+
+
+def metaspace_prepends(part: dict) -> bool:
+    scheme = part.get("prepend_scheme", "always" if part.get("add_prefix_space", True) else "never")
+    return part.get("type") == "Metaspace" and scheme in ("first", "always")
+
+
 def tokenizer_info(tokenizer_dir: Path) -> dict:
-    """How WebLLM post-processes the token table: byte-level BPE or SentencePiece byte fallback."""
+    """How to read the token table (WebLLM's and XGrammar's grammar masks need it): byte-level BPE or
+    SentencePiece with byte fallback, and whether encoding prepends "▁" and decoding strips it."""
     tokenizer_json = tokenizer_dir / "tokenizer.json"
-    decoder = json.loads(tokenizer_json.read_text()).get("decoder") or {} if tokenizer_json.exists() else {}
-    decoders = [decoder, *decoder.get("decoders", [])]
+    tokenizer = json.loads(tokenizer_json.read_text()) if tokenizer_json.exists() else {}
+    decoders = flattened(tokenizer.get("decoder"))
+    normalizers = flattened(tokenizer.get("normalizer"))
+    pre_tokenizers = flattened(tokenizer.get("pre_tokenizer"))
     byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
+    prepends = (any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in normalizers)
+                or any(metaspace_prepends(p) for p in pre_tokenizers))
+    strips = (any(d.get("type") == "Strip" and d.get("start", 0) > 0 for d in decoders)
+              or any(metaspace_prepends(d) for d in decoders))
     return {
         "token_postproc_method": "byte_level" if byte_level else "byte_fallback",
-        "prepend_space_in_encode": False,
-        "strip_space_in_decode": False,
+        "prepend_space_in_encode": not byte_level and prepends,
+        "strip_space_in_decode": not byte_level and strips,
     }
 
 

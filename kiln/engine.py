@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 from kiln.chat_template import ChatTemplate
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel, read_json
+from kiln.structured import GrammarCompiler, ResponseFormat, TokenConstraint
 
 # Decoding a new token together with the few before it gives the text a full decode would,
 # for decoders that treat the first token specially (SentencePiece drops its leading space).
@@ -58,6 +59,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     logits_top_k: int = 0             # >0: record the top-K logits of every step
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None  # None: free text
 
     def check(self) -> None:
         problems = [
@@ -83,6 +85,7 @@ class Usage:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     total_s: float
+    mask_ms_per_token: float = 0.0    # computing a response format's token mask, per generated token
 
 
 @dataclass
@@ -123,7 +126,8 @@ class Sampler:
     The same definition as `Sampler` in web/src/sampler.js, step for step, so that a seed picks
     the same tokens natively and in the browser whenever the logits agree (README, "Chat in the browser"):
     penalties in float64 (repetition over prompt and output, then presence + frequency × count
-    over the output); greedy (the first maximum) below temperature 1e-5; otherwise divide by the
+    over the output); tokens a response format does not allow next get -inf; greedy (the first
+    maximum) below temperature 1e-5; otherwise divide by the
     temperature, keep the top_k largest (ties to the lower id), weigh with `exp_nonpositive`, keep
     the most likely tokens until their weight reaches top_p of the total (ties to the lower id),
     and draw u from mulberry32: the first kept token in id order whose running weight exceeds u ×
@@ -153,9 +157,12 @@ class Sampler:
             logits[generated] -= c.presence_penalty + c.frequency_penalty * counts
         return logits
 
-    def sample(self, logits: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """The next token; with `allowed` (a boolean per token id), one of the allowed tokens."""
         c = self.config
         logits = self.penalized(logits)
+        if allowed is not None:
+            logits[~allowed] = -np.inf
         if c.temperature < GREEDY_BELOW_TEMPERATURE:
             return int(np.argmax(logits))
         scaled = logits / c.temperature
@@ -318,6 +325,7 @@ class Engine:
         conv = self.chat_config.get("conv_template") or {}
         self.eos_token_ids = set(self.chat_config.get("eos_token_id") or []) | set(conv.get("stop_token_ids") or [])
         self.chat_stop_strings = list(conv.get("stop_str") or [])
+        self.grammars = GrammarCompiler(self.tokenizer, self.chat_config, self.model.vocab_size, self.eos_token_ids)
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
@@ -408,7 +416,9 @@ class Engine:
                conversation_text: str | None) -> Iterator[Delta]:
         config.check()
         self._check_prompt(prompt_ids)
-        generation = self._generation(prompt_ids, config, stops, conversation_text)
+        # Compiled before the engine is taken: a bad schema is the caller's error, found at once.
+        constraint = config.response_format and self.grammars.constraint(config.response_format)
+        generation = self._generation(prompt_ids, config, stops, conversation_text, constraint)
         # Run up to the first yield: the engine is taken now, so a busy engine fails at this call
         # rather than mid-stream, and a started generator releases it when closed or collected.
         next(generation)
@@ -447,12 +457,12 @@ class Engine:
         return logits, len(prompt_ids) - common
 
     def _generation(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
-                    conversation_text: str | None) -> Iterator[Delta]:
+                    conversation_text: str | None, constraint: TokenConstraint | None) -> Iterator[Delta]:
         self._acquire()
         try:
             self._interrupted.clear()
             yield  # primed by _start
-            yield from self._run(prompt_ids, config, stops, conversation_text)
+            yield from self._run(prompt_ids, config, stops, conversation_text, constraint)
         except GeneratorExit:
             raise
         except BaseException:
@@ -464,7 +474,7 @@ class Engine:
             self._lock.release()
 
     def _run(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
-             conversation_text: str | None) -> Iterator[Delta]:
+             conversation_text: str | None, constraint: TokenConstraint | None) -> Iterator[Delta]:
         started = time.perf_counter()
         logits, prefilled = self._prefill(prompt_ids)
         prefill_s = time.perf_counter() - started
@@ -482,12 +492,15 @@ class Engine:
         while finish is None:
             if config.logits_top_k:
                 unsent_logits.append(top_logits(logits, config.logits_top_k))
-            token = sampler.sample(logits)
+            token = sampler.sample(logits, constraint.allowed() if constraint else None)
             first_token_at = first_token_at or time.perf_counter()
             tokens.append(token)
             unsent_ids.append(token)
             sampler.record(token)
-            if token in self.eos_token_ids and not config.ignore_eos:
+            if constraint:
+                constraint.accept(token)
+            # A finished format allows nothing more, so its stop token ends the reply even with ignore_eos.
+            if token in self.eos_token_ids and (not config.ignore_eos or (constraint and constraint.finished)):
                 finish = "stop"
                 break
             piece, hit_stop_string = stop_strings.feed(text_stream.add(token))
@@ -521,6 +534,7 @@ class Engine:
             prefill_tokens_per_s=prefilled / prefill_s if prefill_s > 0 else 0.0,
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
             total_s=ended - started,
+            mask_ms_per_token=1000 * constraint.mask_s / constraint.steps if constraint and constraint.steps else 0.0,
         )
         yield Delta(final_text, unsent_ids, finish, usage, logits=unsent_logits if config.logits_top_k else None)
 
