@@ -133,7 +133,28 @@ def add_generate(sub) -> None:
     p.add_argument("--target", "-t", help="the library to run: cpu (default) or cuda natively; "
                                           "auto (default), webgpu or wasm in the browser")
     add_generation_options(p)
+    constrained = p.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", type=Path, metavar="FILE",
+                             help="reply with JSON that fits this JSON Schema (needs kiln-llm[structured])")
+    constrained.add_argument("--grammar", type=Path, metavar="FILE",
+                             help="reply in the language of this EBNF grammar (XGrammar's dialect, rule root)")
     p.set_defaults(run=run_generate)
+
+
+def response_format(args):
+    """The --json-schema or --grammar file as a ResponseFormat (None without either)."""
+    from kiln.structured import ResponseFormat, ResponseFormatError
+
+    path = args.json_schema or args.grammar
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        return ResponseFormat.from_schema(text) if args.json_schema else ResponseFormat.from_grammar(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise KilnError(f"cannot read the file: {e.strerror if isinstance(e, OSError) else e}", path) from None
+    except ResponseFormatError as e:
+        raise KilnError(e.problem, path) from None
 
 
 def run_generate(args) -> int:
@@ -144,7 +165,17 @@ def run_generate(args) -> int:
 
 
 def generate(engine, args, device: str) -> int:
+    from kiln.structured import ResponseFormatError
+
     config = generation_config(args, args.logits)
+    config.response_format = response_format(args)
+    try:
+        return print_generation(engine, args, device, config)
+    except ResponseFormatError as e:  # the schema or grammar does not compile
+        raise KilnError(e.problem, args.json_schema or args.grammar) from None
+
+
+def print_generation(engine, args, device: str, config) -> int:
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if args.json:
         result = engine.generate_chat(prompt, config) if args.chat else engine.generate(prompt, config)
@@ -192,6 +223,10 @@ def add_bench_native(bench) -> None:
     n = bench.add_parser("native", help="load time, time to first token, prefill and decode tokens/s, memory")
     n.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
     n.add_argument("--target", "-t", default="cpu")
+    n.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="decode held to this JSON Schema (a run ends early when the JSON is complete); "
+                        "adds the token mask's cost per token")
+    n.set_defaults(grammar=None)
     add_run_options(n, prompt_tokens=128, decode_tokens=128, runs=3)
     n.set_defaults(run=run_bench_native)
 
@@ -199,7 +234,8 @@ def add_bench_native(bench) -> None:
 def run_bench_native(args) -> int:
     from kiln.native_bench import bench_native
 
-    report = bench_native(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
+    report = bench_native(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs,
+                          response_format=response_format(args))
     print_report(report, args.json)
     return 0
 

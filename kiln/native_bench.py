@@ -48,7 +48,8 @@ def decode_bytes_per_token(engine: Engine, context_tokens: float) -> float:
 
 
 def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128, decode_tokens: int = 128,
-                 runs: int = 3, bandwidth_bytes: int = BANDWIDTH_BYTES) -> dict:
+                 runs: int = 3, bandwidth_bytes: int = BANDWIDTH_BYTES, response_format=None) -> dict:
+    """`response_format` (a ResponseFormat): decode under its token mask, and report the mask's cost."""
     start = time.perf_counter()
     engine = Engine(model_dir, target)
     load_s = time.perf_counter() - start
@@ -56,7 +57,7 @@ def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128,
     special = set(engine.tokenizer.get_added_tokens_decoder())
     ordinary = np.array([t for t in range(engine.model.vocab_size) if t not in special])
     prompt = np.random.default_rng(PROMPT_SEED).choice(ordinary, prompt_tokens).tolist()
-    config = GenerationConfig(max_tokens=decode_tokens, ignore_eos=True)
+    config = GenerationConfig(max_tokens=decode_tokens, ignore_eos=True, response_format=response_format)
     usages = []
     for _ in range(runs + 1):  # the first run warms up (allocations, caches) and is not counted
         engine.reset()
@@ -71,6 +72,7 @@ def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128,
     bytes_per_token = decode_bytes_per_token(engine, prompt_tokens + decode_tokens / 2)
     report = {
         "model_id": engine.model_id,
+        "response_format": response_format.kind if response_format else "text",
         "target": target,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,
@@ -83,14 +85,17 @@ def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128,
         "decode_bytes_per_token": bytes_per_token,
         "bandwidth_gb_per_s": bandwidth / 1e9,
         "bandwidth_fraction": bytes_per_token * decode_tokens_per_s / bandwidth,
+        "decoded_tokens": median("completion_tokens"),
+        "mask_ms_per_token": median("mask_ms_per_token"),
     }
     report["lines"] = [
-        f"{engine.model_id} on {target}: {prompt_tokens} prompt + {decode_tokens} decoded tokens, "
-        f"median of {runs} runs after a warm-up",
+        f"{engine.model_id} on {target}: {prompt_tokens} prompt + {report['decoded_tokens']:.0f} decoded tokens"
+        f"{' held to a JSON schema' if response_format else ''}, median of {runs} runs after a warm-up",
         f"  load                 {report['load_s']:8.2f} s",
         f"  time to first token  {report['ttft_s']:8.3f} s",
         f"  prefill              {report['prefill_tokens_per_s']:8.1f} tokens/s",
         f"  decode               {report['decode_tokens_per_s']:8.1f} tokens/s",
+        *([f"  token mask           {report['mask_ms_per_token']:8.3f} ms/token"] if response_format else []),
         f"  peak RSS             {report['peak_rss_mb']:8.0f} MB",
         f"  decode reads         {bytes_per_token / 1e6:8.1f} MB/token → "
         f"{bytes_per_token * decode_tokens_per_s / 1e9:.2f} GB/s = {report['bandwidth_fraction']:.0%} "

@@ -40,6 +40,10 @@ MISSING_XGRAMMAR = "structured output needs the xgrammar package: pip install 'k
 VOCAB_TYPES = {"raw": "RAW", "byte_fallback": "BYTE_FALLBACK", "byte_level": "BYTE_LEVEL"}
 
 
+class ResponseFormatError(KilnError):
+    """The response format cannot be used: malformed, too large, or not compilable."""
+
+
 @dataclass(frozen=True)
 class ResponseFormat:
     """What a reply must be: "json_object" (any object), "json_schema" (`text` is the schema as
@@ -51,9 +55,9 @@ class ResponseFormat:
     @classmethod
     def from_openai(cls, value: Any) -> ResponseFormat | None:
         """OpenAI's `response_format` (and WebLLM's: a schema string in json_object, or
-        {"type": "grammar", "grammar": EBNF}); None for plain text. KilnError names the problem."""
+        {"type": "grammar", "grammar": EBNF}); None for plain text. ResponseFormatError names the problem."""
         if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-            raise KilnError("response_format must be an object with a string 'type'")
+            raise ResponseFormatError("response_format must be an object with a string 'type'")
         kind = value["type"]
         if kind == "text":
             return None
@@ -63,41 +67,41 @@ class ResponseFormat:
         if kind == "json_schema":
             spec = value.get("json_schema")
             if not isinstance(spec, dict):
-                raise KilnError("response_format.json_schema must be an object with 'name' and 'schema'")
+                raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema'")
             if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
-                raise KilnError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+                raise ResponseFormatError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
             if not isinstance(spec.get("strict", False), bool):
-                raise KilnError("response_format.json_schema.strict must be true or false")
+                raise ResponseFormatError("response_format.json_schema.strict must be true or false")
             if "schema" not in spec:
-                raise KilnError("response_format.json_schema.schema is missing")
+                raise ResponseFormatError("response_format.json_schema.schema is missing")
             return cls.from_schema(spec["schema"])
         if kind == "grammar":
             return cls.from_grammar(value.get("grammar"))
-        raise KilnError(f"response_format.type must be text, json_object, json_schema or grammar, not {kind!r}")
+        raise ResponseFormatError(f"response_format.type must be text, json_object, json_schema or grammar, not {kind!r}")
 
     @classmethod
     def from_schema(cls, schema: Any) -> ResponseFormat:
         """A JSON Schema, as an object or as its JSON text."""
         if isinstance(schema, str):
             if len(schema) > MAX_FORMAT_CHARS:
-                raise KilnError(f"the JSON schema is longer than {MAX_FORMAT_CHARS} characters")
+                raise ResponseFormatError(f"the JSON schema is longer than {MAX_FORMAT_CHARS} characters")
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise KilnError(f"the JSON schema is not JSON: {e}") from None
+                raise ResponseFormatError(f"the JSON schema is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise KilnError("the JSON schema must be an object")
+            raise ResponseFormatError("the JSON schema must be an object")
         text = json.dumps(schema, ensure_ascii=False)
         if len(text) > MAX_FORMAT_CHARS:
-            raise KilnError(f"the JSON schema is longer than {MAX_FORMAT_CHARS} characters")
+            raise ResponseFormatError(f"the JSON schema is longer than {MAX_FORMAT_CHARS} characters")
         return cls("json_schema", text)
 
     @classmethod
     def from_grammar(cls, grammar: Any) -> ResponseFormat:
         if not isinstance(grammar, str) or not grammar.strip():
-            raise KilnError("the grammar must be a non-empty EBNF string")
+            raise ResponseFormatError("the grammar must be a non-empty EBNF string")
         if len(grammar) > MAX_FORMAT_CHARS:
-            raise KilnError(f"the grammar is longer than {MAX_FORMAT_CHARS} characters")
+            raise ResponseFormatError(f"the grammar is longer than {MAX_FORMAT_CHARS} characters")
         return cls("grammar", grammar)
 
 
@@ -219,7 +223,7 @@ class GrammarCompiler:
             return compiler.compile_grammar(response_format.text)
         except (RuntimeError, ValueError, TypeError) as e:
             what = "grammar" if response_format.kind == "grammar" else "JSON schema"
-            raise KilnError(f"the {what} cannot be used: {xgrammar_problem(e)}") from None
+            raise ResponseFormatError(f"the {what} cannot be used: {xgrammar_problem(e)}") from None
 
     def constraint(self, response_format: ResponseFormat) -> TokenConstraint:
         compiled = self.compile(response_format)

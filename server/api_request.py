@@ -98,7 +98,7 @@ SAMPLING_FIELDS = {
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")  # the second wins (OpenAI's newer name)
 # OpenAI features Kiln does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "logit_bias": {},
-               "tools": [], "suffix": "", "response_format": {"type": "text"}}
+               "tools": [], "suffix": ""}
 
 
 def present(body: dict, name: str) -> bool:
@@ -126,7 +126,18 @@ def sampling(body: dict) -> dict:
             chosen["max_tokens"] = Integer(1).read(name, body[name])
     if present(body, "stop"):
         chosen["stop"] = stop_strings(body["stop"])
+    if present(body, "response_format"):
+        chosen["response_format"] = response_format(body["response_format"])
     return chosen
+
+
+def response_format(value):
+    from kiln.structured import ResponseFormat, ResponseFormatError
+
+    try:
+        return ResponseFormat.from_openai(value)
+    except ResponseFormatError as e:
+        raise ApiError(400, f"{e.problem}.", "response_format") from None
 
 
 def stop_strings(stop) -> list[str]:

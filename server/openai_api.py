@@ -137,11 +137,14 @@ def collect_reply(deltas: Iterator, watch) -> tuple[str, object]:
 def start_stream(start) -> Iterator:
     """Start a generation (waiting for the model); engine errors about the request become 400s."""
     from kiln.engine import EngineBusy
+    from kiln.structured import ResponseFormatError
 
     try:
         return start()
     except EngineBusy as e:
         raise ApiError(503, f"{e}; retry later.", error_type="server_error", code="model_busy") from None
+    except ResponseFormatError as e:
+        raise ApiError(400, e.problem, "response_format") from None
     except KilnError as e:
         raise ApiError(400, e.problem) from None
 
