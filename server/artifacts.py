@@ -19,7 +19,8 @@ from .files import CORS_HEADERS, send_inside
 
 # The only parts of web/ the page loads; node_modules holds much else that is not for serving.
 WEB_PREFIXES = ("src/", "harness/", "node_modules/@mlc-ai/web-runtime/lib/",
-                "node_modules/@mlc-ai/web-tokenizers/lib/", "node_modules/@mlc-ai/web-llm/lib/")
+                "node_modules/@mlc-ai/web-tokenizers/lib/", "node_modules/@mlc-ai/web-xgrammar/lib/",
+                "node_modules/@mlc-ai/web-llm/lib/")
 WEBLLM_PREFIX = "resolve/"
 
 

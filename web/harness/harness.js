@@ -56,7 +56,27 @@ function showStats(usage, backend) {
   const extra = usage.extra;
   $("stats").textContent = `${backend} · ${usage.prompt_tokens} prompt tokens (${extra.prefilled_tokens} prefilled, ` +
     `${formatRate(extra.prefill_tokens_per_s)} tok/s) · ${usage.completion_tokens} generated ` +
-    `(${formatRate(extra.decode_tokens_per_s)} tok/s) · first token after ${extra.time_to_first_token_s.toFixed(2)} s`;
+    `(${formatRate(extra.decode_tokens_per_s)} tok/s) · first token after ${extra.time_to_first_token_s.toFixed(2)} s` +
+    (extra.mask_ms_per_token > 0 ? ` · format mask ${extra.mask_ms_per_token.toFixed(2)} ms/token` : "");
+}
+
+/** The response_format of the settings; a schema that is not JSON is sent as text for the engine to report. */
+function responseFormat() {
+  const kind = $("response-format").value;
+  if (kind === "json_schema") {
+    return { type: "json_schema", json_schema: { name: "harness", schema: $("json-schema").value } };
+  }
+  return { type: kind };
+}
+
+/** A JSON reply pretty-printed; anything else (plain text, a reply cut short) as it is. */
+function shownReply(text, format) {
+  if (format.type === "text") return text;
+  try {
+    return JSON.stringify(JSON.parse(text), null, 2);
+  } catch {
+    return text;
+  }
 }
 
 function numberSetting(id) {
@@ -112,6 +132,7 @@ async function send(text) {
     temperature: numberSetting("temperature"),
     top_p: numberSetting("top-p"),
     max_tokens: numberSetting("max-tokens"),
+    response_format: responseFormat(),
   };
   let answer = "";
   try {
@@ -124,6 +145,7 @@ async function send(text) {
       }
       if (chunk.usage) showStats(chunk.usage, page.engine.backend);
     }
+    reply.textContent = shownReply(answer, request.response_format);
     page.history.push({ role: "assistant", content: answer });
     setState("ready");
   } catch (error) {

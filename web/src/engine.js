@@ -9,6 +9,7 @@ import { encodePrompt, formatChat, piecesFrom } from "./chat-format.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
+import { Grammars, responseFormatFrom } from "./structured.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
@@ -339,7 +340,8 @@ class LoadProgress {
 export class Engine {
   /**
    * Load `modelId` from `appConfig` (a WebLLM-style {model_list}).
-   * `runtime` = {tvmjs, tokenizers}: the UMD modules of @mlc-ai/web-runtime and web-tokenizers.
+   * `runtime` = {tvmjs, tokenizers, loadXgrammar}: the UMD modules of @mlc-ai/web-runtime and
+   * web-tokenizers, and a loader of @mlc-ai/web-xgrammar's (structured.js `Grammars`).
    * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load.
    */
   static async load({ appConfig, modelId, device = "auto", runtime, onProgress = () => {}, onFatal = () => {} }) {
@@ -372,7 +374,7 @@ export class Engine {
     this.conversation = null;
   }
 
-  async initialize({ tvmjs, tokenizers }, onProgress) {
+  async initialize({ tvmjs, tokenizers, loadXgrammar }, onProgress) {
     const progress = new LoadProgress(onProgress, this.backend);
     const files = await ModelFiles.open(this.record, (event) => progress.update("fetch", event.fraction, event.text,
       { loadedBytes: event.loadedBytes, totalBytes: event.totalBytes }));
@@ -420,6 +422,10 @@ export class Engine {
     });
     this.stopTokenIds = new Set([...(this.chatConfig.conv_template.stop_token_ids ?? []),
       ...[this.chatConfig.eos_token_id ?? []].flat()]);
+    this.grammars = new Grammars({
+      loadXgrammar, tokenizer: this.tokenizer, chatConfig: this.chatConfig, stopTokenIds: this.stopTokenIds,
+      tokenizerJSON: tokenizerName === "tokenizer.json" ? tokenizerBytes : null,
+    });
   }
 
   deviceLost(info) {
@@ -530,6 +536,7 @@ export class Engine {
     this.throwIfFailed();
     if (this.generating) throw new EngineError("busy", "A generation is already running; wait for it or interrupt it.");
     const settings = generationSettings(request, this.chatConfig);
+    const responseFormat = request.response_format == null ? null : responseFormatFrom(request.response_format);
     const { text: promptText, ids: promptIds } = this.chatPrompt(request.messages);
     const room = this.session.contextWindowSize - promptIds.length;
     if (room <= 0) {
@@ -550,7 +557,10 @@ export class Engine {
     let prefilled = 0;
     let decodeSeconds = 0;
     let decodeSteps = 0;
+    let constraint = null;
+    const tokens = [];
     try {
+      if (responseFormat) constraint = await this.grammars.constraint(responseFormat);
       if (request.stream) onChunk(chunk([{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null, logprobs: null }]));
       const prompt = await this.prefillPrompt(promptIds);
       prefillSeconds = seconds(started);
@@ -558,10 +568,13 @@ export class Engine {
       let logits = prompt.logits;
       const sampler = new Sampler(settings, promptIds);
       for (;;) {
-        const token = sampler.sample(logits);
+        const token = sampler.sample(logits, constraint && await constraint.allowed());
         sampler.record(token);
+        tokens.push(token);
+        constraint?.accept(token);
         firstTokenAt ??= performance.now();
-        if (this.stopTokenIds.has(token) && !settings.ignoreEos) {
+        // A finished format allows nothing more, so its stop token ends the reply even with ignore_eos.
+        if (this.stopTokenIds.has(token) && (!settings.ignoreEos || constraint?.finished)) {
           finishReason = "stop";
           break;
         }
@@ -581,6 +594,7 @@ export class Engine {
     } catch (error) {
       throw this.failure ?? asEngineError(error);
     } finally {
+      constraint?.dispose();
       this.generating = false;
     }
     const tail = text.flush();
@@ -597,9 +611,11 @@ export class Engine {
         prefill_tokens_per_s: prefilled / prefillSeconds,
         decode_tokens_per_s: decodeSteps > 0 ? decodeSteps / decodeSeconds : null,
         e2e_latency_s: seconds(started, finished),
+        mask_ms_per_token: constraint?.steps > 0 ? (1000 * constraint.maskSeconds) / constraint.steps : 0,
       },
     };
-    this.lastRequest = { finish_reason: finishReason, ...usage };
+    // The token ids (with the stop token that ended the reply) are kept for parity checks.
+    this.lastRequest = { finish_reason: finishReason, token_ids: tokens, ...usage };
     if (request.stream) {
       onChunk(chunk([{ index: 0, delta: {}, finish_reason: finishReason, logprobs: null }]));
       onChunk(chunk([], { usage }));

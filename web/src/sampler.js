@@ -4,7 +4,8 @@
 // the same tokens natively and in the browser whenever the logits agree (README, "Chat in the browser"):
 //   1. penalties, in float64: repetition (÷ a positive logit, × a negative one) on every token of
 //      the prompt and the output, then presence + frequency × count on every token of the output;
-//   2. below temperature 1e-5, greedy: the first maximum;
+//   2. tokens a response format does not allow next get -Infinity (structured.js);
+//      below temperature 1e-5, greedy: the first maximum;
 //   3. divide by the temperature;
 //   4. top_k: the k largest, ties going to the lower id;
 //   5. weights exp(x - max) with `expNonPositive`; top_p keeps the most likely tokens (ties to the
@@ -117,10 +118,20 @@ export class Sampler {
     return penalized;
   }
 
-  /** The next token for `logits` (a Float32Array row). */
-  sample(logits) {
+  /**
+   * The next token for `logits` (a Float32Array row); with `allowed` (1 per token id that may come
+   * next), one of the allowed tokens. The mask is applied here, on the host, rather than on the
+   * device with the library's `apply_bitmask_inplace`: the logits come to the host every step
+   * anyway, so masking costs no extra upload or dispatch, and it is the native sampler's code path.
+   * -Infinity goes through the steps below as numpy takes it: never the first maximum while a
+   * finite logit is left, weight 0 from expNonPositive, ranked last by topK and topP.
+   */
+  sample(logits, allowed = null) {
     const { temperature, topK: k, topP } = this.settings;
     const penalized = this.penalized(logits);
+    if (allowed) {
+      for (let id = 0; id < penalized.length; ++id) if (!allowed[id]) penalized[id] = -Infinity;
+    }
     if (temperature < GREEDY_BELOW_TEMPERATURE) return argmax(penalized);
     const scaled = new Float64Array(penalized.length);
     for (let id = 0; id < scaled.length; ++id) scaled[id] = penalized[id] / temperature;

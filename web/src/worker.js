@@ -5,5 +5,15 @@ import "../node_modules/@mlc-ai/web-tokenizers/lib/index.js";
 import { Engine } from "./engine.js";
 import { serveEngine } from "./protocol.js";
 
-const runtime = { tvmjs: globalThis.tvmjs, tokenizers: globalThis.tokenizers };
+// XGrammar (1.1 MB, for response formats) is imported the first time a request asks for a format.
+// It defines `globalThis.xgrammar` too; importing it again under another URL evaluates the bundle
+// again, and so gives a fresh wasm instance (see structured.js for why one is needed).
+const XGRAMMAR_URL = new URL("../node_modules/@mlc-ai/web-xgrammar/lib/index.js", import.meta.url);
+let xgrammarInstances = 0;
+async function loadXgrammar({ fresh = false } = {}) {
+  if (fresh || xgrammarInstances === 0) await import(`${XGRAMMAR_URL}?instance=${++xgrammarInstances}`);
+  return globalThis.xgrammar;
+}
+
+const runtime = { tvmjs: globalThis.tvmjs, tokenizers: globalThis.tokenizers, loadXgrammar };
 serveEngine(self, (options) => Engine.load({ ...options, runtime }));
