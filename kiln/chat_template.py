@@ -230,15 +230,22 @@ class ChatTemplate:
             self._compiled = compile_chat_template(self.source, self.path)
         return self._compiled
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        tools_context = {"tools": tools} if tools else {}
         return render_chat_template(self.compiled(), self.path, messages=messages,
-                                    add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                    add_generation_prompt=add_generation_prompt, **tools_context, **self.special_tokens)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson`: plain JSON (jinja's own escapes <, >, & and ' for HTML), with an indent."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def compile_chat_template(source: str, path: Path) -> jinja2.Template:
     environment = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    environment.filters["tojson"] = tojson
     try:
         return environment.from_string(source)
     except jinja2.TemplateError as e:

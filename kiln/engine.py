@@ -32,6 +32,7 @@ from kiln.chat_template import ChatTemplate
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel, read_json
 from kiln.structured import GrammarCompiler, ResponseFormat, TokenConstraint
+from kiln.tools import ToolCallFormat, messages_for_template, tool_call_format
 
 # Decoding a new token together with the few before it gives the text a full decode would,
 # for decoders that treat the first token specially (SentencePiece drops its leading space).
@@ -345,10 +346,16 @@ class Engine:
                             "chat", self.model_dir)
         return self.chat_template
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The conversation as the chat template writes it; with `tools` (OpenAI's), showing them to the model."""
         template = self.require_chat_template()
         check_messages(messages)
-        return template.render(messages, add_generation_prompt)
+        return template.render(messages_for_template(messages), add_generation_prompt, tools)
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """How this model writes a tool call, when its chat template renders tools."""
+        return tool_call_format(self.chat_template.source) if self.chat_template else None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
@@ -359,17 +366,21 @@ class Engine:
         """Complete a raw prompt (text, or token ids as they are)."""
         return self._start(self._raw_prompt_ids(prompt), config, list(config.stop), conversation_text=None)
 
-    def stream_chat(self, messages: list[dict], config: GenerationConfig) -> Iterator[Delta]:
-        """Reply to a conversation; stops also at the conversation template's stop strings."""
-        prompt_ids, text = self._chat_prompt_ids(messages)
+    def stream_chat(self, messages: list[dict], config: GenerationConfig, tools: list[dict] | None = None,
+                    reply_opening: str = "") -> Iterator[Delta]:
+        """Reply to a conversation; stops also at the conversation template's stop strings. `tools`
+        are shown to the model; `reply_opening` is written after the generation prompt, as the
+        start of the reply the model continues (it is not in the deltas)."""
+        prompt_ids, text = self._chat_prompt_ids(messages, tools, reply_opening)
         return self._start(prompt_ids, config, [*config.stop, *self.chat_stop_strings], conversation_text=text)
 
     def generate(self, prompt: str | list[int], config: GenerationConfig) -> GenerationResult:
         prompt_ids = self._raw_prompt_ids(prompt)
         return collect(prompt_ids, self._start(prompt_ids, config, list(config.stop), conversation_text=None))
 
-    def generate_chat(self, messages: list[dict], config: GenerationConfig) -> GenerationResult:
-        prompt_ids, text = self._chat_prompt_ids(messages)
+    def generate_chat(self, messages: list[dict], config: GenerationConfig, tools: list[dict] | None = None,
+                      reply_opening: str = "") -> GenerationResult:
+        prompt_ids, text = self._chat_prompt_ids(messages, tools, reply_opening)
         stops = [*config.stop, *self.chat_stop_strings]
         return collect(prompt_ids, self._start(prompt_ids, config, stops, conversation_text=text))
 
@@ -393,8 +404,9 @@ class Engine:
     def _raw_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
-    def _chat_prompt_ids(self, messages: list[dict]) -> tuple[list[int], str]:
-        text = self.render_chat(messages)
+    def _chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                         reply_opening: str = "") -> tuple[list[int], str]:
+        text = self.render_chat(messages, tools=tools) + reply_opening
         previous = self._conversation
         if previous is not None and text.startswith(previous.text):
             new_ids = self.tokenizer.encode(text[len(previous.text):], add_special_tokens=False).ids
@@ -575,6 +587,8 @@ def check_messages(messages: list[dict]) -> None:
     if not messages:
         raise KilnError("the conversation is empty: give at least one message")
     for i, message in enumerate(messages):
+        calls_tools = isinstance(message, dict) and message.get("tool_calls") and message.get("content") is None
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise KilnError(f"message {i} needs a string 'role' and a string 'content', got {message!r}")
+                or not (isinstance(message.get("content"), str) or calls_tools):
+            raise KilnError(f"message {i} needs a string 'role' and a string 'content' (or tool_calls), "
+                            f"got {message!r}")

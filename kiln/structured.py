@@ -47,7 +47,8 @@ class ResponseFormatError(KilnError):
 @dataclass(frozen=True)
 class ResponseFormat:
     """What a reply must be: "json_object" (any object), "json_schema" (`text` is the schema as
-    JSON) or "grammar" (`text` is EBNF in XGrammar's dialect, root rule `root`)."""
+    JSON), "grammar" (`text` is EBNF in XGrammar's dialect, root rule `root`) or "structural_tag"
+    (`text` is {"tags", "triggers"} as JSON; see `from_structural_tag`)."""
 
     kind: str
     text: str = ""
@@ -95,6 +96,12 @@ class ResponseFormat:
         if len(text) > MAX_FORMAT_CHARS:
             raise ResponseFormatError(f"the JSON schema is longer than {MAX_FORMAT_CHARS} characters")
         return cls("json_schema", text)
+
+    @classmethod
+    def from_structural_tag(cls, tags: list[dict], triggers: list[str]) -> ResponseFormat:
+        """Free text in which each tag, once its trigger appears, runs from its `begin` through text
+        fitting its `schema` to its `end` (XGrammar's structural tag; how tool calls are held)."""
+        return cls("structural_tag", json.dumps({"tags": tags, "triggers": triggers}, ensure_ascii=False))
 
     @classmethod
     def from_grammar(cls, grammar: Any) -> ResponseFormat:
@@ -220,14 +227,19 @@ class GrammarCompiler:
                 return compiler.compile_json_schema(ANY_OBJECT_SCHEMA, **ANY_OBJECT_OPTIONS)
             if response_format.kind == "json_schema":
                 return compiler.compile_json_schema(response_format.text, **SCHEMA_OPTIONS)
+            if response_format.kind == "structural_tag":
+                spec = json.loads(response_format.text)
+                tags = [xgrammar_module().StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
+                        for t in spec["tags"]]
+                return compiler.compile_structural_tag(tags, spec["triggers"])
             return compiler.compile_grammar(response_format.text)
         except (RuntimeError, ValueError, TypeError) as e:
-            what = "grammar" if response_format.kind == "grammar" else "JSON schema"
+            what = "JSON schema" if response_format.kind.startswith("json") else response_format.kind.replace("_", " ")
             raise ResponseFormatError(f"the {what} cannot be used: {xgrammar_problem(e)}") from None
 
     def constraint(self, response_format: ResponseFormat) -> TokenConstraint:
         compiled = self.compile(response_format)
-        return TokenConstraint(compiled, self.table, json=response_format.kind != "grammar")
+        return TokenConstraint(compiled, self.table, json=response_format.kind.startswith("json"))
 
 
 class TokenConstraint:

@@ -3,12 +3,13 @@ every problem is a 400 naming the field, so no request fails after its reply has
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 from flask import Response, jsonify, request
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4
 # Without max_tokens a reply would otherwise run to the end of the context window.
 DEFAULT_MAX_TOKENS = 512
@@ -98,7 +99,9 @@ SAMPLING_FIELDS = {
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")  # the second wins (OpenAI's newer name)
 # OpenAI features Kiln does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "logit_bias": {},
-               "tools": [], "suffix": ""}
+               "suffix": ""}
+# Fields only a chat request may have.
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def present(body: dict, name: str) -> bool:
@@ -173,8 +176,47 @@ def chat_messages(body: dict) -> list[dict]:
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}.", f"messages[{i}].role")
-        checked.append({"role": role, "content": message_content(message.get("content"), i)})
+        calls = tool_calls(message.get("tool_calls"), i) if role == "assistant" else []
+        content = message.get("content")
+        out = {"role": role, "content": "" if calls and content is None else message_content(content, i)}
+        if calls:
+            out["tool_calls"] = calls
+        if role == "tool":
+            out["tool_call_id"] = text(f"messages[{i}].tool_call_id", required(message, "tool_call_id"))
+        checked.append(out)
     return checked
+
+
+def tool_calls(calls, index: int) -> list[dict]:
+    """An assistant message's earlier tool calls, as OpenAI sends them back."""
+    name = f"messages[{index}].tool_calls"
+    if calls is None:
+        return []
+    checked = []
+    for call in typed(name, calls, (list,)):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(call.get("id"), str) and call.get("type") == "function"
+                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)):
+            raise ApiError(400, f"{name} must be a list of {{'id', 'type': 'function', 'function': {{'name', "
+                                "'arguments'}}}.", name)
+        try:
+            json.loads(function["arguments"])
+        except ValueError:
+            raise ApiError(400, f"{name}: the arguments of {function['name']!r} are not JSON text.", name) from None
+        checked.append({"id": call["id"], "type": "function",
+                        "function": {"name": text(name, function["name"]), "arguments": function["arguments"]}})
+    return checked
+
+
+def tool_request(body: dict):
+    from kiln.tools import ToolRequest, ToolRequestError
+
+    if present(body, "parallel_tool_calls"):
+        Flag().read("parallel_tool_calls", body["parallel_tool_calls"])
+    try:
+        return ToolRequest.from_openai(body.get("tools"), body.get("tool_choice"))
+    except ToolRequestError as e:
+        raise ApiError(400, f"{e.problem}.", e.param) from None
 
 
 def completion_prompt(body: dict) -> str | list[int]:
@@ -198,6 +240,7 @@ class ApiRequest:
     sampling: dict
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
+    tools: object = None  # a kiln.tools.ToolRequest when the chat offers tools
 
     def generation_config(self, chat_config: dict):
         from kiln.engine import GenerationConfig
@@ -220,7 +263,15 @@ def read_request(chat: bool) -> ApiRequest:
     """The request body of /v1/chat/completions (`chat`) or /v1/completions, checked throughout."""
     body = body_object()
     check_unsupported(body)
+    if not chat:
+        for name in CHAT_ONLY:
+            if present(body, name):
+                raise ApiError(400, f"{name!r} is for /v1/chat/completions.", name)
     source = {"messages": chat_messages(body)} if chat else {"prompt": completion_prompt(body)}
+    chosen = sampling(body)
+    tools = tool_request(body) if chat else None
+    if tools and tools.choice != "none" and chosen.get("response_format"):
+        raise ApiError(400, "'response_format' cannot be combined with tools the model may call.", "response_format")
     return ApiRequest(model=text("model", required(body, "model")),
                       stream=present(body, "stream") and Flag().read("stream", body["stream"]),
-                      include_usage=include_usage(body), sampling=sampling(body), **source)
+                      include_usage=include_usage(body), sampling=chosen, tools=tools, **source)

@@ -21,6 +21,7 @@ from typing import Iterator
 from flask import Blueprint, Response, jsonify, request
 
 from kiln.errors import KilnError
+from kiln.tools import ContentBeforeCalls
 
 from .api_request import ApiError, ApiRequest, read_request
 from .engines import NativeEngines
@@ -88,9 +89,11 @@ def sse(payload) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def event_stream(deltas: Iterator, chunk, opening: dict | None, include_usage: bool, watch) -> Iterator[str]:
+def event_stream(deltas: Iterator, chunk, opening: dict | None, include_usage: bool, watch,
+                 calls: ContentBeforeCalls | None) -> Iterator[str]:
     """Server-sent events for an engine stream; `chunk(...)` shapes one event, `opening` is the
-    first (chat streams announce the assistant's role), `watch` interrupts the engine if the client leaves.
+    first (chat streams announce the assistant's role), `watch` interrupts the engine if the client
+    leaves, `calls` (when the model may call tools) holds back the text of calls and reads them at the end.
 
     Closing this generator (a write failed: the client went away) closes the engine stream,
     which stops the generation and releases the model.
@@ -103,8 +106,16 @@ def event_stream(deltas: Iterator, chunk, opening: dict | None, include_usage: b
                 yield sse(opening)
             for delta in deltas:
                 generated += len(delta.token_ids)
-                if delta.text or delta.finish_reason:
-                    yield sse(chunk(delta.text, delta.finish_reason))
+                text, tool_calls = delta.text, []
+                if calls:
+                    text = calls.feed(text)
+                    if delta.finish_reason:
+                        rest, tool_calls = calls.finish()
+                        text += rest
+                if text:
+                    yield sse(chunk(text, None))
+                if delta.finish_reason:
+                    yield sse(chunk(None, "tool_calls" if tool_calls else delta.finish_reason, tool_calls=tool_calls))
                 if delta.usage is not None and include_usage:
                     yield sse(chunk(None, None, usage=usage_json(delta.usage)))
                 if delta.finish_reason:
@@ -149,16 +160,30 @@ def start_stream(start) -> Iterator:
         raise ApiError(400, e.problem) from None
 
 
-def chat_choice(text: str | None, finish_reason: str | None) -> dict:
+def chat_choice(text: str | None, finish_reason: str | None, tool_calls=()) -> dict:
     delta = {} if text is None else {"content": text}
+    if tool_calls:
+        delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(tool_calls)]
     return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
-def completion_choice(text: str | None, finish_reason: str | None) -> dict:
+def completion_choice(text: str | None, finish_reason: str | None, tool_calls=()) -> dict:
     return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
 
 
-def respond(asked: ApiRequest, engine, deltas: Iterator) -> Response:
+def chat_message(text: str, calls: ContentBeforeCalls | None) -> tuple[dict, bool]:
+    """The reply as an assistant message, and whether it calls tools."""
+    if calls is None:
+        return {"role": "assistant", "content": text}, False
+    content = calls.feed(text)
+    rest, tool_calls = calls.finish()
+    content += rest
+    if not tool_calls:
+        return {"role": "assistant", "content": content}, False
+    return {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in tool_calls]}, True
+
+
+def respond(asked: ApiRequest, engine, deltas: Iterator, calls: ContentBeforeCalls | None = None) -> Response:
     """The reply to a started generation: an event stream or one JSON object."""
     chat = asked.messages is not None
     completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -166,8 +191,9 @@ def respond(asked: ApiRequest, engine, deltas: Iterator) -> Response:
     created = int(time.time())
     watch = interrupted_if_client_leaves(request.environ.get("werkzeug.socket"), engine)
     if asked.stream:
-        def chunk(text, finish_reason, usage=None, choice=None):
-            choices = [] if usage else [choice or (chat_choice if chat else completion_choice)(text, finish_reason)]
+        def chunk(text, finish_reason, usage=None, choice=None, tool_calls=()):
+            choices = [] if usage else [choice or (chat_choice if chat else completion_choice)(text, finish_reason,
+                                                                                                 tool_calls)]
             out = {"id": completion_id, "object": f"{object_name}.chunk" if chat else object_name,
                    "created": created, "model": asked.model, "choices": choices}
             if usage:
@@ -178,12 +204,15 @@ def respond(asked: ApiRequest, engine, deltas: Iterator) -> Response:
         if chat:
             opening = chunk(None, None, choice={"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": None})
-        return Response(event_stream(deltas, chunk, opening, asked.include_usage, watch),
+        return Response(event_stream(deltas, chunk, opening, asked.include_usage, watch, calls),
                         mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text, last = collect_reply(deltas, watch)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-              else {"index": 0, "text": text})
-    choice.update(finish_reason=last.finish_reason, logprobs=None)
+    if chat:
+        message, called = chat_message(text, calls)
+        choice = {"index": 0, "message": message}
+    else:
+        choice, called = {"index": 0, "text": text}, False
+    choice.update(finish_reason="tool_calls" if called else last.finish_reason, logprobs=None)
     return jsonify({"id": completion_id, "object": object_name, "created": created, "model": asked.model,
                     "choices": [choice], "usage": usage_json(last.usage)})
 
@@ -208,7 +237,17 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
             raise ApiError(400, f"The model {asked.model!r} has no chat template (it is a base model): it completes "
                                 "raw text at /v1/completions, it does not chat.", "model", code="model_cannot_chat")
         config = asked.generation_config(engine.chat_config)
-        return respond(asked, engine, start_stream(lambda: engine.stream_chat(asked.messages, config)))
+        tools = asked.tools if asked.tools and asked.tools.choice != "none" else None
+        if tools is None:
+            return respond(asked, engine, start_stream(lambda: engine.stream_chat(asked.messages, config)))
+        call_format = engine.tool_call_format
+        if call_format is None:
+            raise ApiError(400, f"The model {asked.model!r} cannot call tools: its chat template does not render them "
+                                "(or writes calls in a way Kiln does not read).", "tools", code="model_cannot_call_tools")
+        config.response_format = tools.response_format(call_format)
+        opening = tools.reply_opening(call_format)
+        deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening))
+        return respond(asked, engine, deltas, ContentBeforeCalls(call_format, tools.functions, opening))
 
     @api.post("/completions")
     def completions():
