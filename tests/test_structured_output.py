@@ -10,10 +10,11 @@ import jsonschema
 import pytest
 import requests
 from schema_corpus import SCHEMAS
+from tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
 from web_helpers import run_kiln
 
+from kiln.compile.configure import tokenizer_info
 from kiln.engine import Engine, GenerationConfig
-from kiln.errors import KilnError
 from kiln.structured import ResponseFormat, ResponseFormatError, TokenTable, utf8_after
 
 MODEL_ID = "tiny-llama-q4f32_1"
@@ -86,6 +87,27 @@ def test_the_token_table_reads_tokens_as_bytes(engine):
     assert special and all(table.strings[i] == "" for i in special)
     newline = engine.tokenizer.token_to_id("Ċ")
     assert table.has_control[newline] and not table.has_control[engine.tokenizer.token_to_id("a")]
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    (CHATML_TOKENS, ("byte_level", False, False)),
+    (LLAMA_2_TOKENS, ("byte_fallback", True, True)),  # Llama 2's Prepend("▁") normalizer and Strip decoder
+])
+def test_tokenizer_info_says_how_to_read_the_vocabulary(tmp_path, tokens, expected):
+    trained_tokenizer(tokens, 300).save(str(tmp_path / "tokenizer.json"))
+    info = tokenizer_info(tmp_path)
+    assert (info["token_postproc_method"], info["prepend_space_in_encode"], info["strip_space_in_decode"]) == expected
+
+
+def test_a_metaspace_tokenizer_prepends_a_space(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert tokenizer_info(tmp_path) == {"token_postproc_method": "byte_fallback", "prepend_space_in_encode": True,
+                                        "strip_space_in_decode": True}
 
 
 # Natively

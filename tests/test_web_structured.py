@@ -23,6 +23,7 @@ from web_helpers import run_node_module
 from kiln.engine import Engine, GenerationConfig
 from kiln.errors import KilnError
 from kiln.server.browser_model import browser_model
+from kiln.server.parity import ParityContract
 from kiln.structured import ResponseFormat, TokenTable
 
 # The UMD bundles expect CommonJS globals when they run under Node; there `loadXgrammar` reads
@@ -230,32 +231,60 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.browser
-@pytest.mark.parametrize("backend", ["wasm", "webgpu"])
-def test_the_browser_generates_the_native_constrained_tokens(tiny_dir, backend, driver):
-    """Every schema of the corpus in one page evaluation; then bad formats and a request after them."""
-    native = Engine(tiny_dir)
-    expected = {name: native.generate_chat(reply_prompt(name), GenerationConfig(
-        max_tokens=MAX_TOKENS, temperature=0, response_format=ResponseFormat.from_schema(schema)))
-        for name, schema in SCHEMAS.items()}
+def divergence_is_a_near_tie(engine: Engine, name: str, native: list[int], browser: list[int]) -> bool:
+    """Whether the browser's reply leaves the native one where the native logits of the tokens the
+    format allows have the browser's token a close second (the parity contract's near tie)."""
+    at = next(i for i, (a, b) in enumerate(zip(native, browser)) if a != b)
+    constraint = engine.grammars.constraint(ResponseFormat.from_schema(SCHEMAS[name]))
+    for token in native[:at]:
+        constraint.accept(token)
+    allowed = constraint.allowed()
+    engine.reset()
+    step = engine.generate(engine.encode_chat(reply_prompt(name)) + native[:at],
+                           GenerationConfig(max_tokens=1, logits_top_k=engine.model.vocab_size)).logits[0]
+    ranked = [(logit, token) for token, logit in zip(step["token_ids"], step["logits"]) if allowed[token]]
+    (best, first), (second, runner_up) = ranked[:2]
+    return first == native[at] and runner_up == browser[at] and best - second < ParityContract().near_tie_gap
+
+
+def check_browser_corpus(model_dir: Path, backend: str, driver) -> None:
+    """Every schema of the corpus in one page evaluation; then bad formats and a request after them.
+    Replies validate, and are the native tokens (or leave them at a near tie)."""
+    native = Engine(model_dir)
+    config = lambda schema: GenerationConfig(max_tokens=MAX_TOKENS, temperature=0,  # noqa: E731
+                                             response_format=ResponseFormat.from_schema(schema))
+    expected = {name: native.generate_chat(reply_prompt(name), config(schema)) for name, schema in SCHEMAS.items()}
     requests = [{"messages": reply_prompt(name), "max_tokens": MAX_TOKENS, "temperature": 0,
                  "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}}
                 for name, schema in SCHEMAS.items()]
     after = {"messages": reply_prompt("flag"), "max_tokens": MAX_TOKENS, "temperature": 0,
-             "response_format": {"type": "json_object"}}
+             "response_format": {"type": "json_object", "schema": SCHEMAS["flag"]}}
     bad = [{**after, "response_format": response_format} for response_format in BAD_REQUESTS]
-    with browser_model(tiny_dir, backend, driver) as model:
+    with browser_model(model_dir, backend, driver) as model:
         replies = model.engine.page.evaluate(BROWSER_REPLIES_JS, [*requests, *bad, after])
     chosen, rejected, following = replies[:len(requests)], replies[len(requests):-1], replies[-1]
     for (name, schema), reply in zip(SCHEMAS.items(), chosen):
         assert "error" not in reply, (name, reply)
-        assert reply["token_ids"] == expected[name].tokens, name
-        assert reply["text"] == expected[name].text, name
         assert reply["finish_reason"] == "stop", name
         jsonschema.validate(json.loads(reply["text"]), schema, format_checker=jsonschema.FormatChecker())
+        if reply["token_ids"] != expected[name].tokens:
+            assert divergence_is_a_near_tie(native, name, expected[name].tokens, reply["token_ids"]), name
+            print(f"\n{backend}: {name} left the native reply at a near tie")
     assert [reply["error"].split(":")[0] for reply in rejected] == ["bad-response-format"] * 2
     assert "nope" in rejected[0]["error"] and "undefined_rule" in rejected[1]["error"]
-    assert isinstance(json.loads(following["text"]), dict)
+    assert json.loads(following["text"]) == json.loads(expected["flag"].text)
     mask_ms = [reply["mask_ms_per_token"] for reply in chosen]
     assert all(ms >= 0 for ms in mask_ms) and sum(mask_ms) > 0  # performance.now() ticks by 0.1 ms in a worker
-    print(f"\n{backend}: mask {np.mean(mask_ms):.3f} ms/token on average (max {max(mask_ms):.3f})")
+    print(f"\n{model_dir.name} on {backend}: mask {np.mean(mask_ms):.3f} ms/token on average (max {max(mask_ms):.3f})")
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("backend", ["wasm", "webgpu"])
+def test_the_browser_generates_the_native_constrained_tokens(tiny_dir, backend, driver):
+    check_browser_corpus(tiny_dir, backend, driver)
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_smollm2_in_the_browser_gives_the_native_constrained_tokens(smollm2_build, driver):
+    check_browser_corpus(smollm2_build("q4f32_1", ["cpu", "wasm"]), "wasm", driver)
