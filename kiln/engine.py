@@ -128,11 +128,11 @@ class Sampler:
     the same tokens natively and in the browser whenever the logits agree (README, "Chat in the browser"):
     penalties in float64 (repetition over prompt and output, then presence + frequency × count
     over the output); tokens a response format does not allow next get -inf; greedy (the first
-    maximum) below temperature 1e-5; otherwise divide by the
-    temperature, keep the top_k largest (ties to the lower id), weigh with `exp_nonpositive`, keep
-    the most likely tokens until their weight reaches top_p of the total (ties to the lower id),
-    and draw u from mulberry32: the first kept token in id order whose running weight exceeds u ×
-    their total. Every sum runs in float64 in that stated order. Without a seed, a random one.
+    maximum) below temperature 1e-5; otherwise divide by the temperature, keep the top_k largest
+    (ties to the lower id), weigh with `exp_nonpositive`, keep the most likely tokens until their
+    weight reaches top_p of the total (ties to the lower id), and draw u from mulberry32: the
+    first kept token in id order whose running weight exceeds u × their total. Every sum runs in
+    float64 in that stated order. Without a seed, a random one.
     """
 
     def __init__(self, config: GenerationConfig, prompt_ids: list[int]):
@@ -346,7 +346,8 @@ class Engine:
                             "chat", self.model_dir)
         return self.chat_template
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         """The conversation as the chat template writes it; with `tools` (OpenAI's), showing them to the model."""
         template = self.require_chat_template()
         check_messages(messages)

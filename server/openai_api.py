@@ -145,8 +145,9 @@ def collect_reply(deltas: Iterator, watch) -> tuple[str, object]:
     return "".join(texts), delta
 
 
-def start_stream(start) -> Iterator:
-    """Start a generation (waiting for the model); engine errors about the request become 400s."""
+def start_stream(start, format_param: str = "response_format") -> Iterator:
+    """Start a generation (waiting for the model); engine errors about the request become 400s
+    (naming `format_param` when the format holding the reply does not compile)."""
     from kiln.engine import EngineBusy
     from kiln.structured import ResponseFormatError
 
@@ -155,7 +156,7 @@ def start_stream(start) -> Iterator:
     except EngineBusy as e:
         raise ApiError(503, f"{e}; retry later.", error_type="server_error", code="model_busy") from None
     except ResponseFormatError as e:
-        raise ApiError(400, e.problem, "response_format") from None
+        raise ApiError(400, e.problem, format_param) from None
     except KilnError as e:
         raise ApiError(400, e.problem) from None
 
@@ -246,7 +247,7 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
                                 "(or writes calls in a way Kiln does not read).", "tools", code="model_cannot_call_tools")
         config.response_format = tools.response_format(call_format)
         opening = tools.reply_opening(call_format)
-        deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening))
+        deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening), "tools")
         return respond(asked, engine, deltas, ContentBeforeCalls(call_format, tools.functions, opening))
 
     @api.post("/completions")

@@ -123,6 +123,8 @@ def test_a_model_whose_template_has_no_tools_is_a_400(tool_models):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tools", "Unsupported type"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id", "Missing required"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
                                                          "function": {"name": "f", "arguments": "{"}}]}]},
