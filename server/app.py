@@ -20,7 +20,7 @@ from .openai_api import make_openai_blueprint
 from .origins import allow_cors, host_allowed
 
 REPOSITORY_WEB_DIR = Path(__file__).resolve().parents[1] / "web"
-NPM_PACKAGES = ("@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers", "@mlc-ai/web-xgrammar")
+NPM_PACKAGES = ("@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers", "@mlc-ai/web-xgrammar", "@huggingface/jinja")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 URL layout:
   /                                   the chat harness (web/harness/index.html)
-  /web/<file>                         the harness and engine modules, the two npm packages they import
+  /web/<file>                         the harness and engine modules, the npm packages they import
                                       and, where web/ has its dev packages, @mlc-ai/web-llm
   /models/<model-id>/<file>           a model folder under the dist folder
   /models/<model-id>/resolve/<rev>/<file>   the same, in the URL shape WebLLM builds
@@ -20,7 +20,7 @@ from .files import CORS_HEADERS, send_inside
 # The only parts of web/ the page loads; node_modules holds much else that is not for serving.
 WEB_PREFIXES = ("src/", "harness/", "node_modules/@mlc-ai/web-runtime/lib/",
                 "node_modules/@mlc-ai/web-tokenizers/lib/", "node_modules/@mlc-ai/web-xgrammar/lib/",
-                "node_modules/@mlc-ai/web-llm/lib/")
+                "node_modules/@huggingface/jinja/dist/", "node_modules/@mlc-ai/web-llm/lib/")
 WEBLLM_PREFIX = "resolve/"
 
 

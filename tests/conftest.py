@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from assets import smollm2_gguf
-from tiny_llama import make_tiny_llama
+from tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
 
 from kiln.cli import main
 from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
@@ -75,6 +75,24 @@ def smollm2_build(builds, smollm2_source):
     """smollm2_build(quantization, targets) → model folder of SmolLM2-135M-Instruct."""
     return lambda quantization, targets=("cpu",): builds.model_dir(smollm2_source, "SmolLM2-135M-Instruct",
                                                                    quantization, list(targets))
+
+
+@pytest.fixture(scope="session")
+def tool_models(builds, tmp_path_factory):
+    """Tiny Llamas with Qwen2.5's and Llama 3.1's chat templates, plus the ChatML one (no tools), for
+    the server and the browser, served; yields (dist, base URL)."""
+    from web_helpers import served
+
+    sources = tmp_path_factory.mktemp("tool-sources")
+    for name, (tokens, template) in TOOL_FAMILIES.items():
+        source = make_tiny_llama(sources / name, tokens=tokens, chat_template=(CHAT_TEMPLATES / template).read_text())
+        # Tool definitions take some 800 of the tiny tokenizer's tokens: a longer window than its 512.
+        config = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+        builds.model_dir(source, f"tiny-{name}", "q4f32_1", ["cpu", "wasm"])
+    builds.model_dir(make_tiny_llama(sources / "chatml"), "tiny-llama", "q4f32_1", ["cpu", "wasm"])
+    with served(builds.dist) as base:
+        yield builds.dist, base
 
 
 @pytest.fixture(scope="session")

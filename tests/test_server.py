@@ -87,12 +87,14 @@ def test_harness_and_engine_modules_are_served(url):
     assert page.status_code == 200 and "text/html" in page.headers["Content-Type"]
     for path in ("web/harness/harness.js", "web/src/engine.js", "web/src/worker.js",
                  "web/node_modules/@mlc-ai/web-runtime/lib/index.js",
-                 "web/node_modules/@mlc-ai/web-tokenizers/lib/index.js"):
+                 "web/node_modules/@mlc-ai/web-tokenizers/lib/index.js",
+                 "web/node_modules/@huggingface/jinja/dist/index.js", "web/src/tools.js", "web/src/chat-template.js"):
         response = requests.get(url + path)
         assert response.status_code == 200, path
         assert response.headers["Content-Type"].startswith("text/javascript"), path
-    # node_modules holds more than the page needs; only the two runtime packages are served.
+    # node_modules holds more than the page needs; only the packages it imports are served.
     assert requests.get(f"{url}web/node_modules/webgpu/package.json").status_code == 404
+    assert requests.get(f"{url}web/node_modules/@huggingface/jinja/package.json").status_code == 404
     assert requests.get(f"{url}web/package.json").status_code == 404
 
 

@@ -10,8 +10,7 @@ import json
 import jsonschema
 import pytest
 import requests
-from tiny_llama import CHAT_TEMPLATES, LLAMA_3_TOKENS, QWEN_TOKENS, make_tiny_llama
-from web_helpers import served
+from tiny_llama import TOOL_FAMILIES
 
 from kiln.engine import Engine
 from kiln.tools import TOOL_CALL_FORMATS, ContentBeforeCalls, ToolRequest, ToolRequestError
@@ -28,25 +27,7 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-FAMILY_TEMPLATES = {"qwen": (QWEN_TOKENS, "Qwen-Qwen2.5-7B-Instruct.jinja"),
-                    "llama3": (LLAMA_3_TOKENS, "meta-llama-Llama-3.1-8B-Instruct.jinja")}
 HERMES, LLAMA3_JSON = TOOL_CALL_FORMATS
-
-
-@pytest.fixture(scope="module")
-def tool_models(builds, tmp_path_factory):
-    """Tiny Llamas with Qwen2.5's and Llama 3.1's chat templates, plus the ChatML one (no tools), served."""
-    sources = tmp_path_factory.mktemp("tool-sources")
-    for name, (tokens, template) in FAMILY_TEMPLATES.items():
-        source = make_tiny_llama(sources / name, tokens=tokens, chat_template=(CHAT_TEMPLATES / template).read_text())
-        # Tool definitions take some 800 of the tiny tokenizer's tokens: a longer window than its 512.
-        config = json.loads((source / "config.json").read_text())
-        (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-        builds.model_dir(source, f"tiny-{name}", "q4f32_1", ["cpu"])
-    dist = builds.dist
-    builds.model_dir(make_tiny_llama(sources / "chatml"), "tiny-llama", "q4f32_1", ["cpu"])
-    with served(dist) as base:
-        yield dist, base
 
 
 def client(base):
@@ -60,7 +41,7 @@ def check_call(call, names=tuple(PARAMETERS)) -> None:
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
-@pytest.mark.parametrize("family", FAMILY_TEMPLATES)
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_a_required_or_named_call_fits_its_parameters(tool_models, family):
     _, base = tool_models
     model = f"tiny-{family}-q4f32_1"
@@ -88,7 +69,7 @@ def test_a_forced_call_streams_as_a_tool_call_delta(tool_models):
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
-@pytest.mark.parametrize("family", FAMILY_TEMPLATES)
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_a_tool_result_goes_back_through_the_template(tool_models, family):
     dist, base = tool_models
     model = f"tiny-{family}-q4f32_1"
@@ -174,7 +155,7 @@ def test_tool_choice_shapes():
         ToolRequest.from_openai(None, "required")
 
 
-@pytest.mark.parametrize("family", FAMILY_TEMPLATES)
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_tools_and_calls_render_as_transformers_renders_them(tool_models, family):
     from transformers import AutoTokenizer
 

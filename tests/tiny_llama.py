@@ -45,6 +45,9 @@ LLAMA_2_TOKENS = ChatTokens(("<unk>", "<s>", "</s>"), "<s>", "</s>", sentencepie
 MISTRAL_V3_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>", sentencepiece=True)
 TEKKEN_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>")
 CHAT_TEMPLATES = DATA / "chat_templates"
+# Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
+TOOL_FAMILIES = {"qwen": (QWEN_TOKENS, "Qwen-Qwen2.5-7B-Instruct.jinja"),
+                 "llama3": (LLAMA_3_TOKENS, "meta-llama-Llama-3.1-8B-Instruct.jinja")}
 
 
 def trained_tokenizer(tokens: ChatTokens, vocab_size: int):

@@ -69,13 +69,41 @@ function responseFormat() {
   return { type: kind };
 }
 
-/** A JSON reply pretty-printed; anything else (plain text, a reply cut short) as it is. */
-function shownReply(text, format) {
-  if (format.type === "text") return text;
+/** The tools of the settings (a JSON list of OpenAI tools), or undefined when the box is empty. */
+function settingsTools() {
+  const text = $("tools").value.trim();
+  if (!text) return undefined;
+  try {
+    return JSON.parse(text);
+  } catch (error) {
+    throw new Error(`The tools are not JSON: ${error.message}`);
+  }
+}
+
+/** JSON text pretty-printed; anything else (plain text, a reply cut short) as it is. */
+function prettyJSON(text) {
   try {
     return JSON.stringify(JSON.parse(text), null, 2);
   } catch {
     return text;
+  }
+}
+
+function shownReply(text, format) {
+  return format && format.type !== "text" ? prettyJSON(text) : text;
+}
+
+/** Each tool call of a reply below its text: the function's name and its arguments. */
+function showToolCalls(reply, calls) {
+  for (const call of calls) {
+    const box = document.createElement("div");
+    box.className = "tool-call";
+    const name = document.createElement("code");
+    name.textContent = call.function.name;
+    const args = document.createElement("pre");
+    args.textContent = prettyJSON(call.function.arguments);
+    box.append("Calls ", name, args);
+    reply.append(box);
   }
 }
 
@@ -126,27 +154,31 @@ async function send(text) {
   const reply = addTurn("assistant", "");
   setState("generating");
   const system = $("system-prompt").value.trim();
-  const request = {
-    messages: system ? [{ role: "system", content: system }, ...page.history] : [...page.history],
-    stream: true,
-    temperature: numberSetting("temperature"),
-    top_p: numberSetting("top-p"),
-    max_tokens: numberSetting("max-tokens"),
-    response_format: responseFormat(),
-  };
   let answer = "";
+  const calls = [];
   try {
+    const tools = settingsTools();
+    const request = {
+      messages: system ? [{ role: "system", content: system }, ...page.history] : [...page.history],
+      stream: true,
+      temperature: numberSetting("temperature"),
+      top_p: numberSetting("top-p"),
+      max_tokens: numberSetting("max-tokens"),
+      ...(tools ? { tools, tool_choice: $("tool-choice").value } : { response_format: responseFormat() }),
+    };
     for await (const chunk of await page.engine.chat.completions.create(request)) {
-      const delta = chunk.choices[0]?.delta?.content;
-      if (delta) {
-        answer += delta;
+      const delta = chunk.choices[0]?.delta;
+      if (delta?.content) {
+        answer += delta.content;
         reply.textContent = answer;
         reply.scrollIntoView({ block: "end" });
       }
+      calls.push(...delta?.tool_calls ?? []);
       if (chunk.usage) showStats(chunk.usage, page.engine.backend);
     }
     reply.textContent = shownReply(answer, request.response_format);
-    page.history.push({ role: "assistant", content: answer });
+    showToolCalls(reply, calls);
+    page.history.push({ role: "assistant", content: answer, ...(calls.length > 0 ? { tool_calls: calls } : {}) });
     setState("ready");
   } catch (error) {
     // The turn did not happen: take it back and leave the question in the box to send again.

@@ -6,10 +6,12 @@
 // cache, `embed` then `prefill` (chunked) / `decode` / `prefill_all_logits`, parameters passed
 // as one packed array. Logits come back to the host every step and tokens are chosen there.
 import { encodePrompt, formatChat, piecesFrom } from "./chat-format.js";
+import { ChatTemplate, TOKENIZER_CONFIG } from "./chat-template.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
 import { Grammars, responseFormatFrom } from "./structured.js";
+import { ContentBeforeCalls, templateMessages, toolCallFormat, toolRequestFrom } from "./tools.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
@@ -340,8 +342,9 @@ class LoadProgress {
 export class Engine {
   /**
    * Load `modelId` from `appConfig` (a WebLLM-style {model_list}).
-   * `runtime` = {tvmjs, tokenizers, loadXgrammar}: the UMD modules of @mlc-ai/web-runtime and
-   * web-tokenizers, and a loader of @mlc-ai/web-xgrammar's (structured.js `Grammars`).
+   * `runtime` = {tvmjs, tokenizers, loadXgrammar, loadJinja}: the UMD modules of @mlc-ai/web-runtime
+   * and web-tokenizers, a loader of @mlc-ai/web-xgrammar's (structured.js `Grammars`) and one of
+   * @huggingface/jinja's ES module (chat templates for requests with tools).
    * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load.
    */
   static async load({ appConfig, modelId, device = "auto", runtime, onProgress = () => {}, onFatal = () => {} }) {
@@ -372,12 +375,15 @@ export class Engine {
     this.loadStats = {};
     this.lastRequest = null;
     this.conversation = null;
+    this.chatTemplate = undefined; // the jinja one: undefined until read, null for a model without one
   }
 
-  async initialize({ tvmjs, tokenizers, loadXgrammar }, onProgress) {
+  async initialize({ tvmjs, tokenizers, loadXgrammar, loadJinja }, onProgress) {
     const progress = new LoadProgress(onProgress, this.backend);
+    this.loadJinja = loadJinja;
     const files = await ModelFiles.open(this.record, (event) => progress.update("fetch", event.fraction, event.text,
       { loadedBytes: event.loadedBytes, totalBytes: event.totalBytes }));
+    this.files = files; // for the chat template, read on the first request with tools
     this.chatConfig = files.chatConfig;
     const tokenizerName = this.chatConfig.tokenizer_files.find((name) => name === "tokenizer.json" || name === "tokenizer.model");
     if (!tokenizerName) throw new EngineError("bad-model", "mlc-chat-config.json lists no tokenizer.json or tokenizer.model");
@@ -504,13 +510,57 @@ export class Engine {
   chatPrompt(messages) {
     const convTemplate = this.chatConfig.conv_template;
     const pieces = formatChat(convTemplate, messages);
+    return this.continuedPrompt(pieces, () => encodePrompt(convTemplate, pieces, (piece) => this.encode(piece)));
+  }
+
+  /** {text, ids} of `pieces`, encoded by `encodeAll` unless they continue the previous conversation. */
+  continuedPrompt(pieces, encodeAll) {
     const text = pieces.join("");
     const previous = this.conversation;
     if (previous && text.startsWith(previous.text)) {
       const rest = piecesFrom(pieces, previous.text.length).flatMap((part) => this.encode(part));
       return { text, ids: [...previous.ids, ...rest] };
     }
-    return { text, ids: encodePrompt(convTemplate, pieces, (piece) => this.encode(piece)) };
+    return { text, ids: encodeAll() };
+  }
+
+  /** The model's jinja chat template, or null (a base model); read and parsed on first use. */
+  async jinjaChatTemplate() {
+    if (this.chatTemplate === undefined) {
+      const { Template } = await this.loadJinja();
+      const bytes = await this.files.bytes(this.files.url(TOKENIZER_CONFIG));
+      this.chatTemplate = ChatTemplate.fromTokenizerConfig(bytes, Template);
+    }
+    return this.chatTemplate;
+  }
+
+  /**
+   * A chat with tools, laid out by the model's jinja chat template (a conv_template can show neither
+   * the tools nor the tool messages of the conversation): {prompt, responseFormat, calls}. Unless
+   * tool_choice is "none" (a plain reply, held to the request's `requestedFormat`), the tools are
+   * shown and `calls` reads calls out of the reply. As natively (`Engine._chat_prompt_ids`), the rendered text and a forced call's opening
+   * are encoded as one piece, their special tokens read from the text.
+   */
+  async toolChat(messages, tools, requestedFormat) {
+    const template = await this.jinjaChatTemplate();
+    if (template === null) {
+      throw new EngineError("no-chat-template", "This model has no chat template (a base model): it completes raw text, it does not chat.");
+    }
+    const rendered = (text) => this.continuedPrompt([text], () => this.encode(text));
+    if (tools.choice === "none") {
+      return { prompt: rendered(template.render(templateMessages(messages))), responseFormat: requestedFormat, calls: null };
+    }
+    const callFormat = toolCallFormat(template.source);
+    if (callFormat === null) {
+      throw new EngineError("no-tool-support", `${this.record.model_id} cannot call tools: its chat template does not ` +
+        "render them (or writes calls in a way Kiln does not read).");
+    }
+    const opening = tools.replyOpening(callFormat);
+    return {
+      prompt: rendered(template.render(templateMessages(messages), tools.tools) + opening),
+      responseFormat: tools.responseFormat(callFormat),
+      calls: new ContentBeforeCalls(callFormat, tools.functions, opening),
+    };
   }
 
   rememberConversation(promptText, promptIds, reply) {
@@ -528,29 +578,47 @@ export class Engine {
     return { logits, prefilled: ids.length - kept };
   }
 
+  /** A reply's TokenConstraint; a tool's parameters that XGrammar rejects are a bad request about the tools. */
+  async constraint({ responseFormat, calls }) {
+    try {
+      return await this.grammars.constraint(responseFormat);
+    } catch (error) {
+      if (calls === null || error.code !== "bad-response-format") throw error;
+      throw new EngineError("bad-request", `tools: ${error.message}`);
+    }
+  }
+
   /**
-   * An OpenAI chat completion. With `stream: true`, `onChunk` receives each
-   * `chat.completion.chunk` (the last one carries `usage`); the full completion is returned either way.
+   * An OpenAI chat completion, with OpenAI's `tools` and `tool_choice` (see tools.js). With
+   * `stream: true`, `onChunk` receives each `chat.completion.chunk` (tool calls come whole in the
+   * last delta; the chunk after it carries `usage`); the full completion is returned either way.
    */
   async chatCompletion(request, onChunk = () => {}) {
     this.throwIfFailed();
     if (this.generating) throw new EngineError("busy", "A generation is already running; wait for it or interrupt it.");
     const settings = generationSettings(request, this.chatConfig);
-    const responseFormat = request.response_format == null ? null : responseFormatFrom(request.response_format);
-    const { text: promptText, ids: promptIds } = this.chatPrompt(request.messages);
-    const room = this.session.contextWindowSize - promptIds.length;
-    if (room <= 0) {
-      throw new EngineError("bad-request", `The conversation has ${promptIds.length} tokens; the context window holds ` +
-        `${this.session.contextWindowSize}. Start a new chat.`);
+    const tools = toolRequestFrom(request.tools, request.tool_choice);
+    if (tools && tools.choice !== "none" && request.response_format != null) {
+      throw new EngineError("bad-request", "'response_format' cannot be combined with tools the model may call.");
     }
-    const maxTokens = Math.min(settings.maxTokens ?? room, room);
+    const requestedFormat = request.response_format == null ? null : responseFormatFrom(request.response_format);
     this.generating = true;
     this.interruptRequested = false;
     const id = completionId();
     const created = Math.floor(Date.now() / 1000);
     const chunk = (choices, extra = {}) => ({ id, object: "chat.completion.chunk", created, model: this.record.model_id, choices, ...extra });
+    const contentChunk = (content) => chunk([{ index: 0, delta: { content }, finish_reason: null, logprobs: null }]);
     const text = new TextStream(this.tokenizer, [...this.chatConfig.conv_template.stop_str ?? [], ...settings.stop]);
+    let calls = null; // reads tool calls out of the reply
+    let content = ""; // the reply's text outside tool calls
+    const show = (delta) => {
+      const shown = calls ? calls.feed(delta) : delta;
+      content += shown;
+      if (shown && request.stream) onChunk(contentChunk(shown));
+    };
     const started = performance.now();
+    let promptText;
+    let promptIds;
     let finishReason = null;
     let firstTokenAt = null;
     let prefillSeconds = 0;
@@ -560,7 +628,17 @@ export class Engine {
     let constraint = null;
     const tokens = [];
     try {
-      if (responseFormat) constraint = await this.grammars.constraint(responseFormat);
+      const chat = tools ? await this.toolChat(request.messages, tools, requestedFormat)
+        : { prompt: this.chatPrompt(request.messages), responseFormat: requestedFormat, calls: null };
+      ({ text: promptText, ids: promptIds } = chat.prompt);
+      calls = chat.calls;
+      const room = this.session.contextWindowSize - promptIds.length;
+      if (room <= 0) {
+        throw new EngineError("bad-request", `The conversation has ${promptIds.length} tokens; the context window holds ` +
+          `${this.session.contextWindowSize}. Start a new chat.`);
+      }
+      const maxTokens = Math.min(settings.maxTokens ?? room, room);
+      if (chat.responseFormat) constraint = await this.constraint(chat);
       if (request.stream) onChunk(chunk([{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null, logprobs: null }]));
       const prompt = await this.prefillPrompt(promptIds);
       prefillSeconds = seconds(started);
@@ -579,7 +657,7 @@ export class Engine {
           break;
         }
         const { delta, stopped } = text.push(token);
-        if (delta && request.stream) onChunk(chunk([{ index: 0, delta: { content: delta }, finish_reason: null, logprobs: null }]));
+        show(delta);
         if (stopped) finishReason = "stop";
         else if (text.ids.length >= maxTokens) finishReason = "length";
         else if (this.interruptRequested) finishReason = "abort";
@@ -597,9 +675,12 @@ export class Engine {
       constraint?.dispose();
       this.generating = false;
     }
-    const tail = text.flush();
+    show(text.flush());
     this.rememberConversation(promptText, promptIds, text);
-    if (tail && request.stream) onChunk(chunk([{ index: 0, delta: { content: tail }, finish_reason: null, logprobs: null }]));
+    const { content: rest, toolCalls } = calls?.finish() ?? { content: "", toolCalls: [] };
+    content += rest;
+    if (rest && request.stream) onChunk(contentChunk(rest));
+    const called = toolCalls.length > 0;
     const finished = performance.now();
     const usage = {
       prompt_tokens: promptIds.length,
@@ -617,12 +698,16 @@ export class Engine {
     // The token ids (with the stop token that ended the reply) are kept for parity checks.
     this.lastRequest = { finish_reason: finishReason, token_ids: tokens, ...usage };
     if (request.stream) {
-      onChunk(chunk([{ index: 0, delta: {}, finish_reason: finishReason, logprobs: null }]));
+      const delta = called ? { tool_calls: toolCalls.map((call, index) => ({ index, ...call })) } : {};
+      onChunk(chunk([{ index: 0, delta, finish_reason: called ? "tool_calls" : finishReason, logprobs: null }]));
       onChunk(chunk([], { usage }));
     }
+    const message = called
+      ? { role: "assistant", content: content || null, tool_calls: toolCalls }
+      : { role: "assistant", content };
     return {
       id, object: "chat.completion", created, model: this.record.model_id,
-      choices: [{ index: 0, message: { role: "assistant", content: text.text }, finish_reason: finishReason, logprobs: null }],
+      choices: [{ index: 0, message, finish_reason: called ? "tool_calls" : finishReason, logprobs: null }],
       usage,
     };
   }

@@ -5,6 +5,7 @@ export const ERROR_CODES = [
   "bad-request",      // the caller passed something invalid
   "bad-response-format", // response_format is malformed, or XGrammar rejects its schema or grammar
   "no-chat-template", // a chat request to a model without a chat template (a base model)
+  "no-tool-support",  // tools offered to a model whose chat template does not render them
   "busy",             // a generation is already running
   "model-not-found",  // the model id is not in the app config
   "no-webgpu",        // no WebGPU adapter and no CPU (wasm) library to fall back to

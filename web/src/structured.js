@@ -211,7 +211,8 @@ export class Grammars {
     return this.compiler;
   }
 
-  /** The compiled `format` ({kind, text}); a format XGrammar rejects is a "bad-response-format" error. */
+  /** The compiled `format` ({kind, text}: a response format, or tools.js's "structural_tag" that holds
+   * tool calls); a format XGrammar rejects is a "bad-response-format" error. */
   async compile(format) {
     const key = `${format.kind}\n${format.text}`;
     if (this.compiled.has(key)) return this.compiled.get(key);
@@ -222,24 +223,32 @@ export class Grammars {
         ? await compiler.compileJSONSchema(ANY_OBJECT_SCHEMA, false, ONE_LINE, undefined, false)
         : format.kind === "json_schema"
           ? await compiler.compileJSONSchema(format.text, false, ONE_LINE, undefined, true)
-          : await compiler.compileGrammar(format.text);
+          : format.kind === "structural_tag"
+            ? await compiler.compileStructuralTag(...this.structuralTag(format.text))
+            : await compiler.compileGrammar(format.text);
       this.compiled.set(key, compiled);
       return compiled;
     } catch (error) {
       const reason = printed.find((line) => XGRAMMAR_LOCATION.test(line))?.replace(XGRAMMAR_LOCATION, "") ?? error.message;
       printed = null;
       await this.compilerOnce({ fresh: true });
-      throw problem(`the ${format.kind === "grammar" ? "grammar" : "JSON schema"} cannot be used: ${reason}`);
+      throw problem(`the ${format.kind.startsWith("json") ? "JSON schema" : format.kind.replace("_", " ")} cannot be used: ${reason}`);
     } finally {
       printed = null;
     }
+  }
+
+  /** XGrammar's arguments for a structural tag's text ({tags, triggers}), each tag's schema as JSON text as natively. */
+  structuralTag(text) {
+    const { tags, triggers } = JSON.parse(text);
+    return [tags.map((tag) => new this.xgrammar.StructuralTagItem(tag.begin, JSON.stringify(tag.schema), tag.end)), triggers];
   }
 
   /** A new reply's TokenConstraint for `format`. */
   async constraint(format) {
     const compiled = await this.compile(format);
     const matcher = await this.xgrammar.GrammarMatcher.createGrammarMatcher(compiled);
-    return new TokenConstraint(matcher, this.table, format.kind !== "grammar");
+    return new TokenConstraint(matcher, this.table, format.kind.startsWith("json"));
   }
 }
 

@@ -15,5 +15,8 @@ async function loadXgrammar({ fresh = false } = {}) {
   return globalThis.xgrammar;
 }
 
-const runtime = { tvmjs: globalThis.tvmjs, tokenizers: globalThis.tokenizers, loadXgrammar };
+// @huggingface/jinja (an ES module, 115 KB) renders chat templates for requests with tools; imported on the first one.
+const loadJinja = () => import("../node_modules/@huggingface/jinja/dist/index.js");
+
+const runtime = { tvmjs: globalThis.tvmjs, tokenizers: globalThis.tokenizers, loadXgrammar, loadJinja };
 serveEngine(self, (options) => Engine.load({ ...options, runtime }));
