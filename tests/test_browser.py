@@ -31,7 +31,7 @@ def webgpu_engine(driver, tmp_path_factory, url) -> PageEngine:
     tests start from a fresh chat."""
     with browser_page(driver, tmp_path_factory.mktemp("profile"), url) as (_, page):
         engine = PageEngine(page)
-        engine.load(MODEL_ID)
+        engine.load(MODEL_ID, device="webgpu")
         yield engine
 
 
@@ -96,17 +96,26 @@ def test_without_webgpu_the_cpu_library_generates_the_same(driver, tmp_path, url
         check_greedy_parity(engine, tiny_dir)
 
 
+CHOOSE_JS = """async ({modelId, device, withF16}) => {
+  const { chooseBackend } = await import("/web/src/loader.js");
+  const config = await (await fetch("/api/app-config.json")).json();
+  const f32 = config.model_list.find((record) => record.model_id === modelId);
+  const f16 = { ...f32, model_id: f32.model_id.replace("f32", "f16"), required_features: ["shader-f16"] };
+  if (withF16) config.model_list.push(f16);
+  const { record, backend, fallbackReason } = await chooseBackend(config, withF16 ? f16.model_id : modelId, device);
+  return { model_id: record.model_id, backend, fallbackReason };
+}"""
+
+
 def test_swiftshader_has_no_shader_f16_so_the_f32_variant_is_chosen(engine):
-    choice = engine.page.evaluate("""async (modelId) => {
-      const { chooseBackend } = await import("/web/src/loader.js");
-      const config = await (await fetch("/api/app-config.json")).json();
-      const f32 = config.model_list.find((record) => record.model_id === modelId);
-      const f16 = { ...f32, model_id: f32.model_id.replace("f32", "f16"), required_features: ["shader-f16"] };
-      config.model_list.push(f16);
-      const { record, backend } = await chooseBackend(config, f16.model_id);
-      return { model_id: record.model_id, backend };
-    }""", MODEL_ID)
-    assert choice == {"model_id": MODEL_ID, "backend": "webgpu"}
+    choice = engine.page.evaluate(CHOOSE_JS, {"modelId": MODEL_ID, "device": "webgpu", "withF16": True})
+    assert choice == {"model_id": MODEL_ID, "backend": "webgpu", "fallbackReason": None}
+
+
+def test_auto_prefers_the_cpu_library_to_swiftshader(engine):
+    choice = engine.page.evaluate(CHOOSE_JS, {"modelId": MODEL_ID, "device": "auto", "withF16": False})
+    assert choice["backend"] == "wasm" and "renders in software" in choice["fallbackReason"]
+    assert "swiftshader" in choice["fallbackReason"].lower()
 
 
 def test_all_logits_match_step_by_step_logits(engine):
@@ -290,7 +299,7 @@ def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
 
 
 def test_a_lost_gpu_is_a_clear_error(driver, tmp_path, url):
-    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}") as (context, page):
+    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}&device=webgpu") as (context, page):
         page.click("#load-button")
         wait_for_state(page, "ready")
         # Crash Chromium's GPU process (DevTools protocol): every WebGPU device in the browser is lost.

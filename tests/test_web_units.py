@@ -272,7 +272,7 @@ def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_
     return run_node_module("""
         import { chooseBackend } from "./src/loader.js";
         const { adapter, config, modelId, device } = input;
-        const fake = adapter && { features: new Set(adapter.features), limits: adapter.limits, info: {} };
+        const fake = adapter && { features: new Set(adapter.features), limits: adapter.limits, info: adapter.info ?? {} };
         Object.defineProperty(globalThis, "navigator", { value: { gpu: { requestAdapter: async () => fake } } });
         try {
           const { record, backend, fallbackReason } = await chooseBackend(config, modelId, device);
@@ -300,6 +300,13 @@ def test_the_library_is_chosen_by_what_the_gpu_offers():
 
     few_buffers = {"features": [], "limits": {**limits, "maxStorageBuffersPerShaderStage": 8}}
     assert "maxStorageBuffersPerShaderStage" in choose(few_buffers)["fallbackReason"]
+
+    swiftshader = {**without_f16, "info": {"vendor": "google", "architecture": "swiftshader"}}
+    software = choose(swiftshader)
+    assert software["backend"] == "wasm" and "renders in software (google swiftshader)" in software["fallbackReason"]
+    assert choose({**without_f16, "info": {"isFallbackAdapter": True}})["backend"] == "wasm"
+    assert choose(swiftshader, device="webgpu")["backend"] == "webgpu"
+    assert choose(swiftshader, libraries=("webgpu",))["backend"] == "webgpu"  # nothing faster to fall back to
 
     assert choose(None)["backend"] == "wasm"
     assert choose(with_f16, device="wasm")["backend"] == "wasm"

@@ -120,6 +120,7 @@ async function loadModel(modelId) {
   page.engine = null;
   try {
     page.engine = await createEngine(page.appConfig, modelId, {
+      device: params.get("device") ?? "auto", // ?device=webgpu runs on WebGPU even on a software adapter
       onProgress: showProgress,
       onError: (error) => {
         showError(error);

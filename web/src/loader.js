@@ -60,10 +60,22 @@ async function requestAdapter() {
   }
 }
 
+// Adapters that run WebGPU on the CPU: SwiftShader (Chrome's fallback), Mesa's llvmpipe/lavapipe, WARP.
+const SOFTWARE_ADAPTER = /swiftshader|llvmpipe|lavapipe|microsoft basic render|\bwarp\b/i;
+
+/** The adapter's name when it renders in software, else null. */
+export function softwareAdapter(adapter) {
+  const info = adapter.info ?? {};
+  const name = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(" ");
+  if (SOFTWARE_ADAPTER.test(name)) return name;
+  return info.isFallbackAdapter || adapter.isFallbackAdapter ? name || "a fallback adapter" : null;
+}
+
 /**
  * Pick the model variant and library to run: the f16 variant of the model's family when the
  * GPU has shader-f16, else the f32 one; the CPU (`wasm`) library when WebGPU is missing or
- * cannot run any variant. `device` is "auto", "webgpu" (never fall back) or "wasm".
+ * cannot run any variant, or (in "auto") when the adapter renders in software, where the CPU
+ * library runs 50–100× faster. `device` is "auto", "webgpu" (never fall back) or "wasm".
  *
  * Returns {record, backend: "webgpu" | "wasm", libraryUrl, adapter, fallbackReason}.
  */
@@ -82,6 +94,11 @@ export async function chooseBackend(appConfig, modelId, device = "auto") {
     const found = await requestAdapter();
     adapter = found.adapter;
     if (found.reason) reasons.push(found.reason);
+  }
+  const software = adapter && softwareAdapter(adapter);
+  if (software && device === "auto" && family.some((record) => variantInfo(record).libraries.wasm)) {
+    reasons.push(`the WebGPU adapter renders in software (${software}), slower than the CPU library`);
+    adapter = null;
   }
   if (adapter) {
     const wantsF16 = (record) => (record.required_features ?? []).includes("shader-f16");
