@@ -11,7 +11,7 @@ import pytest
 import requests
 from schema_corpus import SCHEMAS
 from tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
-from web_helpers import run_kiln
+from web_helpers import run_kiln, served
 
 from kiln.compile.configure import tokenizer_info
 from kiln.engine import Engine, GenerationConfig
@@ -203,8 +203,17 @@ def test_a_bad_format_is_a_400_naming_it(url, response_format, problem):
 # SmolLM2 end to end
 
 @pytest.mark.slow
-def test_every_schema_gives_valid_json_with_smollm2(smollm2_build):
-    engine = Engine(smollm2_build("q4f32_1"))
-    for name, schema in SCHEMAS.items():
-        result = engine.generate_chat(ask(name), constrained(ResponseFormat.from_schema(schema)))
-        check_valid(result.text, schema)
+def test_every_schema_gives_valid_json_with_smollm2_natively_and_through_the_api(smollm2_build):
+    from openai import OpenAI
+
+    model_dir = smollm2_build("q4f32_1")
+    engine = Engine(model_dir)
+    with served(model_dir.parent) as url:
+        client = OpenAI(base_url=f"{url}v1", api_key="not-needed")
+        for name, schema in SCHEMAS.items():
+            native = engine.generate_chat(ask(name), constrained(ResponseFormat.from_schema(schema)))
+            check_valid(native.text, schema)
+            reply = client.chat.completions.create(
+                model=model_dir.name, messages=ask(name), max_tokens=MAX_TOKENS, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+            assert reply.choices[0].message.content == native.text, name
