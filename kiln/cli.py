@@ -94,7 +94,13 @@ def run_bench_compile(args) -> int:
 
 def add_sampling_options(p) -> None:
     p.add_argument("--target", "-t", default="cpu", help="which library to run: cpu (default) or cuda")
+    add_threads_option(p)
     add_generation_options(p)
+
+
+def add_threads_option(p) -> None:
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="threads of the cpu library (default: this machine's physical cores, or TVM_NUM_THREADS)")
 
 
 def add_generation_options(p) -> None:
@@ -132,6 +138,7 @@ def add_generate(sub) -> None:
                    help="native (default): the TVM runtime here; browser: the browser engine in headless Chromium")
     p.add_argument("--target", "-t", help="the library to run: cpu (default) or cuda natively; "
                                           "auto (default), webgpu or wasm in the browser")
+    add_threads_option(p)
     add_generation_options(p)
     constrained = p.add_mutually_exclusive_group()
     constrained.add_argument("--json-schema", type=Path, metavar="FILE",
@@ -227,6 +234,7 @@ def add_bench_native(bench) -> None:
                    help="decode held to this JSON Schema (a run ends early when the JSON is complete); "
                         "adds the token mask's cost per token")
     n.set_defaults(grammar=None)
+    add_threads_option(n)
     add_run_options(n, prompt_tokens=128, decode_tokens=128, runs=3)
     n.set_defaults(run=run_bench_native)
 
@@ -318,6 +326,7 @@ def add_serve(sub) -> None:
                    help="release a model's engine unused this long (default 600; 0 never)")
     p.add_argument("--max-loaded-models", type=int, default=2, metavar="N",
                    help="keep at most N engines loaded, releasing the least recently used (default 2; 0 no limit)")
+    add_threads_option(p)
     p.set_defaults(run=run_serve)
 
 
@@ -358,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         add(sub)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None:
+            from kiln.runtime import set_cpu_threads
+
+            set_cpu_threads(args.threads)
         return args.run(args)
     except KilnError as e:
         if args.debug:

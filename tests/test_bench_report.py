@@ -17,11 +17,12 @@ def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
     result = run_kiln("bench", "report", str(tiny_dir), "--device", "wasm", "--output", str(output),
                       "--prompt-tokens", "16", "--decode-tokens", "8", timeout_s=1200)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "wasm decode is" in result.stdout and "× native" in result.stdout
+    assert "wasm decode is" in result.stdout and "× native on 1 thread" in result.stdout
 
     report = json.loads(output.with_suffix(".json").read_text())
     native, wasm = report["native"], report["browser"]["wasm"]
     assert (native["target"], wasm["device"]) == ("cpu", "wasm")
+    assert native["threads"] == report["wasm_threads"] == 1
     for key in ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
         assert native[key] > 0 and wasm[key] > 0
         assert report["ratios"]["wasm"][key] == pytest.approx(wasm[key] / native[key])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -357,6 +358,21 @@ def test_bench_native_reports_the_numbers(tiny_dir):
 
     report = bench_native(tiny_dir, prompt_tokens=32, decode_tokens=16, runs=2, bandwidth_bytes=64 << 20)
     for key in ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb",
-                "bandwidth_fraction", "bandwidth_gb_per_s", "decode_bytes_per_token"):
+                "bandwidth_fraction", "bandwidth_gb_per_s", "decode_bytes_per_token", "threads"):
         assert report[key] > 0, key
     assert report["bandwidth_fraction"] < 1
+    assert f"{report['threads']}-thread numpy copy" in report["lines"][-1]
+
+
+def test_the_cpu_library_runs_on_the_physical_cores_or_as_asked(tiny_dir):
+    from kiln.runtime import default_cpu_threads
+
+    assert 1 <= default_cpu_threads() <= len(os.sched_getaffinity(0))
+    for asked, expected in ((None, default_cpu_threads()), ("1", 1)):
+        arguments = ["bench", "native", str(tiny_dir), "--json", "--runs", "1", "--prompt-tokens", "8",
+                     "--decode-tokens", "4", *(["--threads", asked] if asked else [])]
+        result = run_kiln(*arguments)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["threads"] == expected
+    assert run_kiln("bench", "native", str(tiny_dir), "--threads", "0").stderr.strip() == \
+        "kiln: error: the thread count must be at least 1, got 0"
