@@ -70,7 +70,8 @@ class ResponseFormat:
             if not isinstance(spec, dict):
                 raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema'")
             if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
-                raise ResponseFormatError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+                raise ResponseFormatError("response_format.json_schema.name must be 1 to 64 letters, digits, "
+                                          "'_' or '-'")
             if not isinstance(spec.get("strict", False), bool):
                 raise ResponseFormatError("response_format.json_schema.strict must be true or false")
             if "schema" not in spec:
@@ -78,7 +79,8 @@ class ResponseFormat:
             return cls.from_schema(spec["schema"])
         if kind == "grammar":
             return cls.from_grammar(value.get("grammar"))
-        raise ResponseFormatError(f"response_format.type must be text, json_object, json_schema or grammar, not {kind!r}")
+        raise ResponseFormatError(f"response_format.type must be text, json_object, json_schema or grammar, "
+                                  f"not {kind!r}")
 
     @classmethod
     def from_schema(cls, schema: Any) -> ResponseFormat:
@@ -210,7 +212,8 @@ class GrammarCompiler:
                 xgr = xgrammar_module()
                 info = self.chat_config.get("tokenizer_info")
                 if not isinstance(info, dict) or info.get("token_postproc_method") not in VOCAB_TYPES:
-                    raise KilnError("mlc-chat-config.json has no usable tokenizer_info; rebuild the model with kiln compile")
+                    raise KilnError("mlc-chat-config.json has no usable tokenizer_info; rebuild the model with "
+                                    "kiln compile")
                 vocab_type = info["token_postproc_method"]
                 self.table = TokenTable(self.tokenizer, vocab_type, self.vocab_size)
                 tokenizer_info = xgr.TokenizerInfo(
@@ -229,8 +232,8 @@ class GrammarCompiler:
                 return compiler.compile_json_schema(response_format.text, **SCHEMA_OPTIONS)
             if response_format.kind == "structural_tag":
                 spec = json.loads(response_format.text)
-                tags = [xgrammar_module().StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
-                        for t in spec["tags"]]
+                item = xgrammar_module().StructuralTagItem
+                tags = [item(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"]) for t in spec["tags"]]
                 return compiler.compile_structural_tag(tags, spec["triggers"])
             return compiler.compile_grammar(response_format.text)
         except (RuntimeError, ValueError, TypeError) as e:

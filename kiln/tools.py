@@ -153,8 +153,9 @@ class ToolRequest:
                     for name, schema in self.functions.items()]
             return ResponseFormat.from_structural_tag(tags, [call_format.trigger])
         names = list(self.functions) if self.choice == "required" else [self.choice]
-        calls = [{"type": "object", "properties": {"name": {"const": name}, call_format.arguments_key: self.functions[name]},
-                  "required": ["name", call_format.arguments_key]} for name in names]
+        key = call_format.arguments_key
+        calls = [{"type": "object", "properties": {"name": {"const": name}, key: self.functions[name]},
+                  "required": ["name", key]} for name in names]
         return ResponseFormat.from_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
     def reply_opening(self, call_format: ToolCallFormat) -> str:
@@ -183,7 +184,8 @@ def read_tool_calls(call_format: ToolCallFormat, functions: dict[str, dict], tex
     content, calls = call_format.calls_in(text)
     if any(name not in functions for name, _ in calls):  # a call to a function it was not given: text
         return text, []
-    return content, [ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
+    return content, [ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+                     for name, arguments in calls]
 
 
 def messages_for_template(messages: list[dict]) -> list[dict]:
@@ -196,7 +198,8 @@ def template_call(call: dict) -> dict:
     try:
         return {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
     except (KeyError, TypeError, ValueError):
-        raise KilnError(f"a tool call needs a function with a name and its arguments as JSON text, got {call!r}") from None
+        raise KilnError(f"a tool call needs a function with a name and its arguments as JSON text, "
+                        f"got {call!r}") from None
 
 
 

@@ -109,8 +109,8 @@ def report_lines(report: dict) -> list[str]:
         lines.append(row)
     wasm_ratio = report["ratios"].get("wasm", {}).get("decode_tokens_per_s")
     if wasm_ratio is not None and native["threads"] != report["wasm_threads"]:
-        lines.append(f"  no verdict on wasm decode: native ran {native['threads']} threads, wasm {report['wasm_threads']} "
-                     "(TVM's thread pool was made earlier in this process)")
+        lines.append(f"  no verdict on wasm decode: native ran {native['threads']} threads, wasm "
+                     f"{report['wasm_threads']} (TVM's thread pool was made earlier in this process)")
     elif wasm_ratio is not None:
         verdict = "meets" if wasm_ratio >= WASM_DECODE_TARGET else "misses"
         lines.append(f"  wasm decode is {wasm_ratio:.2f}× native on {native['threads']} thread: {verdict} the "

@@ -243,8 +243,9 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
             return respond(asked, engine, start_stream(lambda: engine.stream_chat(asked.messages, config)))
         call_format = engine.tool_call_format
         if call_format is None:
-            raise ApiError(400, f"The model {asked.model!r} cannot call tools: its chat template does not render them "
-                                "(or writes calls in a way Kiln does not read).", "tools", code="model_cannot_call_tools")
+            raise ApiError(400, f"The model {asked.model!r} cannot call tools: its chat template does not render "
+                                "them (or writes calls in a way Kiln does not read).", "tools",
+                           code="model_cannot_call_tools")
         config.response_format = tools.response_format(call_format)
         opening = tools.reply_opening(call_format)
         deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening), "tools")
