@@ -93,8 +93,9 @@ def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128,
         "decoded_tokens": median("completion_tokens"),
         "mask_ms_per_token": median("mask_ms_per_token"),
     }
+    on_threads = f" ({threads} thread{'s' if threads > 1 else ''})" if threads else ""
     report["lines"] = [
-        f"{engine.model_id} on {target}{f' ({threads} threads)' if threads else ''}: {prompt_tokens} prompt + "
+        f"{engine.model_id} on {target}{on_threads}: {prompt_tokens} prompt + "
         f"{report['decoded_tokens']:.0f} decoded tokens{' held to a JSON schema' if response_format else ''}, "
         f"median of {runs} runs after a warm-up",
         f"  load                 {report['load_s']:8.2f} s",
