@@ -190,6 +190,33 @@ def test_sampling_is_seeded(engine):
     assert bad.value.code == "bad-request"
 
 
+def test_the_harness_holds_a_reply_to_a_json_schema_and_pretty_prints_it(driver, tmp_path, url):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "founded": {"type": "integer", "minimum": 0, "maximum": 2000}},
+              "required": ["city", "founded"]}
+    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}", webgpu=False) as (_, page):
+        page.click("#load-button")
+        wait_for_state(page, "ready")
+        page.click(".settings summary")
+        page.select_option("#response-format", "json_schema")
+        page.fill("#json-schema", json.dumps(schema))
+        page.fill("#max-tokens", "64")
+        page.fill("#prompt", "Which city, and when was it founded?")
+        page.keyboard.press("Enter")
+        wait_for_state(page, "ready")
+        reply = page.locator("#transcript .turn.assistant .content").last.inner_text()
+        assert reply.startswith("{\n  ")  # pretty-printed
+        answer = json.loads(reply)
+        assert answer.keys() == {"city", "founded"} and 0 <= answer["founded"] <= 2000
+        assert "format mask" in page.inner_text("#stats")
+
+        page.fill("#json-schema", '{"type": "objekt"}')
+        page.fill("#prompt", "Again?")
+        page.keyboard.press("Enter")
+        wait_for_state(page, "ready")
+        assert "Unsupported type" in page.inner_text("#error")
+
+
 def test_harness_chats_and_loads_from_cache_on_the_next_visit(driver, tmp_path, url):
     with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}") as (context, page):
         requests = RequestLog(context)
