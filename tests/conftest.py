@@ -62,7 +62,8 @@ def tiny_untied_source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_build(builds, tiny_source):
     """tiny_build(quantization, targets) → model folder of the tiny Llama."""
-    return lambda quantization, targets=("cpu",): builds.model_dir(tiny_source, "tiny-llama", quantization, list(targets))
+    return lambda quantization, targets=("cpu",): builds.model_dir(tiny_source, "tiny-llama", quantization,
+                                                                   list(targets))
 
 
 @pytest.fixture(scope="session")
@@ -78,21 +79,36 @@ def smollm2_build(builds, smollm2_source):
 
 
 @pytest.fixture(scope="session")
-def tool_models(builds, tmp_path_factory):
-    """Tiny Llamas with Qwen2.5's and Llama 3.1's chat templates, plus the ChatML one (no tools), for
-    the server and the browser, served; yields (dist, base URL)."""
-    from web_helpers import served
-
+def tool_build(builds, tiny_build, tmp_path_factory):
+    """tool_build(targets) → the dist folder holding tiny Llamas with Qwen2.5's and Llama 3.1's chat
+    templates (tiny-qwen, tiny-llama3) and the ChatML one (no tools), each with `targets`."""
     sources = tmp_path_factory.mktemp("tool-sources")
+    families = {}
     for name, (tokens, template) in TOOL_FAMILIES.items():
         source = make_tiny_llama(sources / name, tokens=tokens, chat_template=(CHAT_TEMPLATES / template).read_text())
         # Tool definitions take some 800 of the tiny tokenizer's tokens: a longer window than its 512.
         config = json.loads((source / "config.json").read_text())
         (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-        builds.model_dir(source, f"tiny-{name}", "q4f32_1", ["cpu", "wasm"])
-    builds.model_dir(make_tiny_llama(sources / "chatml"), "tiny-llama", "q4f32_1", ["cpu", "wasm"])
-    with served(builds.dist) as base:
-        yield builds.dist, base
+        families[name] = source
+
+    def build(targets: list[str]) -> Path:
+        for name, source in families.items():
+            builds.model_dir(source, f"tiny-{name}", "q4f32_1", targets)
+        tiny_build("q4f32_1", targets)
+        return builds.dist
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tool_models(tool_build):
+    """The tool models with their cpu libraries, served; yields (dist, base URL). Browser tests add
+    the wasm libraries with `tool_build` (the served app config lists what is there per request)."""
+    from web_helpers import served
+
+    dist = tool_build(["cpu"])
+    with served(dist) as base:
+        yield dist, base
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,13 @@ CONVERSATION = [{"role": "system", "content": "Be brief & kind."}, *QUESTION,
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
+@pytest.fixture(scope="module")
+def browser_tool_models(tool_build, tool_models):
+    """The tool models with their wasm libraries too."""
+    tool_build(["cpu", "wasm"])
+    return tool_models
+
+
 @pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_a_tool_conversation_renders_as_natively(tool_models, family):
     dist, _ = tool_models
@@ -233,10 +240,10 @@ def browser_calls(choice: dict) -> list:
 
 
 @pytest.mark.browser
-def test_the_browser_calls_tools_as_the_native_engine(tool_models, driver):
+def test_the_browser_calls_tools_as_the_native_engine(browser_tool_models, driver):
     """Required, named and auto calls are the native tokens and calls (streamed as one delta); a tool
     result goes back with tool_choice none; a bad tool_choice and a model without tools are clear errors."""
-    dist, _ = tool_models
+    dist, _ = browser_tool_models
     after_call = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [CALL]},
                   {"role": "tool", "tool_call_id": "abcdefghi", "content": "21 & sunny"}]
     cases = [(QUESTION, "required"), (QUESTION, NAMED), (QUESTION, "auto"), (after_call, "none")]
@@ -278,8 +285,8 @@ def test_the_browser_calls_tools_as_the_native_engine(tool_models, driver):
 
 
 @pytest.mark.browser
-def test_the_harness_shows_a_reply_s_tool_calls(tool_models, driver, tmp_path):
-    _, base = tool_models
+def test_the_harness_shows_a_reply_s_tool_calls(browser_tool_models, driver, tmp_path):
+    _, base = browser_tool_models
     with browser_page(driver, tmp_path / "profile", f"{base}?model=tiny-qwen-q4f32_1", webgpu=False) as (_, page):
         page.click("#load-button")
         wait_for_state(page, "ready")
