@@ -6,7 +6,7 @@ DIST     ?= dist
 PYTEST_ARGS ?=
 SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: setup system python web runtime test test-fast demo demo-build clean
+.PHONY: setup system python web runtime lint test test-fast demo demo-build clean
 
 setup: system python web
 
@@ -47,10 +47,15 @@ web/node_modules/.installed: web/package-lock.json
 runtime: setup
 	$(VENV)/bin/kiln doctor --build-runtime
 
-test: setup runtime
+# ruff for the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js).
+lint: setup
+	$(VENV)/bin/ruff check .
+	cd web && npx eslint .
+
+test: setup lint runtime
 	$(VENV)/bin/pytest -ra --durations=15 $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup lint
 	$(VENV)/bin/pytest -ra -m "not slow and not browser" $(PYTEST_ARGS)
 
 SMOLLM2 = $(shell $(PY) tests/assets.py)

@@ -138,7 +138,8 @@ class GGUFModel:
                     path,
                 )
         by_name = {tensor.name: tensor for tensor in gguf_file.tensors}
-        self.config = self._architecture.config(self.metadata, GGUFTensors(set(by_name), lambda name: dequantized(by_name[name])))
+        tensors = GGUFTensors(set(by_name), lambda name: dequantized(by_name[name]))
+        self.config = self._architecture.config(self.metadata, tensors)
         self._tensors = {self._hf_name(name): tensor for name, tensor in by_name.items()
                          if name not in self._architecture.config_tensors}
 
@@ -219,7 +220,8 @@ class GGUFVocabulary:
         scores = metadata.get("tokenizer.ggml.scores", kind=list[float])
         for key, values in (("tokenizer.ggml.token_type", token_types), ("tokenizer.ggml.scores", scores)):
             if values is not None and len(values) != len(tokens):
-                raise KilnError(f"GGUF metadata {key} has {len(values)} entries for {len(tokens)} tokens", metadata.path)
+                raise KilnError(f"GGUF metadata {key} has {len(values)} entries for {len(tokens)} tokens",
+                                metadata.path)
         special_ids = {
             name: metadata.get(f"tokenizer.ggml.{key}", kind=int)
             for name, key in (

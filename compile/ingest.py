@@ -124,7 +124,8 @@ def stored_tensor(path: Path, name: str, entry, data_start: int) -> tuple[Stored
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(map(is_count, shape)):
         raise KilnError(f"corrupt safetensors header entry for {name}: shape {shape!r} is not a list of sizes", path)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)) and offsets[0] <= offsets[1]):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))
+            and offsets[0] <= offsets[1]):
         raise KilnError(f"corrupt safetensors header entry for {name}: data_offsets {offsets!r} are not "
                         "[begin, end]", path)
     (begin, end), dtype = offsets, entry["dtype"]

@@ -133,7 +133,8 @@ def shape_values(func: tvm.tirx.PrimFunc, args: list) -> dict[str, int]:
     values = {}
     for param, arg in zip(func.params, args):
         if isinstance(param, tvm.tirx.Buffer):
-            values |= {str(dim.name): size for dim, size in zip(param.shape, arg.shape) if isinstance(dim, tvm.ir.expr.Var)}
+            values |= {str(dim.name): size for dim, size in zip(param.shape, arg.shape)
+                       if isinstance(dim, tvm.ir.expr.Var)}
         else:
             values[str(param.name)] = int(arg)
     return values

@@ -127,7 +127,8 @@ def read_package_config(path: Path) -> PackageConfig:
         for platform in platforms:
             if platform not in model.compiled.libraries:
                 raise KilnError(f"model {model.model_id!r} has no {platform} library in {model.compiled.path}; "
-                                f"build it with kiln compile … --target {platform} --model-id {model.compiled.model_id}",
+                                f"build it with kiln compile … --target {platform} "
+                                f"--model-id {model.compiled.model_id}",
                                 path)
     for platform in platforms:
         prefixes = Counter(model.library(platform)[1] for model in models)
@@ -157,7 +158,8 @@ def merged_archive(models: list[PackagedModel], platform: str, lib_dir: Path, wo
     for model in models:
         prefix = model.library(platform)[1]
         if f"{symbol_prefix}{prefix}{LIBRARY_BIN_SYMBOL}" not in definitions:
-            raise KilnError(f"{platform}: the library of {model.model_id!r} does not define {prefix}{LIBRARY_BIN_SYMBOL}")
+            raise KilnError(f"{platform}: the library of {model.model_id!r} "
+                            f"does not define {prefix}{LIBRARY_BIN_SYMBOL}")
     archive = lib_dir / f"libmodel_{platform}.a"
     write_static_archive(archive, objects)
     return archive

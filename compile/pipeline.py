@@ -191,7 +191,8 @@ def build(request: BuildRequest) -> BuildResult:
         kept_targets = {name: target for name, target in (previous or {}).get("targets", {}).items()
                         if name not in request.targets}
         if previous:
-            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *(f for t in kept_targets.values() for f in target_files(t))])
+            kept_files = [f for t in kept_targets.values() for f in target_files(t)]
+            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *kept_files])
         else:
             with clock.stage("convert"):
                 convert_weights(weights, arch, quantization, float_names, params, staging)
@@ -217,7 +218,8 @@ def build(request: BuildRequest) -> BuildResult:
                     "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",
                     "system_lib_prefix": system_lib_prefix(model_id)}
             if entry.kernel_source:
-                built_targets[entry.name]["kernel_source"] = f"libs/{entry.kernel_source_path(libraries[entry.name]).name}"
+                kernel_source = entry.kernel_source_path(libraries[entry.name])
+                built_targets[entry.name]["kernel_source"] = f"libs/{kernel_source.name}"
         record = {
             "model_id": model_id,
             "source": public_source_name(request.source),

@@ -117,7 +117,8 @@ def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
         values = T.match_buffer(var_values, (batch, padded), "int32")
         for p in T.serial(T.int32(log_n)):
             for q in T.serial(p + 1):
-                for bx in T.thread_binding(T.Cast("int32", batch) * (padded // GPU_THREADS_PER_BLOCK), thread="blockIdx.x"):
+                for bx in T.thread_binding(T.Cast("int32", batch) * (padded // GPU_THREADS_PER_BLOCK),
+                                           thread="blockIdx.x"):
                     for tx in T.thread_binding(T.int32(GPU_THREADS_PER_BLOCK), thread="threadIdx.x"):
                         compare_exchange(keys, values, bx * GPU_THREADS_PER_BLOCK + tx, p, q)
 

@@ -78,7 +78,8 @@ class TerminalChat:
             self.say("(new conversation)")
         elif name == "/system":
             self.new_conversation(argument.strip() or None)
-            self.say("(new conversation with " + ("this system message)" if argument.strip() else "the default system message)"))
+            system = "this system message" if argument.strip() else "the default system message"
+            self.say(f"(new conversation with {system})")
         elif name == "/stats":
             self.say(describe_usage(self.last_usage) if self.last_usage else "(no reply yet)")
         elif name == "/help":

@@ -19,7 +19,8 @@ def add_compile(sub) -> None:
     p.add_argument("source", help="Hugging Face folder, hub id (org/name) or .gguf file")
     p.add_argument("--quantization", "-q", required=True, help="q0f32, q0f16, q4f32_1, q4f16_1, q8f32_1, q8f16_1; "
                    "gguf_f32, gguf_f16 (a .gguf source's own blocks, not quantized again)")
-    p.add_argument("--target", "-t", type=comma_list, default=["cpu"], help="cpu, cuda, webgpu, wasm, android, iphone, metal (comma-separated)")
+    p.add_argument("--target", "-t", type=comma_list, default=["cpu"],
+                   help="cpu, cuda, webgpu, wasm, android, iphone, metal (comma-separated)")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"), help="output folder (default dist/)")
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
     p.add_argument("--context-window-size", type=int)
@@ -46,7 +47,8 @@ def run_compile(args) -> int:
 
 
 def add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)")
+    p = sub.add_parser("doctor",
+                       help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)")
     p.add_argument("--build-runtime", action="store_true", help="build the TVM web runtime if it is missing")
     p.set_defaults(run=run_doctor)
 
@@ -360,7 +362,8 @@ COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_pari
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description="Compile LLMs with TVM for the browser, native and mobile.")
+    parser = argparse.ArgumentParser(prog="kiln",
+                                     description="Compile LLMs with TVM for the browser, native and mobile.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:

@@ -69,7 +69,8 @@ def library_path(model_dir: Path, target: str) -> Path:
                         f"--quantization {build.get('quantization', 'Q')} --target {target}", model_dir)
     if missing := missing_cpu_features(entry.get("mcpu")):
         raise KilnError(f"the {target} library was built for the {entry['mcpu']} CPU and this machine's lacks "
-                        f"{', '.join(missing)}; rebuild it with --cpu-tuning legacy (any x86-64) or host (this machine)",
+                        f"{', '.join(missing)}; rebuild it with --cpu-tuning legacy (any x86-64) "
+                        "or host (this machine)",
                         model_dir)
     return model_dir / entry["library"]
 
@@ -168,7 +169,8 @@ class NativeModel:
         ids = tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device)
         embeds = self.vm["embed"](ids, self.params)
         embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))
-        self._kv_builtin["kv_state_begin_forward"](self.kv_cache, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)]))
+        self._kv_builtin["kv_state_begin_forward"](self.kv_cache, ShapeTuple([SEQUENCE_ID]),
+                                                   ShapeTuple([len(token_ids)]))
         logits, self.kv_cache = self.vm[function](embeds, self.kv_cache, self.params)
         self._kv_builtin["kv_state_end_forward"](self.kv_cache)
         self.cached_tokens += len(token_ids)

@@ -117,7 +117,8 @@ class ConfigReader:
             raise KilnError(f"config.json num_key_value_heads {num_kv_heads} does not divide num_attention_heads "
                             f"{num_heads}", self.path)
         rope_theta, rope_scaling = self.rope()
-        context = overrides.get("context_window_size") or min(self.get("max_position_embeddings", int, 4096), max_context)
+        trained_context = self.get("max_position_embeddings", int, 4096)
+        context = overrides.get("context_window_size") or min(trained_context, max_context)
         return dict(
             hidden_size=hidden_size,
             num_hidden_layers=self.get("num_hidden_layers", int),

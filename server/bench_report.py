@@ -101,7 +101,8 @@ def report_lines(report: dict) -> list[str]:
     lines = [f"{report['model_id']}: native cpu ({native['threads']} threads) vs the browser, "
              f"{report['prompt_tokens']} prompt + "
              f"{report['decode_tokens']} decoded tokens, median of {report['runs']} run(s)",
-             f"  {'':22}{'native cpu':>12}" + "".join(f"{'browser ' + d:>16}{'÷ native':>10}" for d in report["browser"])]
+             f"  {'':22}{'native cpu':>12}"
+             + "".join(f"{'browser ' + d:>16}{'÷ native':>10}" for d in report["browser"])]
     for key, title, _ in METRICS:
         row = f"  {title:22}{number(native[key]):>12}"
         for device, browser in report["browser"].items():

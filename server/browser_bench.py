@@ -139,6 +139,7 @@ def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32
         f"  time to first token  {report['ttft_s']:8.3f} s",
         f"  prefill              {rate(report['prefill_tokens_per_s'])} tokens/s",
         f"  decode               {rate(report['decode_tokens_per_s'])} tokens/s",
-        f"  peak RSS             {rate(report['peak_rss_mb'])} MB   (all Chromium processes, shared pages counted twice)",
+        f"  peak RSS             {rate(report['peak_rss_mb'])} MB   "
+        "(all Chromium processes, shared pages counted twice)",
     ]
     return report

@@ -114,8 +114,9 @@ class PromptParity:
         agreement = self.forced_agreement(contract)
         if agreement < contract.min_forced_top1_agreement:
             unexplained = [flip for flip in self.forced_flips if not flip.near_tie(contract)]
-            failures.append(f"forced-decoding top-1 agreement {agreement:.1%} (< {contract.min_forced_top1_agreement:.0%}"
-                            f"), first at position {unexplained[0].position}: {unexplained[0].describe()}")
+            failures.append(f"forced-decoding top-1 agreement {agreement:.1%} "
+                            f"(< {contract.min_forced_top1_agreement:.0%}), "
+                            f"first at position {unexplained[0].position}: {unexplained[0].describe()}")
         if not self.last_logit_abs_diff <= contract.max_last_logit_abs_diff:
             failures.append(f"last-token logits differ by {self.last_logit_abs_diff:.2e} "
                             f"(> {contract.max_last_logit_abs_diff:g})")
@@ -167,7 +168,8 @@ def judge_prompt(prompt: str, prompt_ids: list[int], browser_prompt_ids: list[in
     native_tokens = [int(np.argmax(logits)) for logits in native_steps]
     browser_tokens = [int(np.argmax(logits)) for logits in browser_steps]
     divergence = next((step for step, (a, b) in enumerate(zip(native_tokens, browser_tokens)) if a != b), None)
-    greedy_flip = None if divergence is None else flip_at(divergence, native_steps[divergence], browser_tokens[divergence])
+    greedy_flip = (None if divergence is None
+                   else flip_at(divergence, native_steps[divergence], browser_tokens[divergence]))
 
     start = len(native_rows) - forced_positions if forced_positions else 0
     if divergence is not None:
@@ -175,7 +177,8 @@ def judge_prompt(prompt: str, prompt_ids: list[int], browser_prompt_ids: list[in
     start = max(start, 0)
     native_argmax, browser_argmax = native_rows.argmax(-1), browser_rows.argmax(-1)
     forced_flips = [flip_at(position, native_rows[position], browser_argmax[position])
-                    for position in range(start, len(native_rows)) if native_argmax[position] != browser_argmax[position]]
+                    for position in range(start, len(native_rows))
+                    if native_argmax[position] != browser_argmax[position]]
     return PromptParity(
         prompt=prompt, prompt_ids=prompt_ids, tokenization_identical=browser_prompt_ids == prompt_ids,
         native_tokens=native_tokens, browser_tokens=browser_tokens, greedy_flip=greedy_flip,
@@ -252,7 +255,8 @@ def report_lines(report: dict, results: list[PromptParity], contract: ParityCont
             greedy_text = f"greedy identical ({len(r.native_tokens)}/{len(r.native_tokens)})"
         else:
             near_tie = " near tie" if r.greedy_flip.near_tie(contract) else ""
-            greedy_text = f"greedy diverges at step {r.first_divergence}{near_tie} (gap {r.greedy_flip.native_top2_gap:.1e})"
+            greedy_text = (f"greedy diverges at step {r.first_divergence}{near_tie} "
+                           f"(gap {r.greedy_flip.native_top2_gap:.1e})")
         near_ties = f" (+{r.forced_near_ties(contract)} near tie)" if r.forced_near_ties(contract) else ""
         lines.append(f"  prompt {number:<3} {greedy_text:44} forced top-1 "
                      f"{r.forced_positions - len(r.forced_flips)}/{r.forced_positions}{near_ties}"

@@ -35,7 +35,8 @@ schema_leaves = (st.booleans() | st.none() | st.integers(-3, 10**12) | st.floats
 schemas = st.recursive(schema_leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(schema_keys, inner,
                                                                                                     max_size=4),
                        max_leaves=12)
-grammars = st.text(max_size=30) | st.sampled_from(['root ::= "a"', 'root ::= [a-z]+ "."', "root ::= root", 'root ::= ""'])
+grammars = st.text(max_size=30) | st.sampled_from(['root ::= "a"', 'root ::= [a-z]+ "."', "root ::= root",
+                                                   'root ::= ""'])
 response_formats = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "yaml"])}),
     st.fixed_dictionaries({"type": st.just("json_object"), "schema": schemas | st.text(max_size=12)}),

@@ -37,6 +37,7 @@ def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
 
 
 def test_report_refuses_an_unknown_browser_device(tiny_dir, tmp_path):
-    result = run_kiln("bench", "report", str(tiny_dir), "--device", "vulkan", "--output", str(tmp_path / "r"), timeout_s=600)
+    result = run_kiln("bench", "report", str(tiny_dir), "--device", "vulkan", "--output", str(tmp_path / "r"),
+                      timeout_s=600)
     assert result.returncode == 1 and "vulkan" in result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -168,7 +168,9 @@ def test_interrupt_ends_a_generation(engine):
 def test_leaving_a_stream_early_stops_the_generation(engine):
     result = engine.page.evaluate("""async (messages) => {
       const engine = globalThis.kilnDriven;
-      const stream = await engine.chat.completions.create({ messages, stream: true, temperature: 1, seed: 3, max_tokens: 400 });
+      const stream = await engine.chat.completions.create({
+        messages, stream: true, temperature: 1, seed: 3, max_tokens: 400,
+      });
       let seen = 0;
       for await (const chunk of stream) if (++seen === 3) break;
       const stopped = (await engine.stats()).last_request;

@@ -57,7 +57,8 @@ def test_harness_answers_on_webgpu_and_loads_from_cache_the_second_time(driver, 
         progress = []
         page.expose_function("recordProgress", lambda value: progress.append(value))
         page.evaluate("""new MutationObserver(() => recordProgress(document.querySelector('#load-progress').value))
-                         .observe(document.querySelector('#load-text'), {childList: true, characterData: true, subtree: true})""")
+                         .observe(document.querySelector('#load-text'),
+                                  {childList: true, characterData: true, subtree: true})""")
         load(page)
         assert len([p for p in progress if 0 < p < 1]) >= 3, "the progress bar should move while loading"
         assert requests.matching("params_shard_"), "the first visit downloads the weights"

@@ -371,7 +371,8 @@ def test_a_failed_rebuild_leaves_the_previous_build_intact(tmp_path, tiny_source
 
 
 def test_a_model_id_that_is_not_a_plain_folder_name_is_refused(tiny_source, tmp_path, capsys):
-    assert main(["compile", str(tiny_source), "-q", "q0f32", "-o", str(tmp_path / "out"), "--model-id", "../escape"]) == 1
+    argv = ["compile", str(tiny_source), "-q", "q0f32", "-o", str(tmp_path / "out"), "--model-id", "../escape"]
+    assert main(argv) == 1
     assert "model id '../escape'" in capsys.readouterr().err
     assert not (tmp_path / "escape").exists()
 

@@ -39,7 +39,8 @@ def reference(smollm2_source):
 def fake_quantize(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
     fmt = QUANTIZATIONS[quantization].group_format
     with torch.no_grad():
-        for module in {id(m): m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}.values():
+        layers = {id(m): m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+        for module in layers.values():
             weight = module.weight.numpy()
             module.weight.copy_(torch.from_numpy(dequantize_group(*quantize_group(weight, fmt), fmt)))
     return model
@@ -66,8 +67,8 @@ def test_library_loads_in_node_and_lists_its_functions(smollm2_build, quantizati
     # so f16 kernels cannot be created here and those libraries are listed without a device.
     f16 = QUANTIZATIONS[quantization].model_dtype == "float16"
     device = "webgpu" if target == "webgpu" and not f16 else "cpu"
-    result = subprocess.run(["node", "tools/list-functions.mjs", str(model_dir / library), "--expect", ",".join(EXPORTED),
-                             "--device", device],
+    result = subprocess.run(["node", "tools/list-functions.mjs", str(model_dir / library),
+                             "--expect", ",".join(EXPORTED), "--device", device],
                             cwd=WEB, capture_output=True, text=True, timeout=600, env=dawn_node_environment())
     assert result.returncode == 0, result.stderr[-2000:]
     listing = json.loads(result.stdout)

@@ -335,7 +335,8 @@ def test_bad_input_gives_one_line_errors(tiny_dir, tmp_path):
     shard.write_bytes(bytes(data))
     cases = {
         "no cpu library": ([str(no_library), "--prompt", PROMPT], "no cpu library"),
-        "corrupt shard": ([str(corrupt), "--prompt", PROMPT], "params_shard_0.bin: weight shard does not match its md5"),
+        "corrupt shard": ([str(corrupt), "--prompt", PROMPT],
+                          "params_shard_0.bin: weight shard does not match its md5"),
         "empty prompt": ([str(tiny_dir), "--prompt", ""], "the prompt is empty"),
         "too long": ([str(tiny_dir), "--prompt", "the river " * 600], "more than the context window"),
     }

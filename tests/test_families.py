@@ -16,7 +16,6 @@ from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference
 from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
 from tiny_families import MISTRAL_WINDOW, PHI3_ORIGINAL_CONTEXT, TINY_FAMILIES, make_tiny_family, write_family_gguf
 
-from kiln.errors import KilnError
 from kiln.models import MODELS
 from kiln.models.decoder import longrope_inv_freq
 from kiln.runtime import NativeModel

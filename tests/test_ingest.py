@@ -660,7 +660,8 @@ def test_hub_id_is_downloaded_then_read_offline_from_the_cache(hub_endpoint, tin
     assert summary["name"] == "tiny"
     assert summary["source_hash"] == ingest(folder, tmp_path / "work").source_hash
     # only what a build reads: no README, no second copy of the weights
-    assert sorted(path.name for path in Path(summary["path"]).iterdir()) == sorted(path.name for path in folder.iterdir())
+    saved = sorted(path.name for path in Path(summary["path"]).iterdir())
+    assert saved == sorted(path.name for path in folder.iterdir())
     assert_saved_tensors(tmp_path / "tensors.npz", expected)
 
     # Offline, with nothing listening at the endpoint: served from the cache.

@@ -155,7 +155,8 @@ def test_one_layer_on_pocl_matches_the_cpu_build(tiny_build, tiny_source, pocl, 
                   if isinstance(cpu, np.ndarray)]
         assert any(not np.array_equal(cpu, before) for cpu, _, before in arrays), f"{call.name} wrote nothing"
         # Inputs too: a kernel that wrote where it should not is as wrong as a wrong output.
-        worst[f"{len(worst)}:{call.name}"] = max(float(np.abs(cl.astype(np.float64) - cpu).max()) for cpu, cl, _ in arrays)
+        worst[f"{len(worst)}:{call.name}"] = max(float(np.abs(cl.astype(np.float64) - cpu).max())
+                                                 for cpu, cl, _ in arrays)
     print(f"layer 0: {len(worst)} kernels on PoCL, max |Δ| per kernel vs the CPU build:", worst)
     assert len(worst) >= 5
     assert max(worst.values()) <= LAYER_TOLERANCE, worst

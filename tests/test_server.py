@@ -48,7 +48,8 @@ def test_app_config_lists_the_browser_builds(url, tiny_dir):
     (record,) = [r for r in config["model_list"] if r["model_id"] == MODEL_ID]
     assert record["model"] == f"{url}models/{MODEL_ID}/"
     assert record["model_lib"] == f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-webgpu.wasm"
-    assert record["kiln"]["libraries"] == {t: f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-{t}.wasm" for t in ("webgpu", "wasm")}
+    assert record["kiln"]["libraries"] == {t: f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-{t}.wasm"
+                                           for t in ("webgpu", "wasm")}
     assert record["required_features"] == []  # f32: no shader-f16 needed
     weights = sum(s["nbytes"] for s in json.loads((tiny_dir / "tensor-cache.json").read_text())["records"])
     assert record["vram_required_MB"] * 2**20 > weights
@@ -130,8 +131,8 @@ def test_path_traversal_never_reads_outside_the_served_roots(traversal_dist):
         f"/models/{MODEL_ID}/..%2f..%2foutside/secret.txt",
         f"/models/{MODEL_ID}/resolve/main/../../../outside/secret.txt",
         f"/models/{MODEL_ID}/resolve/main/%2e%2e/%2e%2e/%2e%2e/outside/secret.txt",
-        f"/models/%2e%2e/outside/secret.txt",
-        f"/models/..%2f..%2f/outside/secret.txt",
+        "/models/%2e%2e/outside/secret.txt",
+        "/models/..%2f..%2f/outside/secret.txt",
         f"/models/{MODEL_ID}/{secret}",
         f"/models/{MODEL_ID}//{secret.lstrip('/')}",
         f"/models/{MODEL_ID}/%2f{secret.lstrip('/').replace('/', '%2f')}",
@@ -139,7 +140,7 @@ def test_path_traversal_never_reads_outside_the_served_roots(traversal_dist):
         f"/models/{MODEL_ID}/leak.txt",
         f"/models/{MODEL_ID}/leakdir/secret.txt",
         f"/models/{MODEL_ID}/resolve/main/leak.txt",
-        f"/models/.kiln-build-staging/secret.txt",
+        "/models/.kiln-build-staging/secret.txt",
         f"/models/{MODEL_ID}/mlc-chat-config.json%00.txt",
         "/web/harness/leak.txt",
         "/web/harness/../../outside/secret.txt",

@@ -351,9 +351,12 @@ TINY_CONFIG = {
 TINY_TENSORS = {
     "model.embed_tokens.weight": (384, HIDDEN), "model.norm.weight": (HIDDEN,),
     "model.layers.0.input_layernorm.weight": (HIDDEN,), "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
-    "model.layers.0.self_attn.q_proj.weight": (HIDDEN, HIDDEN), "model.layers.0.self_attn.k_proj.weight": (KV_WIDTH, HIDDEN),
-    "model.layers.0.self_attn.v_proj.weight": (KV_WIDTH, HIDDEN), "model.layers.0.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-    "model.layers.0.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN), "model.layers.0.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+    "model.layers.0.self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+    "model.layers.0.self_attn.k_proj.weight": (KV_WIDTH, HIDDEN),
+    "model.layers.0.self_attn.v_proj.weight": (KV_WIDTH, HIDDEN),
+    "model.layers.0.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+    "model.layers.0.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+    "model.layers.0.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
     "model.layers.0.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
 }
 
@@ -444,14 +447,16 @@ FOLDER_CASES = {
                                       "tokenizer_config.json", "none is called 'default'"),
     "chat_template does not parse": (write_file("chat_template.jinja", "{% for m in messages %}"),
                                      "chat_template.jinja", "the chat_template does not parse"),
-    "chat_template nested too deeply": (write_file("chat_template.jinja", "{{ " + "(" * 10000 + "1" + ")" * 10000 + " }}"),
+    "chat_template nested too deeply": (write_file("chat_template.jinja",
+                                                   "{{ " + "(" * 10000 + "1" + ")" * 10000 + " }}"),
                                         "chat_template.jinja", "the chat_template does not parse"),
     # weights
     "index outside the folder": (sharded({"a": "../../etc/passwd"}), "model.safetensors.index.json",
                                  "'../../etc/passwd', which is not a file name in its folder"),
     "index absolute path": (sharded({"a": "/etc/passwd"}), "model.safetensors.index.json", "not a file name"),
     "index not an object": (sharded([1]), "model.safetensors.index.json", "malformed weight index"),
-    "tensor in two shards": (sharded({"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}),
+    "tensor in two shards": (sharded({"a": "model-00001-of-00002.safetensors",
+                                      "b": "model-00002-of-00002.safetensors"}),
                              "model-00002-of-00002.safetensors", "is also in model-00001-of-00002.safetensors"),
 }
 

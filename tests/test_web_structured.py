@@ -50,7 +50,8 @@ OPENAI_FORMATS = [
     {"type": "json_schema", "json_schema": {"name": "x", "schema": True, "strict": True}},
     {"type": "grammar", "grammar": 'root ::= "a"'},
     None, [], {"type": 3}, {"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": []},
-    {"type": "json_schema", "json_schema": {"schema": {}}}, {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
+    {"type": "json_schema", "json_schema": {"schema": {}}},
+    {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
     {"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": {}}},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": None}},
@@ -66,7 +67,8 @@ def python_format(value) -> dict | str | None:
         parsed = ResponseFormat.from_openai(value)
     except KilnError as e:
         return f"error: {e.problem}"
-    return parsed and {"kind": parsed.kind, "text": json.loads(parsed.text) if parsed.kind == "json_schema" else parsed.text}
+    return parsed and {"kind": parsed.kind,
+                       "text": json.loads(parsed.text) if parsed.kind == "json_schema" else parsed.text}
 
 
 def test_response_formats_are_read_as_the_native_engine_reads_them():
@@ -127,7 +129,8 @@ def formats() -> dict[str, ResponseFormat]:
 # the digits of a number range, a pattern's {n}) as different but equivalent rules, a nested `"" | x rule_N` chain or a
 # list of alternatives, not even the same one from run to run. Those grammars are compared by what
 # they make the model generate (the browser test below); all others print the same on both sides.
-BOUNDED = re.compile(r'"(minLength|maxLength|minItems|maxItems|minimum|maximum|exclusiveMinimum|exclusiveMaximum|pattern)"')
+BOUNDED = re.compile(r'"(minLength|maxLength|minItems|maxItems|minimum|maximum|'
+                     r'exclusiveMinimum|exclusiveMaximum|pattern)"')
 
 
 def test_every_format_compiles_to_the_native_grammar(tiny_dir):
@@ -163,7 +166,9 @@ def test_a_rejected_schema_says_why_and_the_next_one_compiles(tiny_dir):
                                         stopTokenIds: new Set([2]) });
         const errors = [];
         for (let i = 0; i < 150; ++i) {
-          const format = i % 2 ? { kind: "grammar", text: `root ::= rule${i}` } : { kind: "json_schema", text: `{"type": ${i}}` };
+          const format = i % 2
+            ? { kind: "grammar", text: `root ::= rule${i}` }
+            : { kind: "json_schema", text: `{"type": ${i}}` };
           await grammars.compile(format).catch((error) => errors.push(`${error.code}: ${error.message}`));
         }
         const constraint = await grammars.constraint({ kind: "json_schema", text: input.schema });
@@ -199,7 +204,8 @@ def test_masked_tokens_are_never_chosen_and_minus_infinity_is_taken_as_numpy_tak
           temperature: config.temperature, topP: config.top_p, topK: config.top_k,
           repetitionPenalty: config.repetition_penalty, presencePenalty: 0, frequencyPenalty: 0, seed: config.seed,
         }, [1, 2, 3]).sample(Float32Array.from(row), Uint8Array.from(allowed)))));
-    """, [{"row": row.tolist(), "allowed": allowed.astype(int).tolist(), "config": config} for row, allowed, config in cases])
+    """, [{"row": row.tolist(), "allowed": allowed.astype(int).tolist(), "config": config}
+          for row, allowed, config in cases])
     assert browser == python
     assert all(allowed[token] for token, (_, allowed, _) in zip(python, cases))
 
@@ -226,7 +232,8 @@ BROWSER_REPLIES_JS = """async (requests) => {
 }"""
 MAX_TOKENS = 256
 BAD_REQUESTS = [
-    {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}},
+    {"type": "json_schema",
+     "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}},
     {"type": "grammar", "grammar": "root ::= undefined_rule"},
 ]
 

@@ -157,7 +157,8 @@ def browser_prompt_ids(model_dir: Path, conversations: list[list[dict]]) -> list
 
 def plain(messages: list[dict]) -> list[dict]:
     """The messages with list contents joined, as transformers' templates expect strings."""
-    return [{**m, "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
+    return [{**m, "content": m["content"] if isinstance(m["content"], str)
+             else "".join(p["text"] for p in m["content"])}
             for m in messages]
 
 
@@ -240,7 +241,8 @@ def test_streamed_text_holds_back_stop_strings_and_split_characters():
     result = run_node_module("""
         import { TextStream } from "./src/engine.js";
         const pieces = input.pieces.map((hex) => Uint8Array.from(hex.match(/../g), (pair) => parseInt(pair, 16)));
-        const tokenizer = { decode: (ids) => new TextDecoder().decode(Uint8Array.from(Array.from(ids).flatMap((id) => [...pieces[id]]))) };
+        const bytesOf = (ids) => Uint8Array.from(Array.from(ids).flatMap((id) => [...pieces[id]]));
+        const tokenizer = { decode: (ids) => new TextDecoder().decode(bytesOf(ids)) };
         const stream = new TextStream(tokenizer, ["<END>"]);
         const deltas = [];
         for (const id of input.ids) {
@@ -272,7 +274,9 @@ def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_
     return run_node_module("""
         import { chooseBackend } from "./src/loader.js";
         const { adapter, config, modelId, device } = input;
-        const fake = adapter && { features: new Set(adapter.features), limits: adapter.limits, info: adapter.info ?? {} };
+        const fake = adapter && {
+          features: new Set(adapter.features), limits: adapter.limits, info: adapter.info ?? {},
+        };
         Object.defineProperty(globalThis, "navigator", { value: { gpu: { requestAdapter: async () => fake } } });
         try {
           const { record, backend, fallbackReason } = await chooseBackend(config, modelId, device);

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 from tvm.relax.frontend import nn
 
 from ..source_weights import SourceWeights

@@ -76,7 +76,7 @@ function settingsTools() {
   try {
     return JSON.parse(text);
   } catch (error) {
-    throw new Error(`The tools are not JSON: ${error.message}`);
+    throw new Error(`The tools are not JSON: ${error.message}`, { cause: error });
   }
 }
 

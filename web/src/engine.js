@@ -621,9 +621,9 @@ export class Engine {
     let promptIds;
     let finishReason = null;
     let firstTokenAt = null;
-    let prefillSeconds = 0;
-    let prefilled = 0;
-    let lastTokenAt = null;
+    let prefillSeconds;
+    let prefilled;
+    let lastTokenAt;
     let constraint = null;
     const tokens = [];
     try {

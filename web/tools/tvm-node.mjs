@@ -13,7 +13,9 @@ export async function requestWebGPUDevice() {
     try {
       dawn = await import("webgpu");
     } catch (error) {
-      throw new Error(`no WebGPU in this Node: the npm package "webgpu" is missing (${error.message})`);
+      throw new Error(`no WebGPU in this Node: the npm package "webgpu" is missing (${error.message})`, {
+        cause: error,
+      });
     }
     Object.assign(globalThis, dawn.globals);
     Object.defineProperty(globalThis, "navigator", {
@@ -26,7 +28,7 @@ export async function requestWebGPUDevice() {
   try {
     found = await tvmjs.detectGPUDevice();
   } catch (error) {
-    throw new Error(`${error.message} ${DAWN_HINT}`);
+    throw new Error(`${error.message} ${DAWN_HINT}`, { cause: error });
   }
   if (found === undefined) throw new Error(`no WebGPU adapter. ${DAWN_HINT}`);
   return found;
