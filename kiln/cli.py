@@ -254,8 +254,8 @@ def add_bench_browser(bench) -> None:
     b = bench.add_parser("browser", help="cold/warm load, time to first token, prefill and decode tokens/s "
                                          "in headless Chromium")
     b.add_argument("model_dir", type=Path, help="a compiled model folder with a webgpu or wasm library")
-    b.add_argument("--device", choices=("auto", "webgpu", "wasm"), default="auto",
-                   help="auto: WebGPU when Chromium has it, else the CPU wasm library")
+    b.add_argument("--target", "-t", choices=("auto", "webgpu", "wasm"), default="auto",
+                   help="the library to run; auto: WebGPU when Chromium has a hardware adapter, else wasm")
     add_run_options(b, prompt_tokens=32, decode_tokens=16, runs=1)
     b.set_defaults(run=run_bench_browser)
 
@@ -263,7 +263,7 @@ def add_bench_browser(bench) -> None:
 def run_bench_browser(args) -> int:
     from kiln.server.browser_bench import bench_browser
 
-    report = bench_browser(args.model_dir, args.device, args.prompt_tokens, args.decode_tokens, args.runs)
+    report = bench_browser(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
     print_report(report, args.json)
     return 0
 
@@ -298,7 +298,8 @@ def add_bench_report(bench) -> None:
     r = bench.add_parser("report", help="bench native and bench browser on one model, side by side: "
                                         "a JSON file and a PNG chart with browser ÷ native ratios")
     r.add_argument("model_dir", type=Path, help="a compiled model folder with a cpu and a webgpu and/or wasm library")
-    r.add_argument("--device", type=comma_list, help="browser libraries to run: wasm, webgpu (default: all built)")
+    r.add_argument("--target", "-t", type=comma_list,
+                   help="browser libraries to run: wasm, webgpu (default: all built)")
     r.add_argument("--output", "-o", type=Path,
                    help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)")
     add_run_options(r, prompt_tokens=32, decode_tokens=16, runs=1)
@@ -309,7 +310,7 @@ def run_bench_report(args) -> int:
     from kiln.server.bench_report import bench_report
 
     output = args.output or Path(f"bench-report-{args.model_dir.resolve().name}")
-    report = bench_report(args.model_dir, output, args.device, args.prompt_tokens, args.decode_tokens, args.runs)
+    report = bench_report(args.model_dir, output, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
     print_report(report, args.json)
     return 0
 

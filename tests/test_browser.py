@@ -315,7 +315,7 @@ def test_no_webgpu_and_no_cpu_library_is_a_clear_error(driver, tmp_path, url):
 
 def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
     kiln = Path(sys.executable).with_name("kiln")
-    result = subprocess.run([str(kiln), "bench", "browser", str(tiny_dir), "--device", "wasm", "--json",
+    result = subprocess.run([str(kiln), "bench", "browser", str(tiny_dir), "--target", "wasm", "--json",
                              "--prompt-tokens", "16", "--decode-tokens", "8"],
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
