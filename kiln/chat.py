@@ -105,7 +105,7 @@ class TerminalChat:
         except KilnError as e:
             self.say(f"\nerror: {e}" + ("\n(/reset starts a new conversation)" if "context window" in str(e) else ""))
             return
-        self.say({"interrupted": " [interrupted]", "length": " [max tokens reached]"}.get(delta.finish_reason, ""))
+        self.say({"abort": " [interrupted]", "length": " [max tokens reached]"}.get(delta.finish_reason, ""))
         self.last_usage = delta.usage
         self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": "".join(pieces)}]
 

@@ -95,7 +95,7 @@ class Delta:
 
     text: str                         # never splits a multi-byte character
     token_ids: list[int]              # tokens generated since the previous delta
-    finish_reason: str | None = None  # "stop" | "length" | "interrupted" on the last delta
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (interrupted, as WebLLM says) on the last delta
     usage: Usage | None = None        # on the last delta
     logits: list[dict] | None = None  # with logits_top_k: one record per token in token_ids
 
@@ -391,7 +391,7 @@ class Engine:
         return self._lock.locked()
 
     def interrupt(self) -> None:
-        """End the running generation after its current step (finish_reason "interrupted")."""
+        """End the running generation after its current step (finish_reason "abort")."""
         self._interrupted.set()
 
     def reset(self) -> None:
@@ -500,7 +500,7 @@ class Engine:
         reply: list[str] = []
         final_text = ""
         first_token_at = None
-        finish = "interrupted" if logits is None else None
+        finish = "abort" if logits is None else None
         hit_stop_string = False
         while finish is None:
             if config.logits_top_k:
@@ -523,7 +523,7 @@ class Engine:
             elif len(tokens) >= config.max_tokens or len(self._cached_ids) >= self.model.context_window_size:
                 finish = "length"
             elif self._interrupted.is_set():
-                finish = "interrupted"
+                finish = "abort"
             if finish is not None:
                 final_text = piece
                 break

@@ -76,7 +76,7 @@ def interrupted_if_client_leaves(connection: socket.socket | None, engine) -> It
 
 def log_if_abandoned(finish_reason: str | None, generated: int) -> None:
     # The server interrupts a generation only when its client has gone.
-    if finish_reason in (None, "interrupted"):
+    if finish_reason in (None, "abort"):
         log.info("the client went away: generation stopped after %d tokens", generated)
 
 

@@ -243,7 +243,7 @@ def test_one_generation_at_a_time_and_interrupt(fresh):
     next(running)
     fresh.interrupt()
     *_, last = running
-    assert last.finish_reason == "interrupted" and last.usage.completion_tokens < 50
+    assert last.finish_reason == "abort" and last.usage.completion_tokens < 50
     # Released when finished, and when a stream is closed early.
     fresh.stream(PROMPT, config).close()
     assert fresh.generate(PROMPT, GenerationConfig(max_tokens=2)).usage.completion_tokens >= 1
