@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.engine import (Engine, EngineBusy, GenerationConfig, Sampler, StopStrings, TextStream, exp_nonpositive,
-                         nucleus)
+from kiln.engine import Engine, EngineBusy, GenerationConfig
 from kiln.errors import KilnError
+from kiln.sampling import Sampler, exp_nonpositive, nucleus
+from kiln.text import StopStrings, TextStream
 
 PROMPT = "The history of the"
 KILN = str(Path(sys.executable).with_name("kiln"))

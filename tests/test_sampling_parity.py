@@ -1,4 +1,4 @@
-"""One definition of sampling on both sides: `kiln.engine.Sampler` in Python and `Sampler` of
+"""One definition of sampling on both sides: `kiln.sampling.Sampler` in Python and `Sampler` of
 web/src/sampler.js in Node pick the same tokens from the same logits for the same seed: random
 rows, exact and near ties, penalties over token histories, top_k / top_p combinations and
 temperatures, each sampled for several steps in a row under many seeds. Then end to end on the
@@ -15,7 +15,8 @@ import pytest
 
 from web_helpers import run_kiln, run_node_module
 
-from kiln.engine import Engine, GenerationConfig, Mulberry32, Sampler, exp_nonpositive
+from kiln.engine import Engine, GenerationConfig
+from kiln.sampling import Mulberry32, Sampler, exp_nonpositive
 from kiln.server.browser_model import browser_model
 
 SEEDS = [0, 1, 42, 99991, 2**31, 2**32 - 1, 2**32 + 7, 2**53 - 1]

@@ -186,7 +186,7 @@ def test_a_rejected_schema_says_why_and_the_next_one_compiles(tiny_dir):
 
 
 def test_masked_tokens_are_never_chosen_and_minus_infinity_is_taken_as_numpy_takes_it():
-    from kiln.engine import Sampler
+    from kiln.sampling import Sampler
 
     rng = np.random.default_rng(7)
     cases = []

@@ -1,6 +1,6 @@
 // Choosing the next token from a row of logits, on the CPU.
 //
-// This is the same definition as `Sampler` in kiln/engine.py, step for step, so that a seed picks
+// This is the same definition as `Sampler` in kiln/sampling.py, step for step, so that a seed picks
 // the same tokens natively and in the browser whenever the logits agree (README, "Chat in the browser"):
 //   1. penalties, in float64: repetition (÷ a positive logit, × a negative one) on every token of
 //      the prompt and the output, then presence + frequency × count on every token of the output;
