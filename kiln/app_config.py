@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.runtime import read_json
+from kiln.runtime import PAGE_SIZE, read_json
 
 BROWSER_TARGETS = ("webgpu", "wasm")
 MODEL_FILES = ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")
-PAGE_SIZE = 16
 F32_BYTES = 4
 # A GPU budget most phones and integrated GPUs grant a tab; WebLLM's low-resource models fit it.
 LOW_RESOURCE_MB = 2048

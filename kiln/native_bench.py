@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.app_config import float_bytes
 from kiln.engine import Engine, GenerationConfig
 from kiln.runtime import set_cpu_threads
 from kiln.tensor_cache import records
@@ -41,13 +42,20 @@ def measure_memory_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeat
     return 2 * source.nbytes / best
 
 
+def benchmark_prompt(tokenizer, vocab_size: int, prompt_tokens: int) -> list[int]:
+    """The benchmarks' prompt (native and browser): seeded random tokens that are not special tokens."""
+    special = set(tokenizer.get_added_tokens_decoder())
+    ordinary = np.array([t for t in range(vocab_size) if t not in special])
+    return np.random.default_rng(PROMPT_SEED).choice(ordinary, prompt_tokens).tolist()
+
+
 def decode_bytes_per_token(engine: Engine, context_tokens: float) -> float:
     """Weight bytes read by one decode step, plus the KV cache at `context_tokens`."""
     model_config = engine.chat_config["model_config"]
     tied = model_config.get("tie_word_embeddings", False)
     # An untied embedding table is only gathered (one row per token): leave it out.
     weights = sum(r.nbytes for r in records(engine.model_dir) if tied or "embed_tokens" not in r.name)
-    kv_itemsize = 2 if "f16" in engine.chat_config["quantization"] else 4
+    kv_itemsize = float_bytes(engine.chat_config["quantization"])
     kv_per_token = (2 * model_config["num_hidden_layers"] * model_config["num_key_value_heads"]
                     * model_config["head_dim"] * kv_itemsize)
     return weights + kv_per_token * context_tokens
@@ -61,9 +69,7 @@ def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128,
     load_s = time.perf_counter() - start
     threads = set_cpu_threads() if target == "cpu" else None
 
-    special = set(engine.tokenizer.get_added_tokens_decoder())
-    ordinary = np.array([t for t in range(engine.model.vocab_size) if t not in special])
-    prompt = np.random.default_rng(PROMPT_SEED).choice(ordinary, prompt_tokens).tolist()
+    prompt = benchmark_prompt(engine.tokenizer, engine.model.vocab_size, prompt_tokens)
     config = GenerationConfig(max_tokens=decode_tokens, ignore_eos=True, response_format=response_format)
     usages = []
     for _ in range(runs + 1):  # the first run warms up (allocations, caches) and is not counted

@@ -13,14 +13,13 @@ import statistics
 import threading
 from pathlib import Path
 
-import numpy as np
-
+from kiln.engine import load_tokenizer
 from kiln.errors import KilnError
+from kiln.native_bench import benchmark_prompt
 from kiln.runtime import read_json
 
 from .browser import page_engine
 
-PROMPT_SEED = 0
 RSS_SAMPLE_S = 0.25
 RUN_JS = """async ({promptIds, decodeTokens}) => {
   const engine = globalThis.kilnDriven;
@@ -37,16 +36,6 @@ RUN_JS = """async ({promptIds, decodeTokens}) => {
     decode_tokens_per_s: decodeTokens > 1 ? (decodeTokens - 1) / ((ended - firstTokenAt) / 1000) : null,
   };
 }"""
-
-
-def benchmark_prompt(model_dir: Path, prompt_tokens: int) -> list[int]:
-    """The native benchmark's prompt: seeded random tokens that are not special tokens."""
-    from tokenizers import Tokenizer
-
-    special = set(Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_added_tokens_decoder())
-    vocab_size = read_json(model_dir / "mlc-chat-config.json")["vocab_size"]
-    ordinary = np.array([t for t in range(vocab_size) if t not in special])
-    return np.random.default_rng(PROMPT_SEED).choice(ordinary, prompt_tokens).tolist()
 
 
 class PeakMemory:
@@ -93,7 +82,8 @@ def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32
     if not (model_dir / "kiln-build.json").is_file():
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
     model_id = model_dir.name
-    prompt = benchmark_prompt(model_dir, prompt_tokens)
+    prompt = benchmark_prompt(load_tokenizer(model_dir), read_json(model_dir / "mlc-chat-config.json")["vocab_size"],
+                              prompt_tokens)
     with page_engine(model_dir.resolve().parent, webgpu=device != "wasm") as engine, PeakMemory() as memory:
         page = engine.page
         cold = engine.load(model_id, device)
