@@ -52,7 +52,8 @@ def ask(page, screenshot: Path | None = None) -> str:
 
 
 def test_harness_answers_on_webgpu_and_loads_from_cache_the_second_time(driver, tmp_path, url):
-    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}") as (context, page):
+    # ?device=webgpu: in auto the harness would take the wasm library over SwiftShader.
+    with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}&device=webgpu") as (context, page):
         requests = RequestLog(context)
         progress = []
         page.expose_function("recordProgress", lambda value: progress.append(value))
