@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor, wait
 from itertools import groupby
 from pathlib import Path
 from typing import Iterator
@@ -38,16 +39,33 @@ def default_cpu_threads() -> int:
     return max(1, min(usable, psutil.cpu_count(logical=False) or usable))
 
 
+# TVM gives each thread that runs a parallel kernel (or asks for the thread count) a thread pool of
+# its own, which it never releases, and the server answers each request on a new thread: so every
+# kernel runs on one long-lived thread of the process, with one pool.
+_compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-compute")
+
+
+def on_compute_thread(function, *args):
+    """`function(*args)` on the compute thread. An interrupt (Ctrl-C) waits for it to finish first,
+    as it would in the calling thread: a step stopped halfway would leave the KV cache undefined."""
+    future = _compute.submit(function, *args)
+    try:
+        return future.result()
+    except BaseException:
+        wait([future])
+        raise
+
+
 def set_cpu_threads(threads: int | None = None) -> int:
     """How many threads the cpu library's kernels run on: `threads`, else TVM_NUM_THREADS if set,
-    else `default_cpu_threads`. TVM makes its thread pool once per process, here if not before (a
-    later call changes nothing). Returns the pool's thread count."""
+    else `default_cpu_threads`. TVM makes its thread pool once, here if not before (a later call
+    changes nothing). Returns the pool's thread count."""
     if threads is not None:
         if threads < 1:
             raise KilnError(f"the thread count must be at least 1, got {threads}")
         os.environ["TVM_NUM_THREADS"] = str(threads)
     os.environ.setdefault("TVM_NUM_THREADS", str(default_cpu_threads()))
-    return int(tvm.get_global_func("runtime.NumThreads")())
+    return int(on_compute_thread(tvm.get_global_func("runtime.NumThreads")))
 
 
 def read_json(path: Path) -> dict:
@@ -166,6 +184,9 @@ class NativeModel:
             yield chunk
 
     def _step(self, function: str, token_ids: list[int]) -> np.ndarray:
+        return on_compute_thread(self._run_step, function, token_ids)
+
+    def _run_step(self, function: str, token_ids: list[int]) -> np.ndarray:
         ids = tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device)
         embeds = self.vm["embed"](ids, self.params)
         embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))

@@ -81,7 +81,8 @@ def smollm2_build(builds, smollm2_source):
 @pytest.fixture(scope="session")
 def tool_build(builds, tiny_build, tmp_path_factory):
     """tool_build(targets) → the dist folder holding tiny Llamas with Qwen2.5's and Llama 3.1's chat
-    templates (tiny-qwen, tiny-llama3) and the ChatML one (no tools), each with `targets`."""
+    templates (tools-qwen, tools-llama3: names apart from the families' tiny models) and the ChatML one (no
+    tools), each with `targets`."""
     sources = tmp_path_factory.mktemp("tool-sources")
     families = {}
     for name, (tokens, template) in TOOL_FAMILIES.items():
@@ -93,7 +94,7 @@ def tool_build(builds, tiny_build, tmp_path_factory):
 
     def build(targets: list[str]) -> Path:
         for name, source in families.items():
-            builds.model_dir(source, f"tiny-{name}", "q4f32_1", targets)
+            builds.model_dir(source, f"tools-{name}", "q4f32_1", targets)
         tiny_build("q4f32_1", targets)
         return builds.dist
 

@@ -44,7 +44,7 @@ def check_call(call, names=tuple(PARAMETERS)) -> None:
 @pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_a_required_or_named_call_fits_its_parameters(tool_models, family):
     _, base = tool_models
-    model = f"tiny-{family}-q4f32_1"
+    model = f"tools-{family}-q4f32_1"
     reply = client(base).chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required",
                                                  max_tokens=128, temperature=0)
     (choice,) = reply.choices
@@ -60,7 +60,7 @@ def test_a_required_or_named_call_fits_its_parameters(tool_models, family):
 def test_a_forced_call_streams_as_a_tool_call_delta(tool_models):
     _, base = tool_models
     chunks = list(client(base).chat.completions.create(
-        model="tiny-qwen-q4f32_1", messages=QUESTION, tools=TOOLS, max_tokens=128, temperature=0, stream=True,
+        model="tools-qwen-q4f32_1", messages=QUESTION, tools=TOOLS, max_tokens=128, temperature=0, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].index == 0
@@ -72,7 +72,7 @@ def test_a_forced_call_streams_as_a_tool_call_delta(tool_models):
 @pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_a_tool_result_goes_back_through_the_template(tool_models, family):
     dist, base = tool_models
-    model = f"tiny-{family}-q4f32_1"
+    model = f"tools-{family}-q4f32_1"
     first = client(base).chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required",
                                                  max_tokens=128, temperature=0)
     call = first.choices[0].message.tool_calls[0]
@@ -113,7 +113,7 @@ def test_a_model_whose_template_has_no_tools_is_a_400(tool_models):
 ])
 def test_malformed_tool_requests_are_400s(tool_models, body, param, problem):
     _, base = tool_models
-    request = {"model": "tiny-qwen-q4f32_1", "messages": QUESTION, "max_tokens": 2, **body}
+    request = {"model": "tools-qwen-q4f32_1", "messages": QUESTION, "max_tokens": 2, **body}
     response = requests.post(f"{base}v1/chat/completions", json=request)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -160,7 +160,7 @@ def test_tools_and_calls_render_as_transformers_renders_them(tool_models, family
     from transformers import AutoTokenizer
 
     dist, _ = tool_models
-    model_dir = dist / f"tiny-{family}-q4f32_1"
+    model_dir = dist / f"tools-{family}-q4f32_1"
     call = {"id": "abcdefghi", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Zürich <3", "unit": "celsius"}'}}
     conversation = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -38,7 +38,7 @@ def browser_tool_models(tool_build, tool_models):
 @pytest.mark.parametrize("family", TOOL_FAMILIES)
 def test_a_tool_conversation_renders_as_natively(tool_models, family):
     dist, _ = tool_models
-    model_dir = dist / f"tiny-{family}-q4f32_1"
+    model_dir = dist / f"tools-{family}-q4f32_1"
     browser = run_node_module("""
         import { Template } from "./node_modules/@huggingface/jinja/dist/index.js";
         import { ChatTemplate } from "./src/chat-template.js";
@@ -177,7 +177,7 @@ def test_the_formats_holding_calls_compile_to_the_native_grammars(tool_models):
     """The structural tag (auto) and the call schema (required) reach XGrammar as natively: the
     grammars print the same."""
     dist, _ = tool_models
-    native = Engine(dist / "tiny-qwen-q4f32_1")
+    native = Engine(dist / "tools-qwen-q4f32_1")
     formats = [ToolRequest.from_openai(UNBOUNDED_TOOLS, choice).response_format(call_format)
                for call_format in TOOL_CALL_FORMATS for choice in ("auto", "required")]
     browser = run_node_module(NODE_PRELUDE + """
@@ -253,14 +253,14 @@ def test_the_browser_calls_tools_as_the_native_engine(browser_tool_models, drive
     with page_engine(dist, webgpu=False, driver=driver) as page:
         replies, streams = {}, {}
         for family in TOOL_FAMILIES:
-            page.load(f"tiny-{family}-q4f32_1", "wasm")
+            page.load(f"tools-{family}-q4f32_1", "wasm")
             replies[family] = page.page.evaluate(TOOL_REPLIES_JS, [*requests, bad])
             page.call("resetChat")
             streams[family] = page.chat({**requests[1], "stream": True})["chunks"]
         page.load("tiny-llama-q4f32_1", "wasm")
         (without_tools,) = page.page.evaluate(TOOL_REPLIES_JS, [requests[0]])
     for family in TOOL_FAMILIES:
-        native = Engine(dist / f"tiny-{family}-q4f32_1")
+        native = Engine(dist / f"tools-{family}-q4f32_1")
         *answered, rejected = replies[family]
         for (messages, choice), reply in zip(cases, answered):
             assert "error" not in reply, (family, choice, reply)
@@ -287,7 +287,7 @@ def test_the_browser_calls_tools_as_the_native_engine(browser_tool_models, drive
 @pytest.mark.browser
 def test_the_harness_shows_a_reply_s_tool_calls(browser_tool_models, driver, tmp_path):
     _, base = browser_tool_models
-    with browser_page(driver, tmp_path / "profile", f"{base}?model=tiny-qwen-q4f32_1", webgpu=False) as (_, page):
+    with browser_page(driver, tmp_path / "profile", f"{base}?model=tools-qwen-q4f32_1", webgpu=False) as (_, page):
         page.click("#load-button")
         wait_for_state(page, "ready")
         page.click(".settings summary")
