@@ -6,7 +6,7 @@ DIST     ?= dist
 PYTEST_ARGS ?=
 SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: setup system python web runtime lint test test-fast demo demo-build clean
+.PHONY: setup system python web runtime lint test test-fast demo demo-build wheel clean
 
 setup: system python web
 
@@ -47,16 +47,23 @@ web/node_modules/.installed: web/package-lock.json
 runtime: setup
 	$(VENV)/bin/kiln doctor --build-runtime
 
-# ruff for the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js).
+# ruff for the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js)
+# and TypeScript for its JSDoc types (web/tsconfig.json).
 lint: setup
 	$(VENV)/bin/ruff check .
-	cd web && npx eslint .
+	cd web && npx eslint . && npx tsc -p tsconfig.json
 
 test: setup lint runtime
 	$(VENV)/bin/pytest -ra --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup lint
 	$(VENV)/bin/pytest -ra -m "not slow and not browser" $(PYTEST_ARGS)
+
+# A wheel that works outside the checkout: it carries the served part of web/ (server/web_files.py says why).
+wheel: python web
+	rm -rf build
+	$(PY) -c "import kiln.server.web_files as w; w.copy_served_files(w.CHECKOUT_WEB_DIR, w.PACKAGED_WEB_DIR)"
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
 
 SMOLLM2 = $(shell $(PY) tests/assets.py)
 

@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+import kiln
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel
 
 from .ingest import is_gguf_file
 from .pipeline import BuildRequest, build
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "english.txt"
+# Package data, so an installed Kiln has it too (the tests train their tiny tokenizers on it).
+DEFAULT_TEXT = Path(kiln.__file__).parent / "data" / "english.txt"
 CONVERT_AND_COMPILE_GOAL_S = 180
 PERPLEXITY_GOAL = 0.15
 

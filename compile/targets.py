@@ -14,9 +14,6 @@ from tvm.s_tir import dlight as dl
 
 from kiln.errors import KilnError
 
-from .cpu_schedule import RowNorm, RowParallelMatmul, block_names
-from .gpu_schedule import SplitReductionGEMV
-from .quantization.ggml_blocks import GROUP_STAGES
 from .system_lib import export_system_library
 from .webgpu_limits import check_webgpu_limits
 
@@ -58,6 +55,9 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
     """GGUF blocks' per-group scales and offsets inlined into the weights that use them: dlight's
     GPU rules expect the weights as one producer (each thread then reads its group's parameters
     itself; the CPU schedule instead computes them once per group)."""
+    from .cpu_schedule import block_names
+    from .quantization.ggml_blocks import GROUP_STAGES
+
     if not isinstance(func.body, s_tir.SBlockRealize):
         return func
     sch = s_tir.Schedule(func)
@@ -67,7 +67,11 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
     return sch.mod["main"] if stages else func
 
 
+# The schedules are imported by the functions that build with them: the engine reads this table
+# (which device runs a target), and the quantization package the schedules import needs the engine.
 def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
+    from .gpu_schedule import SplitReductionGEMV
+
     rules = (matmul or dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), SplitReductionGEMV(),
              dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
     return tvm.transform.Sequential([inline_group_parameters,
@@ -79,6 +83,8 @@ def untensorized_gpu_schedules() -> tvm.transform.Pass:
 
 
 def cpu_schedules() -> tvm.transform.Pass:
+    from .cpu_schedule import RowNorm, RowParallelMatmul
+
     return dl.ApplyDefaultSchedule(RowParallelMatmul(), RowNorm(), dl.cpu.Reduction())
 
 
@@ -99,6 +105,7 @@ CPU_LEVELS = {
     "portable": {"x86_64": "x86-64-v3", "aarch64": "generic"},
     "legacy": {"x86_64": "x86-64-v2", "aarch64": "generic"},
 }
+CPU_TUNINGS = (*CPU_LEVELS, "host")
 MACHINES = {"AMD64": "x86_64", "arm64": "aarch64"}
 
 
@@ -107,7 +114,7 @@ def cpu_named(tuning: str) -> str:
         # "native" is rejected by this LLVM for the conda triple it was built with: name the CPU.
         return tvm.target.codegen.llvm_get_system_cpu()
     if tuning not in CPU_LEVELS:
-        raise KilnError(f"unknown CPU tuning {tuning!r} (portable, legacy or host)")
+        raise KilnError(f"unknown CPU tuning {tuning!r} ({', '.join(CPU_TUNINGS)})")
     machine = platform.machine()
     return CPU_LEVELS[tuning].get(MACHINES.get(machine, machine), "generic")
 
@@ -150,6 +157,10 @@ class TargetEntry:
     kernel_source: str | None = None
     # Runs on the CPU of the machine that loads it: `--cpu-tuning` chooses the instruction set.
     tunes_cpu: bool = False
+    # The TVM device the native engine runs the library on; None: not on this machine's runtime.
+    device: str | None = None
+    # The browser engine runs it, and the app config lists it.
+    browser: bool = False
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target())
@@ -162,17 +173,17 @@ TARGETS: dict[str, TargetEntry] = {
     t.name: t
     for t in (
         TargetEntry("cpu", "x86-64 and ARM CPUs (shared library; --cpu-tuning host for this machine's)", cpu_target,
-                    cpu_schedules, export_shared_library, "so", tunes_cpu=True),
+                    cpu_schedules, export_shared_library, "so", tunes_cpu=True, device="cpu"),
         TargetEntry("cuda", "NVIDIA GPUs (shared library; kernels compiled at load by nvrtc/nvcc)",
                     lambda: {"kind": "cuda", "arch": "sm_80", "max_shared_memory_per_block": 49152,
                              "max_num_threads": 1024, "thread_warp_size": 32, "host": {"kind": "llvm"}},
                     untensorized_gpu_schedules,
-                    export_shared_library, "so"),
+                    export_shared_library, "so", device="cuda"),
         TargetEntry("webgpu", "browsers with WebGPU (wasm + WGSL)",
                     lambda: {"kind": "webgpu", "host": WASM32}, gpu_schedules, export_wasm, "wasm",
-                    check_webgpu_limits),
+                    check_webgpu_limits, browser=True),
         TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32_SIMD, cpu_schedules,
-                    export_wasm, "wasm"),
+                    export_wasm, "wasm", browser=True),
         TargetEntry("android", "Android phones (OpenCL; static library for aarch64, build-only here)",
                     android_target, gpu_schedules, export_system_library, "tar", system_lib=True,
                     kernel_source="cl"),
@@ -184,6 +195,11 @@ TARGETS: dict[str, TargetEntry] = {
                     "tar", system_lib=True),
     )
 }
+
+# In the registry's order, which is the order of preference (the app config's `model_lib` is the
+# first browser library built).
+NATIVE_TARGETS = tuple(name for name, entry in TARGETS.items() if entry.device)
+BROWSER_TARGETS = tuple(name for name, entry in TARGETS.items() if entry.browser)
 
 
 def target_named(name: str, cpu_tuning: str = "portable") -> TargetEntry:

@@ -1,8 +1,8 @@
 """Functions the library exports besides the model: `_metadata` and WebLLM's sampling helpers.
 
 WebLLM 0.2.86 looks these up by name when it loads a model and fails if any is missing, even
-at temperature 0. Signatures follow its calls (see DESIGN.md). The in-place logit processors
-are TIR kernels wrapped in `call_tir_inplace`, so they are VM functions like the rest.
+at temperature 0. Signatures follow its calls (in @mlc-ai/web-llm's lib/index.js). The in-place
+logit processors are TIR kernels wrapped in `call_tir_inplace`, so they are VM functions like the rest.
 Their blocks declare reads without the logits they update: each element reads only the value it
 overwrites, and leaving it out lets the schedule bind the loops to GPU threads (TVM refuses to
 bind a block whose declared reads and writes overlap).

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.compile.targets import BROWSER_TARGETS
 from kiln.errors import KilnError
 from kiln.runtime import PAGE_SIZE, read_json
 
-BROWSER_TARGETS = ("webgpu", "wasm")
 MODEL_FILES = ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")
 F32_BYTES = 4
 # A GPU budget most phones and integrated GPUs grant a tab; WebLLM's low-resource models fit it.
@@ -92,7 +92,8 @@ def memory_needs(model: CompiledModel) -> tuple[int, int]:
 
 def model_record(model: CompiledModel, models_url: str) -> dict | None:
     """The app-config entry of `model`, with URLs under `models_url`; None without a browser library."""
-    browser_libraries = {t: path for t, path in model.libraries.items() if t in BROWSER_TARGETS}
+    built = model.libraries
+    browser_libraries = {target: built[target] for target in BROWSER_TARGETS if target in built}
     if not browser_libraries:
         return None
     folder_url = f"{models_url}{model.model_id}/"
@@ -102,7 +103,7 @@ def model_record(model: CompiledModel, models_url: str) -> dict | None:
     return {
         "model": folder_url,
         "model_id": model.model_id,
-        "model_lib": folder_url + browser_libraries.get("webgpu", browser_libraries.get("wasm")),
+        "model_lib": folder_url + next(iter(browser_libraries.values())),
         "vram_required_MB": vram_mb,
         "low_resource_required": vram_mb <= LOW_RESOURCE_MB,
         "required_features": ["shader-f16"] if float_bytes(quantization) == 2 else [],

@@ -7,25 +7,40 @@ import json
 import sys
 from pathlib import Path
 
+from kiln.compile.package import PLATFORMS
+from kiln.compile.quantization import QUANTIZATIONS
+from kiln.compile.targets import BROWSER_TARGETS, CPU_TUNINGS, NATIVE_TARGETS, TARGETS
 from kiln.errors import KilnError
+from kiln.models import MODELS
 
 
 def comma_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def one_of(names) -> str:
+    """'a, b or c'."""
+    *rest, last = names
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+def described(registry: dict) -> str:
+    """Each entry of a registry with what it is: 'name: describe; …'."""
+    return "; ".join(f"{name}: {entry.describe}" for name, entry in registry.items())
+
+
 def add_compile(sub) -> None:
     p = sub.add_parser("compile", help="build a model for one or more targets")
-    p.add_argument("source", help="Hugging Face folder, hub id (org/name) or .gguf file")
-    p.add_argument("--quantization", "-q", required=True, help="q0f32, q0f16, q4f32_1, q4f16_1, q8f32_1, q8f16_1; "
-                   "gguf_f32, gguf_f16 (a .gguf source's own blocks, not quantized again)")
+    p.add_argument("source", help="Hugging Face folder, hub id (org/name) or .gguf file of a model whose "
+                                   f"model_type is {one_of(MODELS)}")
+    p.add_argument("--quantization", "-q", required=True, help=described(QUANTIZATIONS))
     p.add_argument("--target", "-t", type=comma_list, default=["cpu"],
-                   help="cpu, cuda, webgpu, wasm, android, iphone, metal (comma-separated)")
+                   help=f"comma-separated: {described(TARGETS)}")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"), help="output folder (default dist/)")
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
     p.add_argument("--context-window-size", type=int)
     p.add_argument("--prefill-chunk-size", type=int)
-    p.add_argument("--cpu-tuning", choices=("portable", "legacy", "host"), default="portable",
+    p.add_argument("--cpu-tuning", choices=CPU_TUNINGS, default="portable",
                    help="the cpu library's instruction set: portable (default; x86-64-v3 — AVX2, every x86-64 CPU "
                         "since 2013–2015 — or ARMv8-A), legacy (x86-64-v2: any x86-64 since 2009, 2.5x slower "
                         "decode) or host (this machine's CPU; may not run elsewhere)")
@@ -71,8 +86,9 @@ def add_bench(sub) -> None:
                                          "and, for a .gguf source, gguf_f32 (its own blocks)")
     c.add_argument("source")
     c.add_argument("--quantization", "-q", default="q4f32_1",
-                   help="the quantization to time and compare (default q4f32_1)")
-    c.add_argument("--target", "-t", type=comma_list, default=["webgpu"])
+                   help=f"the quantization to time and compare: {one_of(QUANTIZATIONS)} (default q4f32_1)")
+    c.add_argument("--target", "-t", type=comma_list, default=["webgpu"],
+                   help=f"the targets to build, comma-separated: {one_of(TARGETS)} (default webgpu)")
     c.add_argument("--text", type=Path, help="perplexity text (default: the bundled English sample)")
     c.add_argument("--output", "-o", type=Path, help="where to build (default: a temporary folder)")
     c.add_argument("--json", action="store_true")
@@ -95,7 +111,7 @@ def run_bench_compile(args) -> int:
 
 
 def add_sampling_options(p) -> None:
-    p.add_argument("--target", "-t", default="cpu", help="which library to run: cpu (default) or cuda")
+    p.add_argument("--target", "-t", choices=NATIVE_TARGETS, default="cpu", help="which library to run (default cpu)")
     add_threads_option(p)
     add_generation_options(p)
 
@@ -138,8 +154,9 @@ def add_generate(sub) -> None:
     p.add_argument("--logits", type=int, default=0, metavar="K", help="with --json: the top-K logits of every step")
     p.add_argument("--device", choices=("native", "browser"), default="native",
                    help="native (default): the TVM runtime here; browser: the browser engine in headless Chromium")
-    p.add_argument("--target", "-t", help="the library to run: cpu (default) or cuda natively; "
-                                          "auto (default), webgpu or wasm in the browser")
+    p.add_argument("--target", "-t", choices=("auto", *NATIVE_TARGETS, *BROWSER_TARGETS),
+                   help=f"the library to run: {one_of(NATIVE_TARGETS)} natively (default cpu); "
+                        f"{one_of(('auto', *BROWSER_TARGETS))} in the browser (default auto)")
     add_threads_option(p)
     add_generation_options(p)
     constrained = p.add_mutually_exclusive_group()
@@ -167,7 +184,7 @@ def response_format(args):
 
 
 def run_generate(args) -> int:
-    from kiln.server.browser_model import engine_on
+    from kiln.browser.model import engine_on
 
     with engine_on(args.model_dir, args.device, args.target) as (engine, device):
         return generate(engine, args, device)
@@ -231,7 +248,7 @@ def add_run_options(p, prompt_tokens: int, decode_tokens: int, runs: int) -> Non
 def add_bench_native(bench) -> None:
     n = bench.add_parser("native", help="load time, time to first token, prefill and decode tokens/s, memory")
     n.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
-    n.add_argument("--target", "-t", default="cpu")
+    n.add_argument("--target", "-t", choices=NATIVE_TARGETS, default="cpu", help="the library to run (default cpu)")
     n.add_argument("--json-schema", type=Path, metavar="FILE",
                    help="decode held to this JSON Schema (a run ends early when the JSON is complete); "
                         "adds the token mask's cost per token")
@@ -242,7 +259,7 @@ def add_bench_native(bench) -> None:
 
 
 def run_bench_native(args) -> int:
-    from kiln.native_bench import bench_native
+    from kiln.bench.native import bench_native
 
     report = bench_native(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs,
                           response_format=response_format(args))
@@ -253,15 +270,15 @@ def run_bench_native(args) -> int:
 def add_bench_browser(bench) -> None:
     b = bench.add_parser("browser", help="cold/warm load, time to first token, prefill and decode tokens/s "
                                          "in headless Chromium")
-    b.add_argument("model_dir", type=Path, help="a compiled model folder with a webgpu or wasm library")
-    b.add_argument("--target", "-t", choices=("auto", "webgpu", "wasm"), default="auto",
+    b.add_argument("model_dir", type=Path, help=f"a compiled model folder with a {one_of(BROWSER_TARGETS)} library")
+    b.add_argument("--target", "-t", choices=("auto", *BROWSER_TARGETS), default="auto",
                    help="the library to run; auto: WebGPU when Chromium has a hardware adapter, else wasm")
     add_run_options(b, prompt_tokens=32, decode_tokens=16, runs=1)
     b.set_defaults(run=run_bench_browser)
 
 
 def run_bench_browser(args) -> int:
-    from kiln.server.browser_bench import bench_browser
+    from kiln.bench.browser import bench_browser
 
     report = bench_browser(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
     print_report(report, args.json)
@@ -270,14 +287,15 @@ def run_bench_browser(args) -> int:
 
 def add_parity(sub) -> None:
     p = sub.add_parser("parity", help="check that the browser engine generates what the native build generates")
-    p.add_argument("model_dir", type=Path, help="a compiled model folder with a cpu and a webgpu or wasm library")
+    p.add_argument("model_dir", type=Path,
+                   help=f"a compiled model folder with a native and a {one_of(BROWSER_TARGETS)} library")
     p.add_argument("--prompts", type=Path, help="a text file with one prompt per line (default: 4 built-in prompts)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.add_argument("--forced-positions", type=int,
                    help="compare forced-decoding argmax at the last N positions (default: all)")
-    p.add_argument("--target", "-t", choices=("auto", "webgpu", "wasm"), default="auto",
-                   help="the browser library: auto (default: WebGPU when Chromium has it), webgpu or wasm")
-    p.add_argument("--native-target", default="cpu", help="the native library: cpu (default) or cuda")
+    p.add_argument("--target", "-t", choices=("auto", *BROWSER_TARGETS), default="auto",
+                   help="the browser library (default auto: WebGPU when Chromium has it, else wasm)")
+    p.add_argument("--native-target", choices=NATIVE_TARGETS, default="cpu", help="the native library (default cpu)")
     p.add_argument("--browser-model-dir", type=Path,
                    help="the folder the browser loads (default MODEL_DIR), e.g. the copy deployed to a site")
     p.add_argument("--json", action="store_true")
@@ -285,7 +303,7 @@ def add_parity(sub) -> None:
 
 
 def run_parity(args) -> int:
-    from kiln.server.parity import DEFAULT_PROMPTS, read_prompts, run_parity as parity
+    from kiln.browser.parity import DEFAULT_PROMPTS, read_prompts, run_parity as parity
 
     prompts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     report = parity(args.model_dir, prompts, args.max_tokens, args.forced_positions, args.target,
@@ -297,9 +315,10 @@ def run_parity(args) -> int:
 def add_bench_report(bench) -> None:
     r = bench.add_parser("report", help="bench native and bench browser on one model, side by side: "
                                         "a JSON file and a PNG chart with browser ÷ native ratios")
-    r.add_argument("model_dir", type=Path, help="a compiled model folder with a cpu and a webgpu and/or wasm library")
+    r.add_argument("model_dir", type=Path,
+                   help=f"a compiled model folder with a cpu library and browser ones ({', '.join(BROWSER_TARGETS)})")
     r.add_argument("--target", "-t", type=comma_list,
-                   help="browser libraries to run: wasm, webgpu (default: all built)")
+                   help=f"browser libraries to run, comma-separated: {', '.join(BROWSER_TARGETS)} (default: all built)")
     r.add_argument("--output", "-o", type=Path,
                    help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)")
     add_run_options(r, prompt_tokens=32, decode_tokens=16, runs=1)
@@ -307,7 +326,7 @@ def add_bench_report(bench) -> None:
 
 
 def run_bench_report(args) -> int:
-    from kiln.server.bench_report import bench_report
+    from kiln.bench.report import bench_report
 
     output = args.output or Path(f"bench-report-{args.model_dir.resolve().name}")
     report = bench_report(args.model_dir, output, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
@@ -343,7 +362,8 @@ def run_serve(args) -> int:
 
 
 def add_package(sub) -> None:
-    p = sub.add_parser("package", help="app bundles (static library, weights, app config) for android, iphone, metal")
+    p = sub.add_parser("package", help="app bundles (static library, weights, app config) for "
+                                       f"{one_of(PLATFORMS)}")
     p.add_argument("--config", "-c", type=Path, default=Path("kiln-package.json"),
                    help="the package config (default kiln-package.json)")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"),

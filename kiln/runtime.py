@@ -20,12 +20,13 @@ import tvm
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
+import kiln
+from kiln.compile.targets import NATIVE_TARGETS, TARGETS
 from kiln.errors import KilnError
 from kiln.tensor_cache import records, verify_shards
 
 PAGE_SIZE = 16
 SEQUENCE_ID = 0
-DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
 # LLVM's CPU features that are instructions (x86 and ARM); the rest ("slow-lea", "prefer-256-bit",
 # …) only tune code generation and are no requirement.
 INSTRUCTION_SET = re.compile(r"(mmx|sse|ssse|avx|amx|fma|f16c|bmi|popcnt|lzcnt|movbe|aes|pclmul|vpclmul|gfni|sha|"
@@ -77,8 +78,26 @@ def read_json(path: Path) -> dict:
         raise KilnError(f"malformed JSON: {e}", path) from None
 
 
+def version_series(version: str | None) -> str | None:
+    """major.minor of a version ("0.27" of "0.27.0.post1")."""
+    return ".".join(version.split(".")[:2]) if isinstance(version, str) else None
+
+
+def check_build_versions(build: dict, model_dir: Path) -> None:
+    """Refuse a build of another Kiln major.minor (its files may mean something else) or of another
+    TVM (its library was compiled against that TVM runtime). Every build record Kiln writes holds
+    both versions, so a record without them is refused too. web/src/loader.js applies the same rule."""
+    built_kiln, built_tvm = build.get("kiln_version"), build.get("versions", {}).get("tvm")
+    if version_series(built_kiln) != version_series(kiln.__version__) or built_tvm != tvm.__version__:
+        raise KilnError(f"built by Kiln {built_kiln or '(not recorded)'} with TVM {built_tvm or '(not recorded)'}, "
+                        f"but this is Kiln {kiln.__version__} with TVM {tvm.__version__}, which runs builds of Kiln "
+                        f"{version_series(kiln.__version__)}.x made with its TVM: rebuild the model with this "
+                        "kiln compile", model_dir)
+
+
 def library_path(model_dir: Path, target: str) -> Path:
     build = read_json(model_dir / "kiln-build.json")
+    check_build_versions(build, model_dir)
     entry = build.get("targets", {}).get(target)
     if entry is None or not (model_dir / entry["library"]).is_file():
         built = ", ".join(build.get("targets", {})) or "none"
@@ -112,9 +131,9 @@ class NativeModel:
         set_cpu_threads()
         self.model_dir = Path(model_dir)
         self.chat_config = read_json(self.model_dir / "mlc-chat-config.json")
-        if target not in DEVICES:
-            raise KilnError(f"the native engine runs on {', '.join(DEVICES)}, not {target!r}")
-        self.device = DEVICES[target](0)
+        if target not in NATIVE_TARGETS:
+            raise KilnError(f"the native engine runs {', '.join(NATIVE_TARGETS)} libraries, not {target!r}")
+        self.device = tvm.device(TARGETS[target].device, 0)
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(library_path(self.model_dir, target))), self.device)
         self.metadata = json.loads(str(self.vm["_metadata"]()))
         self.params = self._load_params([p["name"] for p in self.metadata["params"]])

@@ -18,15 +18,15 @@ from .api_request import ApiError
 from .engines import NativeEngines
 from .openai_api import make_openai_blueprint
 from .origins import allow_cors, host_allowed
+from .web_files import default_web_dir
 
-REPOSITORY_WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 NPM_PACKAGES = ("@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers", "@mlc-ai/web-xgrammar", "@huggingface/jinja")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     dist: Path                                  # a folder of compiled model folders
-    web_dir: Path = field(default=REPOSITORY_WEB_DIR)
+    web_dir: Path = field(default_factory=default_web_dir)
     native_target: str = "cpu"                  # the library the OpenAI API runs
     max_request_bytes: int = 1 << 20
     queue_timeout_s: float = 600.0              # how long a request waits for its model to be free

@@ -16,7 +16,7 @@ import pytest
 from web_helpers import RequestLog, browser_page, served
 
 from kiln.runtime import NativeModel
-from kiln.server.browser import BrowserEngineError, PageEngine
+from kiln.browser.driver import BrowserEngineError, PageEngine
 
 pytestmark = pytest.mark.browser
 

@@ -356,7 +356,7 @@ def test_bad_input_gives_one_line_errors(tiny_dir, tmp_path):
 
 
 def test_bench_native_reports_the_numbers(tiny_dir):
-    from kiln.native_bench import bench_native
+    from kiln.bench.native import bench_native
 
     report = bench_native(tiny_dir, prompt_tokens=32, decode_tokens=16, runs=2, bandwidth_bytes=64 << 20)
     for key in ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb",

@@ -25,7 +25,7 @@ from web_helpers import browser_page, served
 from kiln.compile.library import device_source
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
 from kiln.compile.quantization.gguf_blocks import as_bytes, reads_words
-from kiln.compile.targets import TARGETS, kiln_pipeline
+from kiln.compile.targets import BROWSER_TARGETS, TARGETS, kiln_pipeline
 
 COLS = 512  # two K-quant blocks, sixteen of the 32-weight ones
 # gguf-py quantizes these types itself (its K-quants only dequantize).
@@ -199,7 +199,6 @@ RUN_LIBRARY_JS = """async ({ library, webgpu, calls }) => {
     tvm?.dispose();
   }
 }"""
-BROWSER_TARGETS = ("wasm", "webgpu")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from web_helpers import served
 
-from kiln.server.browser import BrowserEngineError, PageEngine, chromium
+from kiln.browser.driver import BrowserEngineError, PageEngine, chromium
 
 MODEL_ID = "tiny-llama-q4f32_1"
 LIBRARY = f"libs/{MODEL_ID}-wasm.wasm"

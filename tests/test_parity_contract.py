@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.server.parity import ParityContract, check_contract, judge_prompt
+from kiln.browser.parity import ParityContract, check_contract, judge_prompt
 
 CONTRACT = ParityContract()
 VOCAB = 8

@@ -22,8 +22,8 @@ from web_helpers import run_node_module
 
 from kiln.engine import Engine, GenerationConfig
 from kiln.errors import KilnError
-from kiln.server.browser_model import browser_model
-from kiln.server.parity import ParityContract
+from kiln.browser.model import browser_model
+from kiln.browser.parity import ParityContract
 from kiln.structured import ResponseFormat, TokenTable
 
 # The UMD bundles expect CommonJS globals when they run under Node; there `loadXgrammar` reads

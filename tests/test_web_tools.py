@@ -17,7 +17,7 @@ from web_helpers import browser_page, run_node_module
 
 from kiln.engine import Engine, GenerationConfig
 from kiln.errors import KilnError
-from kiln.server.browser import page_engine
+from kiln.browser.driver import page_engine
 from kiln.tools import TOOL_CALL_FORMATS, ContentBeforeCalls, ToolRequest, read_tool_calls
 
 CALL = {"id": "abcdefghi", "type": "function",

@@ -317,3 +317,30 @@ def test_the_library_is_chosen_by_what_the_gpu_offers():
     no_gpu = choose(None, libraries=("webgpu",))
     assert no_gpu["code"] == "no-webgpu" and "-t wasm" in no_gpu["message"]
     assert choose(None, model_id="nope")["code"] == "model-not-found"
+
+
+def test_builds_of_another_kiln_series_or_tvm_series_are_refused(tiny_build, tmp_path):
+    """The rule of kiln/runtime.py's check_build_versions, with TVM compared by series (tvmjs's)."""
+    model_dir = tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+    build = json.loads((model_dir / "kiln-build.json").read_text())
+    kiln_major, kiln_minor, _ = build["kiln_version"].split(".")
+    records = {
+        "another-patch": {**build, "kiln_version": f"{kiln_major}.{kiln_minor}.99"},
+        "another-minor": {**build, "kiln_version": f"{kiln_major}.{int(kiln_minor) + 1}.0"},
+        "another-tvm": {**build, "versions": {**build["versions"], "tvm": "0.99.0"}},
+        "unrecorded": {key: value for key, value in build.items() if key != "kiln_version"},
+    }
+    dist = tmp_path / "dist"
+    for name, record in records.items():
+        shutil.copytree(model_dir, dist / name)
+        (dist / name / "kiln-build.json").write_text(json.dumps(record))
+    with served(dist) as url:
+        with urllib.request.urlopen(f"{url}api/app-config.json") as response:
+            app_records = {r["model_id"]: r for r in json.load(response)["model_list"]}
+        outcomes = run_node_module(LOAD_MODEL_FILES_JS, app_records)
+    assert "buildId" in outcomes["another-patch"]
+    for name in ("another-minor", "another-tvm", "unrecorded"):
+        assert outcomes[name]["code"] == "incompatible-model"
+    assert outcomes["another-tvm"]["message"].startswith(
+        f"The model was built by Kiln {build['kiln_version']} with TVM 0.99.0, but this engine is Kiln ")
+    assert "(not recorded)" in outcomes["unrecorded"]["message"]

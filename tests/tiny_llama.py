@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.compile.bench import DEFAULT_TEXT
+
 DATA = Path(__file__).parent / "data"
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kiln.server import ServerConfig, create_app
-from kiln.server.browser import chromium, playwright_driver, serving  # noqa: F401 (playwright_driver: for conftest)
+from kiln.browser.driver import chromium, playwright_driver, serving  # noqa: F401 (playwright_driver: for conftest)
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 ARTIFACTS_DIR = Path(__file__).resolve().parents[1] / "test-artifacts"

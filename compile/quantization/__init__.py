@@ -27,6 +27,7 @@ from .stored import Stored
 class Scheme(Protocol):
     name: str
     model_dtype: str
+    describe: str  # for people: the CLI's help
 
     def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
         """The model with its Linear and Embedding modules replaced (in place)."""

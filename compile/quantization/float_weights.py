@@ -15,6 +15,10 @@ class FloatWeights:
     name: str
     model_dtype: str
 
+    @property
+    def describe(self) -> str:
+        return f"{self.model_dtype} weights, not quantized"
+
     def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
         return model
 

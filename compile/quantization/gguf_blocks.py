@@ -106,6 +106,10 @@ class GGUFBlocks:
     name: str
     model_dtype: str
 
+    @property
+    def describe(self) -> str:
+        return f"a .gguf source's own blocks (not quantized again), {self.model_dtype} activations"
+
     def block_type(self, part: GGUFTensorBlocks, path) -> BlockType:
         if part.type_name not in BLOCK_TYPES:
             raise KilnError(f"tensor {part.gguf_name} has type {part.type_name}, which {self.name} does not "

@@ -104,6 +104,10 @@ class GroupQuantization:
     group_size: int = 32
 
     @property
+    def describe(self) -> str:
+        return f"{self.bits}-bit weights in groups of {self.group_size}, {self.model_dtype} activations"
+
+    @property
     def group_format(self) -> GroupFormat:
         return GroupFormat(self.bits, self.group_size, self.model_dtype)
 

@@ -16,6 +16,7 @@ export const ERROR_CODES = [
   "network",          // a model file could not be downloaded
   "integrity",        // a model file does not match its SHA-256 in kiln-build.json, or has none there
   "bad-model",        // the model's files are inconsistent
+  "incompatible-model", // the model was built by another Kiln major.minor or TVM series (see loader.js)
   "not-loaded",       // the engine was used before loading finished or after it failed
   "internal",         // anything else; the message carries the original error
 ];

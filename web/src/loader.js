@@ -2,6 +2,7 @@
 // with byte-level progress, checked against the SHA-256 digests of the build record and kept in
 // the Cache API for the next visit.
 import { EngineError } from "./errors.js";
+import { KILN_VERSION, TVM_SERIES } from "./version.js";
 
 // What Kiln's WebGPU kernels need beyond WebGPU's defaults (the attention kernels bind up to 10
 // storage buffers; TVM's GPU schedules use 256-thread workgroups and up to 32 KB shared memory).
@@ -213,7 +214,27 @@ async function buildRecord(record, baseUrl) {
     throw new EngineError("integrity", `${BUILD_RECORD} lists no file digests, so no file of the model can be verified; ` +
       "rebuild the model with this version of kiln compile.");
   }
+  checkBuildVersions(build);
   return { digest, files: build.files };
+}
+
+/** major.minor of a version ("0.27" of "0.27.0.post1"). */
+const versionSeries = (version) => (typeof version === "string" ? version.split(".").slice(0, 2).join(".") : undefined);
+
+/**
+ * Refuse a build of another Kiln major.minor (its files may mean something else) or of another TVM
+ * series than tvmjs's. Every build record Kiln writes holds both versions, so a record without
+ * them is refused too. kiln/runtime.py applies the same rule natively (there the TVM version must
+ * be the very one: the library was compiled against that TVM runtime).
+ */
+function checkBuildVersions(build) {
+  const kiln = build.kiln_version;
+  const tvm = build.versions?.tvm;
+  if (versionSeries(kiln) !== versionSeries(KILN_VERSION) || versionSeries(tvm) !== TVM_SERIES) {
+    throw new EngineError("incompatible-model", `The model was built by Kiln ${kiln ?? "(not recorded)"} with ` +
+      `TVM ${tvm ?? "(not recorded)"}, but this engine is Kiln ${KILN_VERSION}, which runs builds of Kiln ` +
+      `${versionSeries(KILN_VERSION)}.x made with TVM ${TVM_SERIES}.x: rebuild the model with kiln compile ${KILN_VERSION}.`);
+  }
 }
 
 /**

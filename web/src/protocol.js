@@ -95,6 +95,7 @@ class WorkerConnection {
     else call.reject(EngineError.fromJSON(message.error));
   }
 
+  /** @param {EngineError} error @param {(error: EngineError) => void} [onFatal] */
   fail(error, onFatal = () => {}) {
     this.failure = error;
     for (const call of this.pending.values()) call.reject(error);
@@ -102,6 +103,7 @@ class WorkerConnection {
     onFatal(error);
   }
 
+  /** @param {string} method @param {object} [params] @param {(event: any) => void} [onEvent] */
   call(method, params = {}, onEvent = () => {}) {
     if (this.failure) return Promise.reject(this.failure);
     const id = this.nextId++;
@@ -113,11 +115,26 @@ class WorkerConnection {
 }
 
 /**
+ * @typedef {object} LoadProgress
+ * @property {string} phase
+ * @property {string} text
+ * @property {number} [fraction]
+ * @property {number} [loadedBytes]
+ * @property {number} [totalBytes]
+ *
+ * @typedef {object} EngineOptions
+ * @property {(progress: LoadProgress) => void} [onProgress]
+ * @property {"auto" | "webgpu" | "wasm"} [device] "auto": WebGPU, else the CPU wasm library
+ * @property {(error: EngineError) => void} [onError] failures outside a call (the GPU device lost)
+ * @property {string | URL} [workerUrl] the engine's worker script (default: worker.js beside this module)
+ */
+
+/**
  * Start the engine for `modelId` of `appConfig` ({model_list: [...]}, WebLLM's format) in a worker.
  *
- * options: onProgress({phase, text, fraction, loadedBytes, totalBytes}); device: "auto" (WebGPU,
- * else the CPU wasm library), "webgpu" or "wasm"; onError(EngineError) for failures outside a
- * call (the GPU device lost); workerUrl to host worker.js elsewhere.
+ * @param {{model_list: object[]}} appConfig
+ * @param {string} modelId
+ * @param {EngineOptions} [options]
  */
 export async function createEngine(appConfig, modelId, { onProgress = () => {}, device = "auto", onError = () => {}, workerUrl } = {}) {
   const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });

@@ -1,7 +1,7 @@
 """`kiln parity`: does the model in the browser generate what the native build generates?
 
 Each prompt runs greedily natively and in the browser engine (headless Chromium, WebGPU or the
-CPU wasm library), and the contract of DESIGN.md is checked for every prompt on its own:
+CPU wasm library), and this contract is checked for every prompt on its own:
 - every logit either side is finite;
 - the browser's tokenizer gives the prompt the native ids;
 - greedy token ids identical, except at a near tie: the native top-2 logit gap is below
@@ -26,7 +26,7 @@ from kiln.engine import load_tokenizer
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel
 
-from .browser_model import BrowserModel, browser_model
+from .model import BrowserModel, browser_model
 
 DEFAULT_PROMPTS = (
     "The capital of France is",

@@ -13,12 +13,12 @@ import statistics
 import threading
 from pathlib import Path
 
+from kiln.browser.driver import page_engine
 from kiln.engine import load_tokenizer
 from kiln.errors import KilnError
-from kiln.native_bench import benchmark_prompt
 from kiln.runtime import read_json
 
-from .browser import page_engine
+from .native import benchmark_prompt
 
 RSS_SAMPLE_S = 0.25
 RUN_JS = """async ({promptIds, decodeTokens}) => {

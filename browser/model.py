@@ -15,12 +15,12 @@ from typing import Iterator
 
 import numpy as np
 
-from kiln.app_config import BROWSER_TARGETS
+from kiln.compile.targets import BROWSER_TARGETS
 from kiln.engine import Engine
 from kiln.errors import KilnError
 from kiln.runtime import library_path, read_json
 
-from .browser import PageEngine, page_engine
+from .driver import PageEngine, page_engine
 
 BACKENDS = ("auto", *BROWSER_TARGETS)
 FULL_LOGITS = {"full": True}
@@ -66,7 +66,7 @@ def check_browser_library(model_dir: Path, backend: str) -> None:
     """Fail before starting Chromium when the folder has no library for `backend`."""
     if backend == "auto":
         built = read_json(model_dir / "kiln-build.json").get("targets", {})
-        backend = next((device for device in BROWSER_TARGETS if device in built), "webgpu")
+        backend = next((device for device in BROWSER_TARGETS if device in built), BROWSER_TARGETS[0])
     library_path(model_dir, backend)
 
 
@@ -76,7 +76,7 @@ def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterat
     WebGPU when Chromium has it, else the CPU wasm library)."""
     model_dir = Path(model_dir)
     if backend not in BACKENDS:
-        raise KilnError(f"the browser runs a webgpu or wasm library (or auto), not {backend!r}")
+        raise KilnError(f"the browser runs a {' or '.join(BROWSER_TARGETS)} library (or auto), not {backend!r}")
     if not (model_dir / "kiln-build.json").is_file():
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
     check_browser_library(model_dir, backend)
@@ -86,8 +86,9 @@ def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterat
 
 @contextmanager
 def engine_on(model_dir: Path, device: str, target: str | None = None) -> Iterator[tuple[Engine, str]]:
-    """An Engine on the native runtime (`device` "native", `target` cpu or cuda) or on the browser
-    engine (`device` "browser", `target` auto, webgpu or wasm), and the name of what it runs on."""
+    """An Engine on the native runtime (`device` "native", `target` one of NATIVE_TARGETS) or on the
+    browser engine (`device` "browser", `target` auto or one of BROWSER_TARGETS), and the name of
+    what it runs on."""
     if device == "native":
         yield Engine(model_dir, target or "cpu"), target or "cpu"
         return

@@ -15,13 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kiln.compile.targets import BROWSER_TARGETS
 from kiln.errors import KilnError
-from kiln.native_bench import bench_native
 from kiln.runtime import read_json, set_cpu_threads
 
-from .browser_bench import bench_browser
+from .browser import bench_browser
+from .native import bench_native
 
-BROWSER_DEVICES = ("wasm", "webgpu")
 WASM_DECODE_TARGET = 0.7
 WASM_THREADS = 1  # the wasm library runs on one thread: the native run it is compared with too
 # (report key, chart title, whether more is better)
@@ -35,7 +35,7 @@ METRICS = (
 
 def browser_devices_of(model_dir: Path) -> list[str]:
     built = read_json(model_dir / "kiln-build.json").get("targets", {})
-    return [device for device in BROWSER_DEVICES if device in built]
+    return [device for device in BROWSER_TARGETS if device in built]
 
 
 def ratio(browser: float | None, native: float | None) -> float | None:
@@ -48,9 +48,9 @@ def bench_report(model_dir: Path, output: Path, devices: list[str] | None = None
     browser library it has); writes `output`.json and `output`.png."""
     model_dir = Path(model_dir)
     devices = devices or browser_devices_of(model_dir)
-    unknown = [device for device in devices if device not in BROWSER_DEVICES]
+    unknown = [device for device in devices if device not in BROWSER_TARGETS]
     if unknown or not devices:
-        raise KilnError(f"the browser runs {' or '.join(BROWSER_DEVICES)} libraries; this report was asked for "
+        raise KilnError(f"the browser runs {' or '.join(BROWSER_TARGETS)} libraries; this report was asked for "
                         f"{', '.join(unknown) or 'none'}", model_dir)
     announce("native cpu")
     set_cpu_threads(WASM_THREADS)

@@ -20,7 +20,7 @@ from werkzeug.serving import WSGIRequestHandler, make_server
 from kiln.compile.wasm_toolchain import CHROMIUM_FIX, find_chromium
 from kiln.errors import KilnError
 
-from .app import ServerConfig, create_app
+from kiln.server import ServerConfig, create_app
 
 OFFLINE_FLAGS = [
     "--no-sandbox", "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
