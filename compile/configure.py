@@ -82,6 +82,16 @@ def tokenizer_info(tokenizer_dir: Path) -> dict:
     }
 
 
+def webllm_context_window(config: DecoderConfig) -> int:
+    """The context window WebLLM gets. It takes either a context window or a sliding window (then -1
+    for the context). With per-layer windows (Gemma's local layers) it gets the window: WebLLM
+    prefills in chunks of prefill_chunk_size, and TVM's paged prefill kernels give wrong logits once a
+    chunk's window drops cached tokens (Kiln's engines go one token at a time there)."""
+    if config.sliding_window_size:
+        return -1
+    return config.layer_window_size if config.windowed_layers else config.context_window_size
+
+
 def write_chat_config(
     out_dir: Path, tokenizer_dir: Path, model_type: str, quantization: str, config: DecoderConfig,
 ) -> dict:
@@ -108,8 +118,7 @@ def write_chat_config(
         "quantization": quantization,
         "model_config": model_config,
         "vocab_size": config.vocab_size,
-        # WebLLM takes either a context window or a sliding window (then -1 for the context)
-        "context_window_size": -1 if config.sliding_window_size else config.context_window_size,
+        "context_window_size": webllm_context_window(config),
         "sliding_window_size": kv_cache_window(config),
         "attention_sink_size": 0 if config.sliding_window_size else -1,
         "prefill_chunk_size": config.prefill_chunk_size,

@@ -94,6 +94,11 @@ CONV_FAMILIES = (
                variants=({"roles": {"user": " [INST] ", "assistant": ""}, "role_content_sep": ""},)),
     ConvFamily("mistral-v3", ("[INST]",), "[INST] {system_message}\n\n", {"user": "[INST]", "assistant": ""},
                ("[/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False),
+    # Gemma has no system role either: Gemma 3's template opens the first user turn with the system
+    # message and a blank line; Gemma 2's refuses system messages.
+    ConvFamily("gemma", ("<start_of_turn>",), "<start_of_turn>user\n{system_message}\n\n",
+               {"user": "<start_of_turn>user", "assistant": "<start_of_turn>model"}, ("<end_of_turn>\n",), "\n", "\n",
+               ("<end_of_turn>",), add_role_after_system_message=False),
     ConvFamily("mistral-v3-tekken", ("[INST]",), "[INST]{system_message}\n\n", {"user": "[INST]", "assistant": ""},
                ("[/INST]", "</s>"), "", "", ("</s>",), add_role_after_system_message=False),
 )

@@ -159,8 +159,11 @@ class GGUFModel:
 
     def load(self, name: str) -> np.ndarray:
         values = dequantized(self._tensors[name])
-        restore = self._architecture.restore_layout
-        return restore(name, values, self.config) if restore else values
+        if restore := self._architecture.restore_layout:
+            values = restore(name, values, self.config)
+        if restore := self._architecture.restore_values:
+            values = restore(name, values)
+        return values
 
     def blocks(self, name: str) -> GGUFTensorBlocks:
         tensor = self._tensors[name]

@@ -44,6 +44,8 @@ def library_metadata(model: DecoderModel, quantization: str, params: list[ParamS
         "prefill_chunk_size": config.prefill_chunk_size,
         "sliding_window_size": kv_cache_window(config),
         "attention_sink_size": 0 if config.sliding_window_size else -1,
+        # Kiln's: the window of the layers that have one (Gemma's local layers); -1 for none.
+        "layer_sliding_window_size": config.layer_window_size or -1,
         "tensor_parallel_shards": 1,
         "kv_state_kind": "kv_cache",
         "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in params],

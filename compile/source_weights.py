@@ -18,9 +18,11 @@ from .ingest import SourceModel
 class SourceWeights:
     source: SourceModel
     fused: dict[str, list[str]]  # the family's `fused_sources`
+    decoder_prefix: str = "model."  # where the source keeps the decoder's "model.*" tensors
 
     def parts(self, name: str) -> list[str]:
-        return self.fused.get(name, [name])
+        return [self.decoder_prefix + part.removeprefix("model.") if part.startswith("model.") else part
+                for part in self.fused.get(name, [name])]
 
     def _check_present(self, parts: list[str]) -> None:
         available = set(self.source.tensor_names())

@@ -144,6 +144,7 @@ class NativeModel:
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
             "kv_state_end_forward", "kv_state_popn")}
         self.sliding_window_size = int(self.metadata.get("sliding_window_size", -1))
+        self.layer_window_size = int(self.metadata.get("layer_sliding_window_size", -1))
         self.kv_cache = self.vm["create_tir_paged_kv_cache"](
             ShapeTuple([1]), ShapeTuple([self.context_window_size]), ShapeTuple([self.prefill_chunk_size]),
             ShapeTuple([PAGE_SIZE]), ShapeTuple([int(self.sliding_window_size > 0)]),
@@ -190,10 +191,15 @@ class NativeModel:
 
     def _chunk_size(self) -> int:
         """Prefill chunk length. TVM's sliding-window prefill lets every token of a chunk see the
-        whole kept window, so past the window tokens go one at a time (exact, but decode-speed)."""
-        if self.sliding_window_size <= 0:
-            return self.prefill_chunk_size
-        return max(1, min(self.prefill_chunk_size, self.sliding_window_size + 1 - self.cached_tokens))
+        whole kept window, and its CPU kernel for per-layer windows reads an unset value once the
+        window drops cached tokens from a chunk's view (NaN at random): past a window, tokens go
+        one at a time (exact, but decode-speed)."""
+        room = self.prefill_chunk_size
+        if self.sliding_window_size > 0:
+            room = self.sliding_window_size + 1 - self.cached_tokens
+        elif self.layer_window_size > 0 and self.cached_tokens:
+            room = self.layer_window_size - self.cached_tokens
+        return max(1, min(self.prefill_chunk_size, room))
 
     def _chunks(self, token_ids: list[int]) -> Iterator[list[int]]:
         start = 0

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from . import llama, mistral, phi3, qwen2, qwen3
+from . import gemma3, llama, mistral, phi3, qwen2, qwen3
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
 from .gguf import GGUFMapping, GGUFTensors
 
 MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (
     llama.ARCHITECTURE, qwen2.ARCHITECTURE, mistral.ARCHITECTURE,
-    qwen3.ARCHITECTURE, phi3.ARCHITECTURE,
+    qwen3.ARCHITECTURE, phi3.ARCHITECTURE, gemma3.ARCHITECTURE, gemma3.MULTIMODAL_ARCHITECTURE,
 )}
 
 

@@ -2,8 +2,9 @@
 
 A family subclasses `DecoderModel` and provides `embed_tokens`, `hidden_states` (the layer stack
 and final norm over the paged KV cache) and `logits`; the functions WebLLM and Kiln's engines
-call — embed, prefill, decode, batch_prefill, batch_decode, prefill_all_logits and
-create_tir_paged_kv_cache — are defined once here.
+call — embed, prefill, decode, prefill_all_logits and create_tir_paged_kv_cache — are defined once
+here, with batch_prefill and batch_decode, which MLC-LLM's C++ engine (its Android and iOS apps)
+runs instead of prefill and decode.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class DecoderConfig:
     # Each token attends to the last `sliding_window_size` tokens only; set when the context
     # window is longer than the model's window (a window that never binds is left out).
     sliding_window_size: int | None = None
+    # Layers that attend to the last `layer_window_size` tokens only, the others to all (Gemma's
+    # interleaved local and global layers): the KV cache's per-layer "mha_sliding" kind.
+    windowed_layers: tuple[int, ...] = ()
+    layer_window_size: int | None = None
+    # The family rotates q and k itself (per-layer RoPE bases); the KV cache then applies none.
+    family_applies_rope: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -171,6 +178,13 @@ class Architecture:
     # Source tensors deliberately not used (regular expressions); any other unused tensor is an error.
     ignored_tensors: tuple[str, ...] = ()
     gguf: GGUFMapping | None = None
+    # Where a checkpoint may keep the decoder's "model.*" tensors, when it holds more than the decoder
+    # (the text tower of a multimodal checkpoint, named otherwise by other transformers versions).
+    decoder_prefixes: tuple[str, ...] = ("model.",)
+
+    def decoder_prefix(self, tensor_names: list[str]) -> str:
+        names = set(tensor_names)
+        return next((p for p in self.decoder_prefixes if f"{p}embed_tokens.weight" in names), self.decoder_prefixes[0])
 
 
 class DecoderModel(nn.Module):
@@ -219,12 +233,13 @@ class DecoderModel(nn.Module):
     ) -> PagedKVCache:
         c = self.config
         return TIRPagedKVCache(
-            attn_kind="mha",
+            attn_kind=["mha_sliding" if i in c.windowed_layers else "mha" for i in range(c.num_hidden_layers)],
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
             page_size=page_size,
             support_sliding_window=support_sliding_window,
+            layer_sliding_window_size=c.layer_window_size or 1,
             layer_partition=rx.ShapeExpr([0, c.num_hidden_layers]),
             num_hidden_layers=c.num_hidden_layers,
             num_attention_heads=c.num_attention_heads,
@@ -247,8 +262,14 @@ class DecoderModel(nn.Module):
 
 def rope_in_model(config: DecoderConfig) -> bool:
     """TVM's paged KV cache applies every supported rope but longrope: its longrope kernel fails to
-    build in this TVM (and would pick the factors by chunk length), so the model applies that one."""
-    return (config.rope_scaling or {}).get("rope_type") == "longrope"
+    build in this TVM (and would pick the factors by chunk length), so the model applies that one,
+    and any a family applies itself."""
+    return config.family_applies_rope or (config.rope_scaling or {}).get("rope_type") == "longrope"
+
+
+def rope_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """RoPE's frequencies: theta^(-2i/d) for each rotated pair."""
+    return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
 
 
 def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
@@ -257,8 +278,7 @@ def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
     `original_max_position_embeddings`; contexts beyond it are refused by the family."""
     scaling = config.rope_scaling
     rotary_dim = config.rotary_dim or config.head_dim
-    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-    inv_freq = 1.0 / (np.array(scaling["short_factor"], np.float64) * config.rope_theta**exponents)
+    inv_freq = rope_inv_freq(config.rope_theta, rotary_dim) / np.array(scaling["short_factor"], np.float64)
     original, longest = scaling["original_max_position_embeddings"], scaling["max_position_embeddings"]
     factor = scaling.get("attention_factor") or (
         math.sqrt(1 + math.log(longest / original) / math.log(original)) if longest > original else 1.0)
@@ -266,13 +286,19 @@ def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
 
 
 def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) -> nn.Tensor:
-    """RoPE on the q and k heads of a fused qkv (batch, seq, heads, head_dim), at the positions the
-    KV cache gives this step, when the family's rope is one the cache does not compute."""
+    """RoPE on the q and k heads of a fused qkv (batch, seq, heads, head_dim) when the family's
+    rope is longrope, which the cache does not compute."""
     if not rope_in_model(config):
         return qkv
+    return rotate_qkv(qkv, kv_cache, config, *longrope_inv_freq(config))
+
+
+def rotate_qkv(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig, inv_freq: np.ndarray,
+               attention_factor: float = 1.0) -> nn.Tensor:
+    """RoPE ("rotate half") of frequencies `inv_freq` on the q and k heads of a fused qkv (batch, seq,
+    heads, head_dim), at the positions the KV cache gives this step."""
     batch, seq_len, _, _ = qkv.shape
     positions = kv_cache.get_query_positions(batch * seq_len)
-    inv_freq, attention_factor = longrope_inv_freq(config)
     rotated_heads = config.num_attention_heads + config.num_key_value_heads
     half = len(inv_freq)
 
@@ -285,7 +311,7 @@ def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) ->
 
         return te.compute(x.shape, value, name="rope")
 
-    return nn.op.tensor_expr_op(rotate, "rope", [qkv, positions, nn.Tensor.from_const(inv_freq)])
+    return nn.op.tensor_expr_op(rotate, "rope", [qkv, positions, nn.Tensor.from_const(inv_freq.astype(np.float32))])
 
 
 def export_spec(model: DecoderModel) -> dict[str, dict]:

@@ -60,6 +60,9 @@ class GGUFMapping:
     # (HF name, values, config) → values in Hugging Face layout. Only a reorder of whole rows, so
     # that it applies as well to a row of quantized blocks as to a row of floats.
     restore_layout: Callable[[str, np.ndarray, dict], np.ndarray] | None = None
+    # (HF name, values) → values as Hugging Face stores them, for the tensors read as floats (norm
+    # weights; never a quantized weight): llama.cpp stores Gemma's norm weights plus one.
+    restore_values: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
 def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, architectures: list[str],

@@ -14,7 +14,8 @@ import torch
 
 from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
 from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
-from tiny_families import MISTRAL_WINDOW, PHI3_ORIGINAL_CONTEXT, TINY_FAMILIES, make_tiny_family, write_family_gguf
+from tiny_families import (GEMMA_WINDOW, MISTRAL_WINDOW, PHI3_ORIGINAL_CONTEXT, TINY_FAMILIES, make_tiny_family,
+                           write_family_gguf)
 
 from kiln.models import MODELS
 from kiln.models.decoder import longrope_inv_freq
@@ -111,12 +112,80 @@ def test_mistrals_sliding_window_is_written_the_way_webllm_reads_it(family_build
     assert NativeModel(model_dir).metadata["sliding_window_size"] == MISTRAL_WINDOW - 1
 
 
-def test_a_chat_past_mistrals_window_matches_transformers(family_build, family_source):
+def test_gemma3s_local_window_is_in_the_library_not_in_the_cache_webllm_sizes(family_build):
+    """Gemma's window is per layer: the cache keeps every token (WebLLM must not slide it), local
+    layers read their last window, and prefill chunks stay shorter than the window. WebLLM, which
+    prefills in chunks past the window too, gets a context of the window."""
+    model_dir = family_build("gemma3", "q0f32")
+    chat_config = json.loads((model_dir / "mlc-chat-config.json").read_text())
+    assert (chat_config["context_window_size"], chat_config["sliding_window_size"]) == (GEMMA_WINDOW, -1)
+    assert NativeModel(model_dir).context_window_size == 512
+    assert chat_config["prefill_chunk_size"] == GEMMA_WINDOW - 1
+    assert NativeModel(model_dir).metadata["layer_sliding_window_size"] == GEMMA_WINDOW
+
+
+def greedy_tokens(native: NativeModel, ids: list[int], steps: int) -> list[int]:
+    native.reset()
+    logits, tokens = native.prefill(ids), []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = native.decode(tokens[-1])
+    return tokens
+
+
+def float16_matches_float32_arithmetic(model_dir, source) -> None:
+    """The q4f16_1 build, run on the CPU (SwiftShader has no shader-f16), against transformers in
+    float32 on the same q4f16_1 weights (against the q4f32_1 build the weights themselves differ:
+    float16 scales pick other levels), along transformers' greedy tokens: logits within float16's
+    error at every step, and the same argmax, or the runner-up of a near-tie closer than that error."""
+    native, reference = NativeModel(model_dir), reference_model(source, "q4f16_1")
+    for ids in PROMPTS:
+        sequence = greedy(reference, ids, GREEDY_TOKENS)
+        with torch.no_grad():
+            expected = reference(torch.tensor([sequence])).logits[0, len(ids) - 1:-1].numpy()
+        native.reset()
+        steps = [native.prefill(ids)] + [native.decode(token) for token in sequence[len(ids):-1]]
+        for step, (ours, theirs) in enumerate(zip(steps, expected)):
+            assert np.abs(ours - theirs).max() <= FLOAT16_LOGIT_TOLERANCE, (ids, step)
+            runner_up, first = np.argsort(theirs)[-2:]
+            near_tie = theirs[first] - theirs[runner_up] < FLOAT16_LOGIT_TOLERANCE
+            assert ours.argmax() == first or near_tie and ours.argmax() == runner_up, (ids, step)
+
+
+FLOAT16_LOGIT_TOLERANCE = 0.1  # measured: 0.017–0.048 on the tiny gemma3
+
+
+@pytest.mark.slow
+def test_gemma3_in_float16_computes_what_float32_does(family_build, family_source):
+    float16_matches_float32_arithmetic(family_build("gemma3", "q4f16_1"), family_source("gemma3"))
+
+
+@pytest.mark.slow
+def test_gemma3_in_float16_keeps_a_residual_stream_beyond_float16s_range(builds, family_source, tmp_path):
+    """Real Gemma checkpoints grow their residual stream past 65504: here the first layer's
+    feed-forward output norm is scaled so that it does (about 1e5)."""
+    from safetensors.numpy import load_file, save_file
+
+    source = tmp_path / "gemma3-large-residual"
+    shutil.copytree(family_source("gemma3"), source)
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.0.post_feedforward_layernorm.weight"
+    tensors[name] = (tensors[name] * 20000).astype(np.float32)
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        residual = reference_model(source)(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states[1]
+    assert residual.abs().max() > 65504
+    float16_matches_float32_arithmetic(builds.model_dir(source, "tiny-gemma3-large-residual", "q4f16_1", ["cpu"]),
+                                       source)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_chat_past_the_window_matches_transformers(family, family_build, family_source):
     """Decoding past the window, then rolling back into it (a new turn) and going on."""
     from kiln.engine import Engine, GenerationConfig
 
-    engine = Engine(family_build("mistral", "q0f32"))
-    reference = reference_model(family_source("mistral"))
+    engine = Engine(family_build(family, "q0f32"))
+    reference = reference_model(family_source(family))
     first = engine.generate(PROMPTS[2], GenerationConfig(max_tokens=8, ignore_eos=True))
     second = engine.generate(PROMPTS[2][:-3], GenerationConfig(max_tokens=8, ignore_eos=True))
     assert first.tokens == greedy(reference, PROMPTS[2], 8)[len(PROMPTS[2]):]
@@ -185,6 +254,23 @@ def test_browser_parity_on_the_family(family, backend, builds, family_source):
     assert_contract_holds(code, report, prompts=9, max_tokens=16)
 
 
+@pytest.mark.browser
+def test_webllm_generates_what_kiln_generates_on_gemma3(driver, builds, family_source, tmp_path):
+    """Within its context (the window) WebLLM runs the windowed layers as Kiln does: here a window of
+    64 binds in the model (context 512) and holds the chat."""
+    from test_webllm import assert_kiln_replies_the_same, webllm_replies
+
+    source = tmp_path / "gemma3-window-64"
+    shutil.copytree(family_source("gemma3"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
+    model_dir = builds.model_dir(source, "tiny-gemma3-window-64", "q4f32_1", ["cpu", "webgpu"])
+    conversations = [[{"role": "user", "content": "Hi"}]]
+    replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
+    assert 32 < replies[0]["usage"]["prompt_tokens"] < 64 - 8
+    assert_kiln_replies_the_same(model_dir, conversations, replies)
+
+
 def test_a_gguf_with_a_tensor_the_family_does_not_know_is_refused(family_source, tmp_path, run_compile):
     extra = {"blk.0.attn_sinks.weight": np.ones(4, dtype=np.float32)}
     path = write_family_gguf("qwen2", family_source("qwen2"), tmp_path / "odd.gguf", extra_tensors=extra)
@@ -212,3 +298,48 @@ def test_the_app_config_sizes_a_sliding_window_models_cache_for_its_context(fami
     kv_cache = 2 * config["num_hidden_layers"] * config["context_window_size"] * config["num_key_value_heads"] \
         * config["head_dim"] * 4
     assert memory_needs(model)[0] >= weights + kv_cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_the_text_tower_of_a_multimodal_gemma3_checkpoint_builds_as_its_gemma3_text(prefix, builds, family_build,
+                                                                                   family_source, tmp_path):
+    """A `gemma3` checkpoint (4B and up) in the tensor layouts of transformers 4.52+ and of earlier
+    versions: the text tower builds, the vision tower and projector are left out."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "gemma3-multimodal"
+    shutil.copytree(family_source("gemma3"), folder)
+    tensors = {prefix + name.removeprefix("model."): values
+               for name, values in load_file(folder / "model.safetensors").items()}
+    vision = prefix.replace("language_model", "vision_tower").removesuffix("model.") + "vision_model."
+    tensors[vision + "embeddings.patch_embedding.weight"] = np.ones((8, 3, 4, 4), np.float32)
+    tensors[vision.split("vision_tower")[0] + "multi_modal_projector.mm_input_projection_weight"] = np.ones((8, 64),
+                                                                                                          np.float32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    text_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_config,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}}))
+
+    multimodal = NativeModel(builds.model_dir(folder, f"tiny-gemma3-multimodal-{prefix[:5]}", "q0f32", ["cpu"]))
+    text = NativeModel(family_build("gemma3", "q0f32"))
+    for ids in PROMPTS:
+        multimodal.reset()
+        text.reset()
+        assert np.array_equal(multimodal.all_logits(ids), text.all_logits(ids))
+
+
+def test_gemma3_4b_config_as_released_takes_transformers_defaults(tmp_path):
+    """google/gemma-3-4b-it's config.json names only what differs from transformers' defaults."""
+    config = MODELS["gemma3"].parse_config({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"}}, tmp_path / "config.json", {})
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert (config.vocab_size, config.query_pre_attn_scalar, config.tie_word_embeddings) == (262208, 256, True)
+    assert config.windowed_layers == tuple(i for i in range(34) if (i + 1) % 6)
+    assert (config.layer_window_size, config.context_window_size, config.prefill_chunk_size) == (1024, 8192, 1023)
+    assert config.layer_ropes[5] == (1_000_000.0, 8.0) and config.layer_ropes[0] == (10_000.0, 1.0)

@@ -28,8 +28,11 @@ COMMON = dict(
 
 
 def rope_parameters(config) -> dict:
-    """rope_theta and the scaling fields (transformers 5 keeps them in `rope_parameters`)."""
-    return getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, **(config.rope_scaling or {})}
+    """rope_theta and the scaling fields (transformers 5 keeps them in `rope_parameters`, Gemma 3's by
+    kind of layer: the global layers' here)."""
+    params = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta,
+                                                           **(config.rope_scaling or {})}
+    return params.get("full_attention", params)
 
 
 def llama3_rope_factors(config) -> np.ndarray:
@@ -73,6 +76,7 @@ class TinyFamily:
     # A GGUF that loses a sliding window (llama.cpp converts Mistral as a Llama) agrees with the
     # Hugging Face build only while the window does not bind.
     gguf_same_positions: int | None = None
+    norm_shift: float = 0.0  # what llama.cpp's converter adds to the family's norm weights
 
 
 LLAMA_PARTS = {
@@ -151,6 +155,40 @@ def qwen3():
     return Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True), Qwen3ForCausalLM
 
 
+GEMMA_WINDOW = 16
+
+
+def gemma3():
+    """Gemma 3 4B's kind of config: local layers with their own RoPE base and a window shorter than
+    the test prompts, a global layer with linear RoPE scaling, a final-logit soft-cap (Gemma 2's), and
+    query_pre_attn_scalar = head_dim (llama.cpp assumes it) ≠ hidden_size / heads."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=32,
+                              sliding_window=GEMMA_WINDOW, final_logit_softcapping=15.0,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              rope_parameters={
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+    return config, Gemma3ForCausalLM
+
+
+def add_gemma3_windows(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Gemma3Model converter: the window, the final soft-cap and the global layers' linear
+    RoPE scaling; the local RoPE base and the windowed layers as llama.cpp's loader reads them."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(rope_parameters(config)["factor"])
+
+
+GEMMA3_PARTS = {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 TINY_FAMILIES: dict[str, TinyFamily] = {
     "llama3": TinyFamily(llama3_with_biases, "llama", LLAMA_PARTS, permute_qk=True, extra_gguf=add_llama3_rope_freqs),
     "qwen2": TinyFamily(qwen2, "qwen2", LLAMA_PARTS),
@@ -159,6 +197,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "phi3": TinyFamily(phi3_longrope, "phi3", PHI3_PARTS, extra_gguf=add_phi3_rope),
     "qwen3": TinyFamily(qwen3, "qwen3",
                         {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}),
+    "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
 }
 
 
@@ -205,6 +244,8 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for hf_name, values in tensors.items():
         values = values.astype(np.float32)
+        if hf_name.endswith("norm.weight"):
+            values = values + family.norm_shift
         if hf_name.startswith("model.layers."):
             _, _, layer, rest = hf_name.split(".", 3)
             part, kind = rest.rsplit(".", 1)

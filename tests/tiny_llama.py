@@ -29,7 +29,8 @@ class ChatTokens:
     special_tokens: tuple[str, ...]
     bos_token: str | None
     eos_token: str
-    sentencepiece: bool = False  # SentencePiece-style (Llama 2, Mistral, Phi-3), else byte-level BPE
+    sentencepiece: bool = False  # SentencePiece-style (Llama 2, Mistral, Phi-3, Gemma), else byte-level BPE
+    space_prefix: bool = True  # SentencePiece puts "▁" before each text (all but Gemma's)
 
     def id(self, token: str | None) -> int | None:
         return self.special_tokens.index(token) if token in self.special_tokens else None
@@ -46,6 +47,8 @@ PHI_3_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant
 LLAMA_2_TOKENS = ChatTokens(("<unk>", "<s>", "</s>"), "<s>", "</s>", sentencepiece=True)
 MISTRAL_V3_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>", sentencepiece=True)
 TEKKEN_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>")
+GEMMA_TOKENS = ChatTokens(("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<eos>",
+                          sentencepiece=True, space_prefix=False)
 CHAT_TEMPLATES = DATA / "chat_templates"
 # Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
 TOOL_FAMILIES = {"qwen": (QWEN_TOKENS, "Qwen-Qwen2.5-7B-Instruct.jinja"),
@@ -57,10 +60,16 @@ def trained_tokenizer(tokens: ChatTokens, vocab_size: int):
 
     if tokens.sentencepiece:
         # Llama 2's tokenizer.json: "▁" for spaces and before each text, the BOS added on encoding.
-        tokenizer = Tokenizer(models.BPE(unk_token=tokens.special_tokens[0]))
-        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(),
-                                               decoders.Strip(" ", 1, 0)])
+        unknown = "<unk>" if "<unk>" in tokens.special_tokens else tokens.special_tokens[0]
+        tokenizer = Tokenizer(models.BPE(unk_token=unknown))
+        replace_spaces = normalizers.Replace(" ", "▁")
+        to_spaces = decoders.Replace("▁", " ")
+        if tokens.space_prefix:
+            tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace_spaces])
+            tokenizer.decoder = decoders.Sequence([to_spaces, decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        else:
+            tokenizer.normalizer = replace_spaces
+            tokenizer.decoder = decoders.Sequence([to_spaces, decoders.Fuse()])
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.special_tokens),
                                       show_progress=False)
     else:
@@ -69,7 +78,7 @@ def trained_tokenizer(tokens: ChatTokens, vocab_size: int):
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.special_tokens),
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train([str(DATA / "english.txt")], trainer)
+    tokenizer.train([str(DEFAULT_TEXT)], trainer)
     if tokens.sentencepiece:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens.bos_token} $A", special_tokens=[(tokens.bos_token, tokens.id(tokens.bos_token))])

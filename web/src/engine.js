@@ -62,6 +62,7 @@ class ModelSession {
     this.contextWindowSize = this.metadata.context_window_size;
     this.prefillChunkSize = this.metadata.prefill_chunk_size;
     this.slidingWindowSize = this.metadata.sliding_window_size ?? -1;
+    this.layerWindowSize = this.metadata.layer_sliding_window_size ?? -1;
 
     const wanted = new Map(this.metadata.params.map((param, index) => [param.name, index]));
     const tensors = new Array(wanted.size);
@@ -140,13 +141,18 @@ class ModelSession {
 
   /**
    * Prefill chunks of `ids`, at most `maxRows` long. TVM's sliding-window prefill lets every token
-   * of a chunk see the whole kept window, so past the window tokens go one at a time.
+   * of a chunk see the whole kept window, and its CPU kernel for per-layer windows reads an unset
+   * value once the window drops cached tokens from a chunk's view: past a window, tokens go one at
+   * a time (as kiln/runtime.py does).
    */
   * chunks(ids, maxRows = this.prefillChunkSize) {
     let start = 0;
     while (start < ids.length) {
       // this.cachedIds grows as the caller runs each chunk
-      const room = this.slidingWindowSize > 0 ? this.slidingWindowSize + 1 - this.cachedIds.length : Infinity;
+      const cached = this.cachedIds.length;
+      let room = Infinity;
+      if (this.slidingWindowSize > 0) room = this.slidingWindowSize + 1 - cached;
+      else if (this.layerWindowSize > 0 && cached > 0) room = this.layerWindowSize - cached;
       const size = Math.max(1, Math.min(maxRows, room));
       yield ids.slice(start, start + size);
       start += size;
