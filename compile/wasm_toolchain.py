@@ -51,6 +51,29 @@ CHROMIUM_PATHS = (Path("/usr/lib/chromium/chromium"), Path("/usr/bin/chromium"))
 SWIFTSHADER_ICD = Path("/usr/lib/chromium/vk_swiftshader_icd.json")
 VULKAN_ICD_DIRS = ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d")
 BUILD_RUNTIME_COMMAND = "kiln doctor --build-runtime"
+
+
+@dataclass(frozen=True)
+class SourcePatch:
+    """One exact text replacement in the wheel's runtime sources, applied before compiling."""
+
+    file: str  # under the source root
+    old: str
+    new: str
+
+
+# TVM 0.27's paged KV cache gives each depth one page table on devices other than CUDA and CPU, and
+# per-layer sliding windows (Gemma's local layers) copy their own page table into it after the full
+# layers': on WebGPU the global layers then read only the window's pages. The merged auxiliary buffer
+# CUDA and CPU use keeps every table apart, and every attention kernel takes its tables' offsets.
+SOURCE_PATCHES = (
+    SourcePatch("src/runtime/vm/paged_kv_cache.cc",
+                "    if (device_.device_type == DLDeviceType::kDLCUDA ||\n"
+                "        device_.device_type == DLDeviceType::kDLCPU) {",
+                "    if (device_.device_type == DLDeviceType::kDLCUDA ||\n"
+                "        device_.device_type == DLDeviceType::kDLCPU ||\n"
+                "        device_.device_type == DLDeviceType::kDLWebGPU) {"),
+)
 # Debian's emscripten runs its JS tools with node and needs Debian's node modules (acorn).
 DEBIAN_NODE_MODULES = "/usr/share/nodejs"
 STDERR_TAIL_LINES = 25
@@ -111,10 +134,12 @@ def _package_dir(name: str) -> Path:
 
 
 def _headers_digest() -> str:
+    """Kiln's headers and source patches."""
     digest = hashlib.sha256()
     for header in sorted(HEADERS_DIR.rglob("*.h")):
         digest.update(header.relative_to(HEADERS_DIR).as_posix().encode())
         digest.update(header.read_bytes())
+    digest.update(repr(SOURCE_PATCHES).encode())
     return digest.hexdigest()[:16]
 
 
@@ -167,6 +192,12 @@ def assemble_source_root(root: Path) -> Path:
         if not destination.exists():  # a wheel that ships the header knows it better
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(header, destination)
+    for patch in SOURCE_PATCHES:
+        source = root / patch.file
+        text = source.read_text()
+        if text.count(patch.old) != 1:
+            raise KilnError("the installed TVM wheel's runtime source differs from the one Kiln patches", path=source)
+        source.write_text(text.replace(patch.old, patch.new))
     return root
 
 
