@@ -234,6 +234,34 @@ def test_chunked_prefill_matches_one_pass(tiny_dir):
     np.testing.assert_allclose(chunked.logits[0]["logits"], whole.logits[0]["logits"], atol=1e-4)
 
 
+def test_the_batch_functions_mlc_llms_engine_runs_give_prefill_and_decode_logits(tiny_dir):
+    """MLC-LLM's C++ engine (its Android and iOS apps, which run `kiln package` bundles) prefills and
+    decodes with batch_prefill and batch_decode; Kiln's engines and WebLLM use prefill and decode."""
+    import tvm
+    from tvm.runtime import ShapeTuple
+
+    from kiln.runtime import NativeModel, on_compute_thread
+
+    ids = [5, 17, 100, 42, 7]
+    single = NativeModel(tiny_dir)
+    expected = [single.prefill(ids), single.decode(9)]
+    batched = NativeModel(tiny_dir)
+
+    def step(function: str, token_ids: list[int], *extra) -> np.ndarray:
+        embeds = batched.vm["embed"](tvm.runtime.tensor(np.array(token_ids, dtype="int32")), batched.params)
+        shape = (1, len(token_ids), -1) if function == "batch_prefill" else (len(token_ids), 1, -1)
+        embeds = embeds._create_view((*shape[:2], embeds.shape[-1]))
+        batched._kv_builtin["kv_state_begin_forward"](batched.kv_cache, ShapeTuple([0]), ShapeTuple([len(token_ids)]))
+        logits, _ = batched.vm[function](embeds, *extra, batched.kv_cache, batched.params)
+        batched._kv_builtin["kv_state_end_forward"](batched.kv_cache)
+        return logits.numpy().reshape(-1, logits.shape[-1])[-1]
+
+    last = tvm.runtime.tensor(np.array([len(ids) - 1], dtype="int32"))
+    got = [on_compute_thread(step, "batch_prefill", ids, last), on_compute_thread(step, "batch_decode", [9])]
+    for ours, theirs in zip(got, expected):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
 def test_one_generation_at_a_time_and_interrupt(fresh):
     config = GenerationConfig(max_tokens=50, ignore_eos=True)
     running = fresh.stream(PROMPT, config)
