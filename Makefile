@@ -47,10 +47,11 @@ web/node_modules/.installed: web/package-lock.json
 runtime: setup
 	$(VENV)/bin/kiln doctor --build-runtime
 
-# ruff for the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js)
+# ruff lints and formats the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js)
 # and TypeScript for its JSDoc types (web/tsconfig.json).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	cd web && npx eslint . && npx tsc -p tsconfig.json
 
 test: setup lint runtime

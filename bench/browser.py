@@ -76,14 +76,16 @@ class PeakMemory:
         return self.peak_bytes / 2**20 if self.peak_bytes else None
 
 
-def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32, decode_tokens: int = 16,
-                  runs: int = 1) -> dict:
+def bench_browser(
+    model_dir: Path, device: str = "auto", prompt_tokens: int = 32, decode_tokens: int = 16, runs: int = 1
+) -> dict:
     model_dir = Path(model_dir)
     if not (model_dir / "kiln-build.json").is_file():
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
     model_id = model_dir.name
-    prompt = benchmark_prompt(load_tokenizer(model_dir), read_json(model_dir / "mlc-chat-config.json")["vocab_size"],
-                              prompt_tokens)
+    prompt = benchmark_prompt(
+        load_tokenizer(model_dir), read_json(model_dir / "mlc-chat-config.json")["vocab_size"], prompt_tokens
+    )
     with page_engine(model_dir.resolve().parent, webgpu=device != "wasm") as engine, PeakMemory() as memory:
         page = engine.page
         cold = engine.load(model_id, device)
@@ -91,8 +93,9 @@ def bench_browser(model_dir: Path, device: str = "auto", prompt_tokens: int = 32
         warm = engine.load(model_id, device)
         if not warm["stats"]["load"]["from_cache"]:
             raise KilnError("the second load did not come from the browser cache", model_dir)
-        measured = [page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens})
-                    for _ in range(runs + 1)][1:]  # the first run warms up and is not counted
+        measured = [
+            page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens}) for _ in range(runs + 1)
+        ][1:]  # the first run warms up and is not counted
     stats = warm["stats"]
 
     def median(key: str) -> float | None:

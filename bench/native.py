@@ -56,13 +56,25 @@ def decode_bytes_per_token(engine: Engine, context_tokens: float) -> float:
     # An untied embedding table is only gathered (one row per token): leave it out.
     weights = sum(r.nbytes for r in records(engine.model_dir) if tied or "embed_tokens" not in r.name)
     kv_itemsize = float_bytes(engine.chat_config["quantization"])
-    kv_per_token = (2 * model_config["num_hidden_layers"] * model_config["num_key_value_heads"]
-                    * model_config["head_dim"] * kv_itemsize)
+    kv_per_token = (
+        2
+        * model_config["num_hidden_layers"]
+        * model_config["num_key_value_heads"]
+        * model_config["head_dim"]
+        * kv_itemsize
+    )
     return weights + kv_per_token * context_tokens
 
 
-def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128, decode_tokens: int = 128,
-                 runs: int = 3, bandwidth_bytes: int = BANDWIDTH_BYTES, response_format=None) -> dict:
+def bench_native(
+    model_dir: Path,
+    target: str = "cpu",
+    prompt_tokens: int = 128,
+    decode_tokens: int = 128,
+    runs: int = 3,
+    bandwidth_bytes: int = BANDWIDTH_BYTES,
+    response_format=None,
+) -> dict:
     """`response_format` (a ResponseFormat): decode under its token mask, and report the mask's cost."""
     start = time.perf_counter()
     engine = Engine(model_dir, target)
@@ -113,10 +125,12 @@ def bench_native(model_dir: Path, target: str = "cpu", prompt_tokens: int = 128,
     ]
     if threads:  # a GPU's memory is not the host's: its bandwidth is not measured here
         bandwidth = measure_memory_bandwidth(threads, bandwidth_bytes)
-        report.update(bandwidth_gb_per_s=bandwidth / 1e9,
-                      bandwidth_fraction=bytes_per_token * decode_tokens_per_s / bandwidth)
+        report.update(
+            bandwidth_gb_per_s=bandwidth / 1e9, bandwidth_fraction=bytes_per_token * decode_tokens_per_s / bandwidth
+        )
         report["lines"].append(
             f"  decode reads         {bytes_per_token / 1e6:8.1f} MB/token → "
             f"{bytes_per_token * decode_tokens_per_s / 1e9:.2f} GB/s = {report['bandwidth_fraction']:.0%} of the "
-            f"{report['bandwidth_gb_per_s']:.1f} GB/s a {threads}-thread numpy copy reaches here (read + write)")
+            f"{report['bandwidth_gb_per_s']:.1f} GB/s a {threads}-thread numpy copy reaches here (read + write)"
+        )
     return report

@@ -42,16 +42,25 @@ def ratio(browser: float | None, native: float | None) -> float | None:
     return browser / native if browser is not None and native else None
 
 
-def bench_report(model_dir: Path, output: Path, devices: list[str] | None = None, prompt_tokens: int = 32,
-                 decode_tokens: int = 16, runs: int = 1) -> dict:
+def bench_report(
+    model_dir: Path,
+    output: Path,
+    devices: list[str] | None = None,
+    prompt_tokens: int = 32,
+    decode_tokens: int = 16,
+    runs: int = 1,
+) -> dict:
     """Benchmark `model_dir` natively (cpu) and in the browser on `devices` (default: every
     browser library it has); writes `output`.json and `output`.png."""
     model_dir = Path(model_dir)
     devices = devices or browser_devices_of(model_dir)
     unknown = [device for device in devices if device not in BROWSER_TARGETS]
     if unknown or not devices:
-        raise KilnError(f"the browser runs {' or '.join(BROWSER_TARGETS)} libraries; this report was asked for "
-                        f"{', '.join(unknown) or 'none'}", model_dir)
+        raise KilnError(
+            f"the browser runs {' or '.join(BROWSER_TARGETS)} libraries; this report was asked for "
+            f"{', '.join(unknown) or 'none'}",
+            model_dir,
+        )
     announce("native cpu")
     set_cpu_threads(WASM_THREADS)
     native = bench_native(model_dir, "cpu", prompt_tokens, decode_tokens, runs)
@@ -67,8 +76,9 @@ def bench_report(model_dir: Path, output: Path, devices: list[str] | None = None
         "runs": runs,
         "native": without_lines(native),
         "browser": {device: without_lines(b) for device, b in browsers.items()},
-        "ratios": {device: {key: ratio(b[key], native[key]) for key, _, _ in METRICS}
-                   for device, b in browsers.items()},
+        "ratios": {
+            device: {key: ratio(b[key], native[key]) for key, _, _ in METRICS} for device, b in browsers.items()
+        },
         "wasm_decode_target": WASM_DECODE_TARGET,
         "wasm_threads": WASM_THREADS,
     }
@@ -98,11 +108,12 @@ def write_atomically(path: Path, write) -> None:
 
 def report_lines(report: dict) -> list[str]:
     native = report["native"]
-    lines = [f"{report['model_id']}: native cpu ({native['threads']} threads) vs the browser, "
-             f"{report['prompt_tokens']} prompt + "
-             f"{report['decode_tokens']} decoded tokens, median of {report['runs']} run(s)",
-             f"  {'':22}{'native cpu':>12}"
-             + "".join(f"{'browser ' + d:>16}{'÷ native':>10}" for d in report["browser"])]
+    lines = [
+        f"{report['model_id']}: native cpu ({native['threads']} threads) vs the browser, "
+        f"{report['prompt_tokens']} prompt + "
+        f"{report['decode_tokens']} decoded tokens, median of {report['runs']} run(s)",
+        f"  {'':22}{'native cpu':>12}" + "".join(f"{'browser ' + d:>16}{'÷ native':>10}" for d in report["browser"]),
+    ]
     for key, title, _ in METRICS:
         row = f"  {title:22}{number(native[key]):>12}"
         for device, browser in report["browser"].items():
@@ -110,12 +121,16 @@ def report_lines(report: dict) -> list[str]:
         lines.append(row)
     wasm_ratio = report["ratios"].get("wasm", {}).get("decode_tokens_per_s")
     if wasm_ratio is not None and native["threads"] != report["wasm_threads"]:
-        lines.append(f"  no verdict on wasm decode: native ran {native['threads']} threads, wasm "
-                     f"{report['wasm_threads']} (TVM's thread pool was made earlier in this process)")
+        lines.append(
+            f"  no verdict on wasm decode: native ran {native['threads']} threads, wasm "
+            f"{report['wasm_threads']} (TVM's thread pool was made earlier in this process)"
+        )
     elif wasm_ratio is not None:
         verdict = "meets" if wasm_ratio >= WASM_DECODE_TARGET else "misses"
-        lines.append(f"  wasm decode is {wasm_ratio:.2f}× native on {native['threads']} thread: {verdict} the "
-                     f"{WASM_DECODE_TARGET}× target")
+        lines.append(
+            f"  wasm decode is {wasm_ratio:.2f}× native on {native['threads']} thread: {verdict} the "
+            f"{WASM_DECODE_TARGET}× target"
+        )
     lines.append(f"  wrote {report['json']} and {report['png']}")
     return lines
 
@@ -138,7 +153,7 @@ def draw_chart(report: dict, path: Path) -> None:
     for axis, (key, title, more_is_better) in zip(axes, METRICS):
         names = list(series)
         values = [series[name][key] or 0.0 for name in names]
-        bars = axis.bar(range(len(names)), values, color=colors[:len(names)])
+        bars = axis.bar(range(len(names)), values, color=colors[: len(names)])
         axis.set_xticks(range(len(names)), names, rotation=20)
         axis.set_title(f"{title}\n({'higher' if more_is_better else 'lower'} is better)", fontsize=10)
         positive = [v for v in values if v > 0]
@@ -148,11 +163,20 @@ def draw_chart(report: dict, path: Path) -> None:
             label = number(series[name][key])
             if name != "native cpu":
                 label += f"\n{number(report['ratios'][name.split()[-1]][key], '× native')}"
-            axis.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                          va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            axis.annotate(
+                label,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
         axis.margins(y=0.25)
-    figure.suptitle(f"{report['model_id']}: native vs browser ({report['prompt_tokens']} prompt + "
-                    f"{report['decode_tokens']} decoded tokens)")
+    figure.suptitle(
+        f"{report['model_id']}: native vs browser ({report['prompt_tokens']} prompt + "
+        f"{report['decode_tokens']} decoded tokens)"
+    )
     figure.tight_layout()
     figure.savefig(path, format="png", dpi=110)
     plt.close(figure)

@@ -23,8 +23,14 @@ from kiln.errors import KilnError
 from kiln.server import ServerConfig, create_app
 
 OFFLINE_FLAGS = [
-    "--no-sandbox", "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-quic", "--disable-extensions",
+    "--no-sandbox",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--disable-extensions",
     "--disable-dev-shm-usage",
 ]
 WEBGPU_FLAG = "--enable-unsafe-webgpu"
@@ -36,8 +42,10 @@ def playwright_driver() -> Iterator:
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        raise KilnError("driving Chromium needs the Python package playwright (pip install playwright); "
-                        "the system Chromium is used, no browser download is needed") from None
+        raise KilnError(
+            "driving Chromium needs the Python package playwright (pip install playwright); "
+            "the system Chromium is used, no browser download is needed"
+        ) from None
     with sync_playwright() as playwright:
         yield playwright
 
@@ -58,7 +66,8 @@ def chromium(profile_dir: Path, webgpu: bool = True, driver=None) -> Iterator:
         raise KilnError(f"Chromium is not installed ({CHROMIUM_FIX})")
     args = OFFLINE_FLAGS + ([WEBGPU_FLAG] if webgpu else [])
     context = driver.chromium.launch_persistent_context(
-        str(profile_dir), executable_path=str(executable), headless=True, args=args)
+        str(profile_dir), executable_path=str(executable), headless=True, args=args
+    )
     try:
         yield context
     finally:
@@ -176,11 +185,20 @@ class PageEngine:
     def __init__(self, page):
         self.page = page
 
-    def load(self, model_id: str, device: str = "auto", app_config: dict | None = None,
-             app_config_url: str = "/api/app-config.json") -> dict:
+    def load(
+        self,
+        model_id: str,
+        device: str = "auto",
+        app_config: dict | None = None,
+        app_config_url: str = "/api/app-config.json",
+    ) -> dict:
         """Load a model; returns {seconds, progress_events: {phase: count}, stats}."""
-        return _unwrap(self.page.evaluate(LOAD_JS, {"modelId": model_id, "device": device, "appConfig": app_config,
-                                                    "appConfigUrl": app_config_url}))
+        return _unwrap(
+            self.page.evaluate(
+                LOAD_JS,
+                {"modelId": model_id, "device": device, "appConfig": app_config, "appConfigUrl": app_config_url},
+            )
+        )
 
     def chat(self, request: dict) -> dict:
         """A chat completion; streamed requests give {chunks, first_content_s, seconds}."""
@@ -196,8 +214,11 @@ def page_engine(dist: Path, webgpu: bool = True, driver=None) -> Iterator[PageEn
     """Kiln's server for `dist` and a fresh headless Chromium on its harness page; yields a
     PageEngine with no model loaded yet."""
     app = create_app(ServerConfig(dist=dist))
-    with tempfile.TemporaryDirectory(prefix="kiln-browser-profile-") as profile, serving(app) as url, \
-            chromium(Path(profile), webgpu=webgpu, driver=driver) as context:
+    with (
+        tempfile.TemporaryDirectory(prefix="kiln-browser-profile-") as profile,
+        serving(app) as url,
+        chromium(Path(profile), webgpu=webgpu, driver=driver) as context,
+    ):
         page = context.pages[0] if context.pages else context.new_page()
         page.goto(url)
         yield PageEngine(page)

@@ -36,8 +36,9 @@ def perplexity(model_dir: Path, text: str) -> tuple[float, int]:
     return float(np.exp(nll.mean())), len(ids)
 
 
-def bench_compile(source: str, quantization: str, targets: list[str], text_path: Path | None,
-                  output: Path | None) -> dict:
+def bench_compile(
+    source: str, quantization: str, targets: list[str], text_path: Path | None, output: Path | None
+) -> dict:
     text_path = text_path or DEFAULT_TEXT
     if not text_path.is_file():
         raise KilnError("no such text file (pass --text FILE)", text_path)
@@ -69,9 +70,15 @@ def bench_compile(source: str, quantization: str, targets: list[str], text_path:
             line += f" ({ppl / float_ppl - 1:+.1%}{goal})"
         lines.append(line)
     return {
-        "source": source, "quantization": quantization, "targets": targets, "stage_seconds": stages,
-        "convert_and_compile_seconds": convert_and_compile, "text": str(text_path), "tokens": tokens,
-        "perplexity": perplexities, "perplexity_increase": increase,
+        "source": source,
+        "quantization": quantization,
+        "targets": targets,
+        "stage_seconds": stages,
+        "convert_and_compile_seconds": convert_and_compile,
+        "text": str(text_path),
+        "tokens": tokens,
+        "perplexity": perplexities,
+        "perplexity_increase": increase,
         "lines": lines,
     }
 

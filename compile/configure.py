@@ -21,8 +21,13 @@ from .conv_template import derive_conv_template
 from .library import kv_cache_window
 
 CHAT_CONFIG_VERSION = "0.1.0"
-COPIED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "generation_config.json",
-                          "special_tokens_map.json", "added_tokens.json")
+COPIED_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 
 
 def write_tokenizer_config(tokenizer_dir: Path, out_dir: Path, chat_template: ChatTemplate | None) -> None:
@@ -37,10 +42,13 @@ def write_tokenizer_config(tokenizer_dir: Path, out_dir: Path, chat_template: Ch
 
 
 def warn_unexpressed(chat_template: ChatTemplate, conversations: list[str]) -> None:
-    print(f"kiln: warning: {chat_template.path}: the browser and WebLLM lay out a conversation with "
-          f"{' or '.join(conversations)} differently from this chat template (the conv_template of "
-          "mlc-chat-config.json cannot express it); Kiln's native engine follows the template",
-          file=sys.stderr, flush=True)
+    print(
+        f"kiln: warning: {chat_template.path}: the browser and WebLLM lay out a conversation with "
+        f"{' or '.join(conversations)} differently from this chat template (the conv_template of "
+        "mlc-chat-config.json cannot express it); Kiln's native engine follows the template",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def token_ids(value) -> list[int]:
@@ -71,10 +79,12 @@ def tokenizer_info(tokenizer_dir: Path) -> dict:
     normalizers = flattened(tokenizer.get("normalizer"))
     pre_tokenizers = flattened(tokenizer.get("pre_tokenizer"))
     byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
-    prepends = (any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in normalizers)
-                or any(metaspace_prepends(p) for p in pre_tokenizers))
-    strips = (any(d.get("type") == "Strip" and d.get("start", 0) > 0 for d in decoders)
-              or any(metaspace_prepends(d) for d in decoders))
+    prepends = any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in normalizers) or any(
+        metaspace_prepends(p) for p in pre_tokenizers
+    )
+    strips = any(d.get("type") == "Strip" and d.get("start", 0) > 0 for d in decoders) or any(
+        metaspace_prepends(d) for d in decoders
+    )
     return {
         "token_postproc_method": "byte_level" if byte_level else "byte_fallback",
         "prepend_space_in_encode": not byte_level and prepends,
@@ -93,7 +103,11 @@ def webllm_context_window(config: DecoderConfig) -> int:
 
 
 def write_chat_config(
-    out_dir: Path, tokenizer_dir: Path, model_type: str, quantization: str, config: DecoderConfig,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    model_type: str,
+    quantization: str,
+    config: DecoderConfig,
 ) -> dict:
     """Copy the tokenizer files next to the weights and write `mlc-chat-config.json`."""
     copied = []
@@ -128,8 +142,10 @@ def write_chat_config(
         "repetition_penalty": float(generation.get("repetition_penalty", 1.0)),
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
-        "tokenizer_files": [*(n for n in copied if n in ("tokenizer.json", "tokenizer.model")),
-                            "tokenizer_config.json"],
+        "tokenizer_files": [
+            *(n for n in copied if n in ("tokenizer.json", "tokenizer.model")),
+            "tokenizer_config.json",
+        ],
         "tokenizer_info": tokenizer_info(tokenizer_dir),
         "conv_template": conv_template,
         "bos_token_id": bos_ids[0] if bos_ids else None,

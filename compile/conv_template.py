@@ -70,37 +70,110 @@ class ConvFamily:
 
 
 CONV_FAMILIES = (
-    ConvFamily("chatml", ("<|im_start|>",), "<|im_start|>system\n{system_message}<|im_end|>\n",
-               {"user": "<|im_start|>user", "assistant": "<|im_start|>assistant"},
-               ("<|im_end|>\n",), "\n", "\n", ("<|im_end|>",)),
-    ConvFamily("llama-3", ("<|start_header_id|>",),
-               "<|start_header_id|>system<|end_header_id|>\n\n{system_message}<|eot_id|>",
-               {"user": "<|start_header_id|>user", "assistant": "<|start_header_id|>assistant"},
-               ("<|eot_id|>",), "<|end_header_id|>\n\n", "<|end_header_id|>\n\n", ("<|eot_id|>",)),
-    ConvFamily("phi-3", ("<|user|>", "<|end|>"), "<|system|>\n{system_message}<|end|>\n",
-               {"user": "<|user|>", "assistant": "<|assistant|>"}, ("<|end|>\n",), "\n", "\n", ("<|end|>",)),
-    ConvFamily("zephyr", ("<|user|>",), "<|system|>\n{system_message}</s>\n",
-               {"user": "<|user|>", "assistant": "<|assistant|>"}, ("</s>\n",), "\n", "\n", ("</s>",)),
+    ConvFamily(
+        "chatml",
+        ("<|im_start|>",),
+        "<|im_start|>system\n{system_message}<|im_end|>\n",
+        {"user": "<|im_start|>user", "assistant": "<|im_start|>assistant"},
+        ("<|im_end|>\n",),
+        "\n",
+        "\n",
+        ("<|im_end|>",),
+    ),
+    ConvFamily(
+        "llama-3",
+        ("<|start_header_id|>",),
+        "<|start_header_id|>system<|end_header_id|>\n\n{system_message}<|eot_id|>",
+        {"user": "<|start_header_id|>user", "assistant": "<|start_header_id|>assistant"},
+        ("<|eot_id|>",),
+        "<|end_header_id|>\n\n",
+        "<|end_header_id|>\n\n",
+        ("<|eot_id|>",),
+    ),
+    ConvFamily(
+        "phi-3",
+        ("<|user|>", "<|end|>"),
+        "<|system|>\n{system_message}<|end|>\n",
+        {"user": "<|user|>", "assistant": "<|assistant|>"},
+        ("<|end|>\n",),
+        "\n",
+        "\n",
+        ("<|end|>",),
+    ),
+    ConvFamily(
+        "zephyr",
+        ("<|user|>",),
+        "<|system|>\n{system_message}</s>\n",
+        {"user": "<|user|>", "assistant": "<|assistant|>"},
+        ("</s>\n",),
+        "\n",
+        "\n",
+        ("</s>",),
+    ),
     # Llama 2's and Mistral v0.2's variant: a reply's piece drops the space after "[/INST]" (role_content_sep
     # "", the user's role keeps its space), the "▁" the tokenizer prepends stands for it.
-    ConvFamily("llama-2", ("[INST]", "<<SYS>>"), "<s>[INST] <<SYS>>\n{system_message}\n<</SYS>>\n\n",
-               {"user": "<s>[INST]", "assistant": ""}, (" [/INST]", " </s>"), " ", "", ("</s>",),
-               add_role_after_system_message=False, bos_in_roles=True,
-               variants=({"roles": {"user": "<s>[INST] ", "assistant": ""}, "role_content_sep": ""},)),
+    ConvFamily(
+        "llama-2",
+        ("[INST]", "<<SYS>>"),
+        "<s>[INST] <<SYS>>\n{system_message}\n<</SYS>>\n\n",
+        {"user": "<s>[INST]", "assistant": ""},
+        (" [/INST]", " </s>"),
+        " ",
+        "",
+        ("</s>",),
+        add_role_after_system_message=False,
+        bos_in_roles=True,
+        variants=({"roles": {"user": "<s>[INST] ", "assistant": ""}, "role_content_sep": ""},),
+    ),
     # Mistral's templates (named after its tokenizer versions, as llama.cpp does) have no system
     # role: they fold the system message into a user turn.
-    ConvFamily("mistral-v1", ("[INST]",), " [INST] {system_message}\n\n", {"user": " [INST]", "assistant": ""},
-               (" [/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False,
-               variants=({"roles": {"user": " [INST] ", "assistant": ""}, "role_content_sep": ""},)),
-    ConvFamily("mistral-v3", ("[INST]",), "[INST] {system_message}\n\n", {"user": "[INST]", "assistant": ""},
-               ("[/INST]", "</s>"), " ", "", ("</s>",), add_role_after_system_message=False),
+    ConvFamily(
+        "mistral-v1",
+        ("[INST]",),
+        " [INST] {system_message}\n\n",
+        {"user": " [INST]", "assistant": ""},
+        (" [/INST]", "</s>"),
+        " ",
+        "",
+        ("</s>",),
+        add_role_after_system_message=False,
+        variants=({"roles": {"user": " [INST] ", "assistant": ""}, "role_content_sep": ""},),
+    ),
+    ConvFamily(
+        "mistral-v3",
+        ("[INST]",),
+        "[INST] {system_message}\n\n",
+        {"user": "[INST]", "assistant": ""},
+        ("[/INST]", "</s>"),
+        " ",
+        "",
+        ("</s>",),
+        add_role_after_system_message=False,
+    ),
     # Gemma has no system role either: Gemma 3's template opens the first user turn with the system
     # message and a blank line; Gemma 2's refuses system messages.
-    ConvFamily("gemma", ("<start_of_turn>",), "<start_of_turn>user\n{system_message}\n\n",
-               {"user": "<start_of_turn>user", "assistant": "<start_of_turn>model"}, ("<end_of_turn>\n",), "\n", "\n",
-               ("<end_of_turn>",), add_role_after_system_message=False),
-    ConvFamily("mistral-v3-tekken", ("[INST]",), "[INST]{system_message}\n\n", {"user": "[INST]", "assistant": ""},
-               ("[/INST]", "</s>"), "", "", ("</s>",), add_role_after_system_message=False),
+    ConvFamily(
+        "gemma",
+        ("<start_of_turn>",),
+        "<start_of_turn>user\n{system_message}\n\n",
+        {"user": "<start_of_turn>user", "assistant": "<start_of_turn>model"},
+        ("<end_of_turn>\n",),
+        "\n",
+        "\n",
+        ("<end_of_turn>",),
+        add_role_after_system_message=False,
+    ),
+    ConvFamily(
+        "mistral-v3-tekken",
+        ("[INST]",),
+        "[INST]{system_message}\n\n",
+        {"user": "[INST]", "assistant": ""},
+        ("[/INST]", "</s>"),
+        "",
+        "",
+        ("</s>",),
+        add_role_after_system_message=False,
+    ),
 )
 
 SYSTEM, USER, ASSISTANT, LAST_USER = "Kiln-probe-system", "Kiln-probe-user", "Kiln-probe-reply", "Kiln-probe-again"
@@ -108,11 +181,17 @@ BOS_STAND_IN = "Kiln-probe-bos"
 PROBES = {
     "one user message": [{"role": "user", "content": USER}],
     "a system message": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
-    "several turns": [{"role": "user", "content": USER}, {"role": "assistant", "content": ASSISTANT},
-                      {"role": "user", "content": LAST_USER}],
-    "a system message and several turns": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
-                                           {"role": "assistant", "content": ASSISTANT},
-                                           {"role": "user", "content": LAST_USER}],
+    "several turns": [
+        {"role": "user", "content": USER},
+        {"role": "assistant", "content": ASSISTANT},
+        {"role": "user", "content": LAST_USER},
+    ],
+    "a system message and several turns": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": USER},
+        {"role": "assistant", "content": ASSISTANT},
+        {"role": "user", "content": LAST_USER},
+    ],
     "an empty system message": [{"role": "system", "content": ""}, {"role": "user", "content": USER}],
 }
 REQUIRED_PROBES = ("one user message", "a system message", "several turns")
@@ -166,7 +245,7 @@ def fitted_system_template(family: ConvFamily, rendered: str) -> str:
     if SYSTEM not in rendered:
         return ""
     opening, closing = family.system_template.split(SYSTEM_PLACEHOLDER)
-    head = rendered[:rendered.index(SYSTEM)]
+    head = rendered[: rendered.index(SYSTEM)]
     return head + SYSTEM_PLACEHOLDER + closing if head.startswith(opening) else family.system_template
 
 
@@ -176,14 +255,14 @@ def default_system_message(family: ConvFamily, system_template: str, rendered: s
     if USER not in rendered or not system_template:
         return None
     user_turn = family.roles["user"] + family.role_content_sep
-    head = rendered[:rendered.index(USER)]
+    head = rendered[: rendered.index(USER)]
     if head == user_turn:
         return None
     block = head.removesuffix(user_turn) if family.add_role_after_system_message else head
     opening, closing = system_template.split(SYSTEM_PLACEHOLDER)
     if len(block) < len(opening) + len(closing) or not (block.startswith(opening) and block.endswith(closing)):
         return None
-    return block[len(opening):len(block) - len(closing)]
+    return block[len(opening) : len(block) - len(closing)]
 
 
 def opens_with_bos_token(template: ChatTemplate) -> bool:
@@ -199,8 +278,11 @@ def fit(family: ConvFamily, template: ChatTemplate, opening_bos: str) -> tuple[d
     prefix = "" if family.bos_in_roles else opening_bos
     one_user_message = template.render(PROBES["one user message"])
     with_system = rendered_or_none(template, PROBES["a system message"])
-    system_template = (fitted_system_template(family, with_system.removeprefix(prefix)) if with_system is not None
-                       else family.system_template)
+    system_template = (
+        fitted_system_template(family, with_system.removeprefix(prefix))
+        if with_system is not None
+        else family.system_template
+    )
     default = default_system_message(family, system_template, one_user_message.removeprefix(prefix))
     conv = {
         "name": family.name,
@@ -233,7 +315,7 @@ def differing_probes(template: ChatTemplate, conv: dict, prefix: str, names) -> 
 def first_difference(expected: str, ours: str) -> str:
     at = next((i for i, (a, b) in enumerate(zip(expected, ours)) if a != b), min(len(expected), len(ours)))
     start = max(0, at - 20)
-    return f"the template renders {expected[start:at + 30]!r} where that layout gives {ours[start:at + 30]!r}"
+    return f"the template renders {expected[start : at + 30]!r} where that layout gives {ours[start : at + 30]!r}"
 
 
 def probes_with_other_ids(template: ChatTemplate, tokenizer: Tokenizer, conv: dict) -> list[str]:
@@ -249,14 +331,22 @@ def probes_with_other_ids(template: ChatTemplate, tokenizer: Tokenizer, conv: di
 
 def raw_completion_template(stop_token_ids: list[int]) -> dict:
     return {
-        "name": RAW_COMPLETION, "system_template": SYSTEM_PLACEHOLDER, "system_message": "",
-        "system_prefix_token_ids": [], "roles": {"user": "", "assistant": ""}, "seps": [""],
-        "role_content_sep": "", "role_empty_sep": "", "stop_str": [], "stop_token_ids": stop_token_ids,
+        "name": RAW_COMPLETION,
+        "system_template": SYSTEM_PLACEHOLDER,
+        "system_message": "",
+        "system_prefix_token_ids": [],
+        "roles": {"user": "", "assistant": ""},
+        "seps": [""],
+        "role_content_sep": "",
+        "role_empty_sep": "",
+        "stop_str": [],
+        "stop_token_ids": stop_token_ids,
     }
 
 
-def derive_conv_template(template: ChatTemplate | None, tokenizer: Tokenizer,
-                         stop_token_ids: list[int]) -> tuple[dict, list[str]]:
+def derive_conv_template(
+    template: ChatTemplate | None, tokenizer: Tokenizer, stop_token_ids: list[int]
+) -> tuple[dict, list[str]]:
     """The conv_template that lays chats out as `template` does (RAW_COMPLETION without a template),
     and the probe conversations whose token ids it still gives differently (piece by piece, as WebLLM
     encodes) from the template's."""
@@ -264,8 +354,12 @@ def derive_conv_template(template: ChatTemplate | None, tokenizer: Tokenizer,
         return raw_completion_template(stop_token_ids), []
     candidates = [f for f in CONV_FAMILIES if all(marker in template.source for marker in f.markers)]
     if not candidates:
-        raise KilnError("the chat template is of no family Kiln can lay out for the browser (known: "
-                        + ", ".join(f.name for f in CONV_FAMILIES) + ")", template.path)
+        raise KilnError(
+            "the chat template is of no family Kiln can lay out for the browser (known: "
+            + ", ".join(f.name for f in CONV_FAMILIES)
+            + ")",
+            template.path,
+        )
     bos = template.special_tokens["bos_token"]
     opening_bos = bos if bos and opens_with_bos_token(template) else ""
     first_rejection = None
@@ -277,13 +371,16 @@ def derive_conv_template(template: ChatTemplate | None, tokenizer: Tokenizer,
         name, expected, ours = differences[0]
         first_rejection = first_rejection or f"for {name} {first_difference(expected, ours)} ({family.name})"
     else:
-        raise KilnError(f"the chat template lays chats out in a way no known family reproduces: {first_rejection}",
-                        template.path)
+        raise KilnError(
+            f"the chat template lays chats out in a way no known family reproduces: {first_rejection}", template.path
+        )
     if prefix:
         bos_id = tokenizer.token_to_id(prefix)
         if bos_id is None:
-            raise KilnError(f"the chat template opens with the bos_token {prefix!r}, which tokenizer.json does not "
-                            "have", template.path)
+            raise KilnError(
+                f"the chat template opens with the bos_token {prefix!r}, which tokenizer.json does not have",
+                template.path,
+            )
         conv["system_prefix_token_ids"] = [bos_id]
     conv["stop_token_ids"] = stop_token_ids
     # The family's layout, or the variant whose pieces give the template's ids for the most probes.

@@ -24,13 +24,20 @@ def check_all_consumed(weights: SourceWeights, arch: Architecture, float_names: 
     left = sorted(n for n in source.tensor_names() if n not in consumed and not ignored.fullmatch(n))
     if left:
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise KilnError(f"tensor {left[0]!r}{more} is not used by Kiln's {arch.model_type} family: "
-                        "the checkpoint holds something this family does not compute", source.path)
+        raise KilnError(
+            f"tensor {left[0]!r}{more} is not used by Kiln's {arch.model_type} family: "
+            "the checkpoint holds something this family does not compute",
+            source.path,
+        )
 
 
 def convert_weights(
-    weights: SourceWeights, arch: Architecture, scheme: Scheme, float_names: list[str],
-    params: list[ParamSpec], out_dir: Path,
+    weights: SourceWeights,
+    arch: Architecture,
+    scheme: Scheme,
+    float_names: list[str],
+    params: list[ParamSpec],
+    out_dir: Path,
 ) -> dict:
     """Write every parameter the library expects, from the float model's weights `float_names`;
     returns the tensor-cache json."""
@@ -42,8 +49,10 @@ def convert_weights(
         for param_name, stored in scheme.pack(name, weights, set(expected)).items():
             spec = expected[param_name]
             if tuple(stored.array.shape) != spec.shape:
-                raise KilnError(f"tensor for {param_name} has shape {tuple(stored.array.shape)}, "
-                                f"the config implies {spec.shape}", weights.source.path)
+                raise KilnError(
+                    f"tensor for {param_name} has shape {tuple(stored.array.shape)}, the config implies {spec.shape}",
+                    weights.source.path,
+                )
             writer.add(param_name, stored.array.astype(spec.dtype, copy=False), stored.layout)
             written.add(param_name)
     if missing := [name for name in expected if name not in written]:

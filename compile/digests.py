@@ -18,5 +18,8 @@ def sha256_of(path: Path) -> str:
 
 def file_digests(model_dir: Path) -> dict[str, str]:
     """Path relative to `model_dir` (with '/') → SHA-256 hex, for every file under it, sorted."""
-    return {path.relative_to(model_dir).as_posix(): sha256_of(path)
-            for path in sorted(model_dir.rglob("*")) if path.is_file()}
+    return {
+        path.relative_to(model_dir).as_posix(): sha256_of(path)
+        for path in sorted(model_dir.rglob("*"))
+        if path.is_file()
+    }

@@ -26,9 +26,17 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 SCALAR_FORMATS = {
-    ValueType.UINT8: "<B", ValueType.INT8: "<b", ValueType.UINT16: "<H", ValueType.INT16: "<h",
-    ValueType.UINT32: "<I", ValueType.INT32: "<i", ValueType.FLOAT32: "<f", ValueType.BOOL: "<?",
-    ValueType.UINT64: "<Q", ValueType.INT64: "<q", ValueType.FLOAT64: "<d",
+    ValueType.UINT8: "<B",
+    ValueType.INT8: "<b",
+    ValueType.UINT16: "<H",
+    ValueType.INT16: "<h",
+    ValueType.UINT32: "<I",
+    ValueType.INT32: "<i",
+    ValueType.FLOAT32: "<f",
+    ValueType.BOOL: "<?",
+    ValueType.UINT64: "<Q",
+    ValueType.INT64: "<q",
+    ValueType.FLOAT64: "<d",
 }
 # The fewest bytes an item can take, to bound a count by the bytes left before reading the items.
 STRING_MIN_BYTES = 8  # its length
@@ -68,10 +76,11 @@ class Cursor:
 
     def take(self, size: int, what: str) -> memoryview:
         if size > self.left():
-            raise unreadable(f"truncated, {what} at byte {self.offset} needs {size} bytes, "
-                            f"{self.left()} are left", self.path)
+            raise unreadable(
+                f"truncated, {what} at byte {self.offset} needs {size} bytes, {self.left()} are left", self.path
+            )
         start, self.offset = self.offset, self.offset + size
-        return memoryview(self.data)[start:self.offset]
+        return memoryview(self.data)[start : self.offset]
 
     def scalar(self, value_type: ValueType, what: str):
         fmt = SCALAR_FORMATS[value_type]
@@ -142,8 +151,11 @@ class TensorInfo:
     def nbytes(self, path: Path) -> int:
         block_size, block_bytes = GGML_QUANT_SIZES[self.tensor_type]
         if self.shape[0] % block_size:
-            raise unreadable(f"tensor {self.name} has rows of {self.shape[0]} values, not whole "
-                            f"{self.tensor_type.name} blocks of {block_size}", path)
+            raise unreadable(
+                f"tensor {self.name} has rows of {self.shape[0]} values, not whole "
+                f"{self.tensor_type.name} blocks of {block_size}",
+                path,
+            )
         return int(np.prod(self.shape, dtype=object)) // block_size * block_bytes
 
 
@@ -151,8 +163,7 @@ def read_tensor_info(cursor: Cursor) -> TensorInfo:
     name = cursor.string("a tensor name")
     ndim = cursor.u32(f"the dimension count of tensor {name}")
     if not 1 <= ndim <= MAX_DIMS:
-        raise unreadable(f"tensor {name} has {ndim} dimensions (1 to {MAX_DIMS} allowed)",
-                        cursor.path)
+        raise unreadable(f"tensor {name} has {ndim} dimensions (1 to {MAX_DIMS} allowed)", cursor.path)
     shape = tuple(cursor.u64(f"the dimensions of tensor {name}") for _ in range(ndim))
     if 0 in shape:
         raise unreadable(f"tensor {name} has an empty dimension {list(shape)}", cursor.path)
@@ -169,8 +180,14 @@ def alignment(metadata: dict[str, Any], path: Path) -> int:
     return value
 
 
-def checked_tensors(infos: list[TensorInfo], data_start: int, align: int, file_size: int,
-                    view: Callable[[int, int], np.ndarray], path: Path) -> list[GGUFTensor]:
+def checked_tensors(
+    infos: list[TensorInfo],
+    data_start: int,
+    align: int,
+    file_size: int,
+    view: Callable[[int, int], np.ndarray],
+    path: Path,
+) -> list[GGUFTensor]:
     """The tensors, each aligned, inside the file and apart from the others."""
     tensors, names = [], set()
     for info in infos:
@@ -178,15 +195,23 @@ def checked_tensors(infos: list[TensorInfo], data_start: int, align: int, file_s
             raise unreadable(f"tensor {info.name} appears twice", path)
         names.add(info.name)
         if info.offset % align:
-            raise unreadable(f"tensor {info.name} at offset {info.offset} is not aligned to "
-                            f"{align} bytes", path)
+            raise unreadable(f"tensor {info.name} at offset {info.offset} is not aligned to {align} bytes", path)
         nbytes, start = info.nbytes(path), data_start + info.offset
         if start + nbytes > file_size:
-            raise unreadable(f"truncated, tensor {info.name} ends at byte {start + nbytes}, the file has "
-                            f"{file_size}", path)
+            raise unreadable(
+                f"truncated, tensor {info.name} ends at byte {start + nbytes}, the file has {file_size}", path
+            )
         rows = int(np.prod(info.shape[1:], dtype=object))
-        tensors.append(GGUFTensor(info.name, info.tensor_type, info.shape, start, nbytes,
-                                  view(start, nbytes).reshape(rows, nbytes // rows)))
+        tensors.append(
+            GGUFTensor(
+                info.name,
+                info.tensor_type,
+                info.shape,
+                start,
+                nbytes,
+                view(start, nbytes).reshape(rows, nbytes // rows),
+            )
+        )
     by_offset = sorted(tensors, key=lambda tensor: tensor.offset)
     for before, after in zip(by_offset, by_offset[1:]):
         if before.offset + before.nbytes > after.offset:
@@ -204,8 +229,9 @@ def read_gguf(path: Path) -> GGUFFile:
             if (magic := bytes(cursor.take(len(MAGIC), "the magic number"))) != MAGIC:
                 raise unreadable(f"it starts with {magic!r}, not {MAGIC!r}", path)
             if (version := cursor.u32("the version")) not in VERSIONS:
-                raise KilnError(f"unsupported GGUF version {version} (Kiln reads {' and '.join(map(str, VERSIONS))})",
-                                path)
+                raise KilnError(
+                    f"unsupported GGUF version {version} (Kiln reads {' and '.join(map(str, VERSIONS))})", path
+                )
             tensor_count = cursor.count("tensors", TENSOR_INFO_MIN_BYTES)
             metadata = read_metadata(cursor)
             infos = [read_tensor_info(cursor) for _ in range(tensor_count)]
@@ -213,6 +239,7 @@ def read_gguf(path: Path) -> GGUFFile:
     align = alignment(metadata, path)
     data_start = -(-header_end // align) * align
     file_data = np.memmap(path, dtype=np.uint8, mode="r") if infos else np.empty(0, np.uint8)
-    tensors = checked_tensors(infos, data_start, align, file_size,
-                              lambda start, nbytes: file_data[start:start + nbytes], path)
+    tensors = checked_tensors(
+        infos, data_start, align, file_size, lambda start, nbytes: file_data[start : start + nbytes], path
+    )
     return GGUFFile(path, metadata, tensors)

@@ -34,9 +34,19 @@ from .gguf_file import GGUFTensor, read_gguf
 # i-quants and the ternary types are refused until a model that needs them comes along.
 SUPPORTED_TENSOR_TYPES = frozenset(
     {
-        GGMLType.F32, GGMLType.F16, GGMLType.BF16,
-        GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-        GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+        GGMLType.Q2_K,
+        GGMLType.Q3_K,
+        GGMLType.Q4_K,
+        GGMLType.Q5_K,
+        GGMLType.Q6_K,
     }
 )
 
@@ -46,7 +56,7 @@ GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def model_name_from_gguf_path(path: Path) -> str:
-    """"SmolLM2-135M-Instruct.Q4_1.gguf" → "SmolLM2-135M-Instruct"."""
+    """ "SmolLM2-135M-Instruct.Q4_1.gguf" → "SmolLM2-135M-Instruct"."""
     return QUANTIZATION_SUFFIX.sub("", path.stem)
 
 
@@ -140,8 +150,11 @@ class GGUFModel:
         by_name = {tensor.name: tensor for tensor in gguf_file.tensors}
         tensors = GGUFTensors(set(by_name), lambda name: dequantized(by_name[name]))
         self.config = self._architecture.config(self.metadata, tensors)
-        self._tensors = {self._hf_name(name): tensor for name, tensor in by_name.items()
-                         if name not in self._architecture.config_tensors}
+        self._tensors = {
+            self._hf_name(name): tensor
+            for name, tensor in by_name.items()
+            if name not in self._architecture.config_tensors
+        }
 
     def _hf_name(self, gguf_name: str) -> str:
         if match := LAYER_TENSOR.fullmatch(gguf_name):
@@ -223,8 +236,9 @@ class GGUFVocabulary:
         scores = metadata.get("tokenizer.ggml.scores", kind=list[float])
         for key, values in (("tokenizer.ggml.token_type", token_types), ("tokenizer.ggml.scores", scores)):
             if values is not None and len(values) != len(tokens):
-                raise KilnError(f"GGUF metadata {key} has {len(values)} entries for {len(tokens)} tokens",
-                                metadata.path)
+                raise KilnError(
+                    f"GGUF metadata {key} has {len(values)} entries for {len(tokens)} tokens", metadata.path
+                )
         special_ids = {
             name: metadata.get(f"tokenizer.ggml.{key}", kind=int)
             for name, key in (
@@ -284,8 +298,10 @@ BYTE_PRE_TOKENIZERS: dict[str, BytePreTokenizer] = {
     "default": BytePreTokenizer(gpt2_pre_tokenizer),
     "gpt-2": BytePreTokenizer(gpt2_pre_tokenizer),
     "smollm": BytePreTokenizer(smollm_pre_tokenizer),
-    **{name: BytePreTokenizer(partial(regex_pre_tokenizer, LLAMA3_SPLIT), ignore_merges=True)
-       for name in LLAMA3_PRE_NAMES},
+    **{
+        name: BytePreTokenizer(partial(regex_pre_tokenizer, LLAMA3_SPLIT), ignore_merges=True)
+        for name in LLAMA3_PRE_NAMES
+    },
     "qwen2": BytePreTokenizer(partial(regex_pre_tokenizer, QWEN2_SPLIT)),
 }
 

@@ -27,11 +27,11 @@ class SplitReductionGEMV(dl.ScheduleRule):
         *batch, out, reduce = sch.get_loops(block)
         if any(not isinstance(sch.get(loop).extent, tirx.IntImm) or sch.get(loop).extent.value != 1 for loop in batch):
             return None  # prefill: more than one input row
-        for name in names[:names.index(matmul)]:  # the weights' producers: dequantize, gathered rows
+        for name in names[: names.index(matmul)]:  # the weights' producers: dequantize, gathered rows
             sch.compute_inline(sch.get_sblock(name))
         _, threads = sch.split(reduce, [None, THREADS])
         partial = sch.rfactor(threads, factor_axis=len(batch) + 1)
-        output = sch.fuse(*sch.get_loops(partial)[:len(batch) + 1])
+        output = sch.fuse(*sch.get_loops(partial)[: len(batch) + 1])
         _, steps, thread = sch.get_loops(partial)
         sch.reorder(thread, steps)
         sch.set_scope(partial, 0, "local")
@@ -39,7 +39,7 @@ class SplitReductionGEMV(dl.ScheduleRule):
         sch.bind(thread, "threadIdx.x")
         sch.reverse_compute_at(block, output)
         sch.bind(sch.get_loops(block)[-1], "threadIdx.x")
-        epilogue = names[names.index(matmul) + 1:]  # a fused residual add
+        epilogue = names[names.index(matmul) + 1 :]  # a fused residual add
         for name in epilogue:
             sch.reverse_compute_at(sch.get_sblock(name), output)
         if epilogue:  # the output before the epilogue: one value per workgroup, which every thread holds

@@ -36,8 +36,12 @@ from kiln.errors import KilnError, one_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 TOKENIZER_SIDE_FILES = (
-    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -70,8 +74,21 @@ class SourceModel:
 # ---- safetensors -----------------------------------------------------------------------------
 
 SAFETENSORS_ITEM_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
 }
 SAFETENSORS_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
 
@@ -119,15 +136,18 @@ def stored_tensor(path: Path, name: str, entry, data_start: int) -> tuple[Stored
     """One header entry, checked: a known dtype, a shape and data offsets that agree, inside the file.
     Returns the tensor and the end of its data."""
     if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_ITEM_SIZES:
-        raise KilnError(f"corrupt safetensors header entry for {name}: no known dtype "
-                        f"({', '.join(SAFETENSORS_ITEM_SIZES)})", path)
+        raise KilnError(
+            f"corrupt safetensors header entry for {name}: no known dtype ({', '.join(SAFETENSORS_ITEM_SIZES)})", path
+        )
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(map(is_count, shape)):
         raise KilnError(f"corrupt safetensors header entry for {name}: shape {shape!r} is not a list of sizes", path)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))
-            and offsets[0] <= offsets[1]):
-        raise KilnError(f"corrupt safetensors header entry for {name}: data_offsets {offsets!r} are not "
-                        "[begin, end]", path)
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)) and offsets[0] <= offsets[1]
+    ):
+        raise KilnError(
+            f"corrupt safetensors header entry for {name}: data_offsets {offsets!r} are not [begin, end]", path
+        )
     (begin, end), dtype = offsets, entry["dtype"]
     expected_size = math.prod(shape) * SAFETENSORS_ITEM_SIZES[dtype]
     if end - begin != expected_size:
@@ -255,9 +275,11 @@ def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
     config = read_config(config_path)
     if not (folder / "tokenizer.json").is_file():
         if (folder / "tokenizer.model").is_file():
-            raise KilnError("a SentencePiece model without tokenizer.json, which Kiln needs: write it with "
-                            "transformers (AutoTokenizer.from_pretrained(folder).save_pretrained(folder))",
-                            folder / "tokenizer.model")
+            raise KilnError(
+                "a SentencePiece model without tokenizer.json, which Kiln needs: write it with "
+                "transformers (AutoTokenizer.from_pretrained(folder).save_pretrained(folder))",
+                folder / "tokenizer.model",
+            )
         raise KilnError("no tokenizer (tokenizer.json)", folder)
     check_tokenizer(folder)
     tokenizer_files = [

@@ -26,8 +26,16 @@ from .system_lib import llvm_tool
 POCL_FIX = "apt-get install -y pocl-opencl-icd && pip install pyopencl"
 # OpenCL C 1.2 (what TVM's OpenCL code generator writes) for a SPIR device, which offers every
 # optional extension; the builtins' declarations as an OpenCL compiler has them; no output.
-CLANG_OPENCL_FLAGS = ["-x", "cl", "-cl-std=CL1.2", "-target", "spir64", "-Xclang", "-finclude-default-header",
-                      "-fsyntax-only"]
+CLANG_OPENCL_FLAGS = [
+    "-x",
+    "cl",
+    "-cl-std=CL1.2",
+    "-target",
+    "spir64",
+    "-Xclang",
+    "-finclude-default-header",
+    "-fsyntax-only",
+]
 FUNCTION_HEADER = re.compile(r"^// Function: (\S+)\n", re.MULTILINE)
 HALF_PRECISION = re.compile(r"\bhalf\d*\b")
 LOG_LINES = 20
@@ -73,8 +81,10 @@ def compile_kernels(source: str, context) -> list[KernelBuild]:
     if "cl_khr_fp16" not in device.extensions:
         uses_half = sorted(name for name, program in programs.items() if HALF_PRECISION.search(program))
         if uses_half:
-            raise KilnError(f"{len(uses_half)} kernels use half precision (cl_khr_fp16), which {device.name} does "
-                            f"not offer (e.g. {uses_half[0]}): check them with check_opencl_c")
+            raise KilnError(
+                f"{len(uses_half)} kernels use half precision (cl_khr_fp16), which {device.name} does "
+                f"not offer (e.g. {uses_half[0]}): check them with check_opencl_c"
+            )
     builds = []
     for name, program in programs.items():
         try:
@@ -100,8 +110,10 @@ def passed(builds: list[KernelBuild], compiler: str) -> int:
     failed = [b for b in builds if b.log is not None]
     if failed:
         logs = "\n".join(f"--- {b.name}\n" + "\n".join(b.log.splitlines()[-LOG_LINES:]) for b in failed)
-        raise KilnError(f"{len(failed)} of {len(builds)} OpenCL kernels do not compile with {compiler} "
-                        f"({', '.join(b.name for b in failed)}):\n{logs}")
+        raise KilnError(
+            f"{len(failed)} of {len(builds)} OpenCL kernels do not compile with {compiler} "
+            f"({', '.join(b.name for b in failed)}):\n{logs}"
+        )
     return len(builds)
 
 
@@ -133,8 +145,9 @@ def shape_values(func: tvm.tirx.PrimFunc, args: list) -> dict[str, int]:
     values = {}
     for param, arg in zip(func.params, args):
         if isinstance(param, tvm.tirx.Buffer):
-            values |= {str(dim.name): size for dim, size in zip(param.shape, arg.shape)
-                       if isinstance(dim, tvm.ir.expr.Var)}
+            values |= {
+                str(dim.name): size for dim, size in zip(param.shape, arg.shape) if isinstance(dim, tvm.ir.expr.Var)
+            }
         else:
             values[str(param.name)] = int(arg)
     return values
@@ -168,15 +181,22 @@ def kernel_launches(func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: li
     lowered = pipeline(mod)
     buffer_index = {str(p.name): i for i, p in enumerate(func.params) if isinstance(p, tvm.tirx.Buffer)}
     values = shape_values(func, args)
-    kernels = {gv.name_hint: f for gv, f in lowered.functions.items()
-               if f.attrs is not None and "tirx.kernel_launch_params" in f.attrs}
+    kernels = {
+        gv.name_hint: f
+        for gv, f in lowered.functions.items()
+        if f.attrs is not None and "tirx.kernel_launch_params" in f.attrs
+    }
     calls, bindings = [], {}
     for gv, f in lowered.functions.items():
         if gv.name_hint not in kernels:
-            tvm_ffi.structural_walk(f.body, (tvm.ir.expr.Call, lambda c: c.op.name == "tirx.call_ffi_kernel"
-                                             and calls.append(c)), order="post")
-            tvm_ffi.structural_walk(f.body, (tvm.tirx.stmt.Bind, lambda b: bindings.update({str(b.var.name): b.value})),
-                                    order="post")
+            tvm_ffi.structural_walk(
+                f.body,
+                (tvm.ir.expr.Call, lambda c: c.op.name == "tirx.call_ffi_kernel" and calls.append(c)),
+                order="post",
+            )
+            tvm_ffi.structural_walk(
+                f.body, (tvm.tirx.stmt.Bind, lambda b: bindings.update({str(b.var.name): b.value})), order="post"
+            )
     launches = []
     for call in calls:
         name = str(call.args[0].value)
@@ -188,7 +208,7 @@ def kernel_launches(func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: li
             else:
                 kernel_args.append(np.dtype(str(param.ty.dtype)).type(evaluate(arg, values, bindings, name)))
         grid, block = [1, 1, 1], [1, 1, 1]
-        for tag, extent in zip(call.attrs.launch_params, call.args[1 + len(params):]):
+        for tag, extent in zip(call.attrs.launch_params, call.args[1 + len(params) :]):
             axis, _, dim = str(tag).partition(".")
             if axis not in THREAD_AXES:
                 raise KilnError(f"{name}: launch parameter {tag} is not supported here")
@@ -209,8 +229,11 @@ def run_on_opencl(func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: list
     launches = kernel_launches(func, target, args)
     programs = kernel_programs(device_source(library, "opencl"))
     queue = cl.CommandQueue(context)
-    buffers = {i: cl.Buffer(context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=arg)
-               for i, arg in enumerate(args) if isinstance(arg, np.ndarray)}
+    buffers = {
+        i: cl.Buffer(context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=arg)
+        for i, arg in enumerate(args)
+        if isinstance(arg, np.ndarray)
+    }
     for launch in launches:
         kernel = getattr(cl.Program(context, programs[launch.name]).build(), launch.name)
         kernel.set_args(*[buffers[a.index] if isinstance(a, BufferArgument) else a for a in launch.args])

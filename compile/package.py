@@ -29,8 +29,15 @@ from kiln.runtime import read_json
 
 from .pipeline import BUILD_RECORD, MODEL_ID
 from .staging import staging_folder
-from .system_lib import (LIBRARY_BIN_SYMBOL, OBJECT_FORMATS, defined_globals, model_lib, object_format,
-                         tar_objects, write_static_archive)
+from .system_lib import (
+    LIBRARY_BIN_SYMBOL,
+    OBJECT_FORMATS,
+    defined_globals,
+    model_lib,
+    object_format,
+    tar_objects,
+    write_static_archive,
+)
 from .targets import TARGETS
 
 PLATFORMS = tuple(name for name, entry in TARGETS.items() if entry.system_lib)
@@ -43,8 +50,11 @@ LINK_LINES = {
     "iphone": "-Wl,-force_load,lib/libmodel_iphone.a libtvm_runtime.a -framework Metal -framework Foundation",
     "metal": "-Wl,-force_load,lib/libmodel_metal.a libtvm_runtime.a -framework Metal -framework Foundation",
 }
-RUNTIME_BUILD = {"android": "USE_OPENCL=ON, for arm64-v8a with the Android NDK",
-                 "iphone": "USE_METAL=ON, for arm64 iOS", "metal": "USE_METAL=ON, for arm64 macOS"}
+RUNTIME_BUILD = {
+    "android": "USE_OPENCL=ON, for arm64-v8a with the Android NDK",
+    "iphone": "USE_METAL=ON, for arm64 iOS",
+    "metal": "USE_METAL=ON, for arm64 macOS",
+}
 
 
 @dataclass(frozen=True)
@@ -80,21 +90,25 @@ def parse_entry(entry, config_path: Path) -> PackagedModel:
         raise KilnError(f'every "model_list" entry needs "model" (a compiled model folder): got {entry!r}', config_path)
     unknown = sorted(set(entry) - ENTRY_KEYS)
     if unknown:
-        raise KilnError(f"model {entry['model']!r}: unknown key(s) {', '.join(unknown)} "
-                        f"(known: {', '.join(sorted(ENTRY_KEYS))})", config_path)
+        raise KilnError(
+            f"model {entry['model']!r}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(ENTRY_KEYS))})",
+            config_path,
+        )
     folder = (config_path.parent / entry["model"]).resolve()
     compiled = load_compiled_model(folder, config_path)
     model_id = entry.get("model_id", compiled.model_id)
     if not isinstance(model_id, str) or not MODEL_ID.fullmatch(model_id):
-        raise KilnError(f"model {entry['model']!r}: model_id {model_id!r} must be letters, digits, '.', '_' or '-'",
-                        config_path)
+        raise KilnError(
+            f"model {entry['model']!r}: model_id {model_id!r} must be letters, digits, '.', '_' or '-'", config_path
+        )
     bundle_weight = entry.get("bundle_weight", False)
     model_url = entry.get("model_url")
     if not isinstance(bundle_weight, bool):
         raise KilnError(f"model {model_id!r}: bundle_weight must be true or false", config_path)
     if not bundle_weight and not isinstance(model_url, str):
-        raise KilnError(f"model {model_id!r}: without bundle_weight the app downloads the weights, "
-                        f'so give "model_url"', config_path)
+        raise KilnError(
+            f'model {model_id!r}: without bundle_weight the app downloads the weights, so give "model_url"', config_path
+        )
     vram = entry.get("estimated_vram_bytes", memory_needs(compiled)[0])
     if not isinstance(vram, int) or isinstance(vram, bool) or vram <= 0:
         raise KilnError(f"model {model_id!r}: estimated_vram_bytes must be a positive integer", config_path)
@@ -118,24 +132,31 @@ def read_package_config(path: Path) -> PackageConfig:
     if not isinstance(entries, list) or not entries:
         raise KilnError('"model_list" must list at least one model', path)
     models = [parse_entry(entry, path) for entry in entries]
-    for what, values in (("model_id", [m.model_id for m in models]),
-                         ("compiled model", [str(m.compiled.path) for m in models])):
+    for what, values in (
+        ("model_id", [m.model_id for m in models]),
+        ("compiled model", [str(m.compiled.path) for m in models]),
+    ):
         repeated = sorted(v for v, n in Counter(values).items() if n > 1)
         if repeated:
             raise KilnError(f"duplicate {what} {', '.join(map(repr, repeated))} (each model once per bundle)", path)
     for model in models:
         for platform in platforms:
             if platform not in model.compiled.libraries:
-                raise KilnError(f"model {model.model_id!r} has no {platform} library in {model.compiled.path}; "
-                                f"build it with kiln compile … --target {platform} "
-                                f"--model-id {model.compiled.model_id}",
-                                path)
+                raise KilnError(
+                    f"model {model.model_id!r} has no {platform} library in {model.compiled.path}; "
+                    f"build it with kiln compile … --target {platform} "
+                    f"--model-id {model.compiled.model_id}",
+                    path,
+                )
     for platform in platforms:
         prefixes = Counter(model.library(platform)[1] for model in models)
         clashing = sorted(p for p, n in prefixes.items() if n > 1)
         if clashing:
-            raise KilnError(f"{platform}: models share the system-lib prefix {', '.join(clashing)}; compile them "
-                            "with model ids that differ in more than punctuation", path)
+            raise KilnError(
+                f"{platform}: models share the system-lib prefix {', '.join(clashing)}; compile them "
+                "with model ids that differ in more than punctuation",
+                path,
+            )
     return PackageConfig(path, platforms, models)
 
 
@@ -158,16 +179,20 @@ def merged_archive(models: list[PackagedModel], platform: str, lib_dir: Path, wo
     for model in models:
         prefix = model.library(platform)[1]
         if f"{symbol_prefix}{prefix}{LIBRARY_BIN_SYMBOL}" not in definitions:
-            raise KilnError(f"{platform}: the library of {model.model_id!r} "
-                            f"does not define {prefix}{LIBRARY_BIN_SYMBOL}")
+            raise KilnError(
+                f"{platform}: the library of {model.model_id!r} does not define {prefix}{LIBRARY_BIN_SYMBOL}"
+            )
     archive = lib_dir / f"libmodel_{platform}.a"
     write_static_archive(archive, objects)
     return archive
 
 
 def app_config_entry(model: PackagedModel, platform: str) -> dict:
-    entry = {"model_id": model.model_id, "model_lib": model_lib(model.library(platform)[1]),
-             "estimated_vram_bytes": model.estimated_vram_bytes}
+    entry = {
+        "model_id": model.model_id,
+        "model_lib": model_lib(model.library(platform)[1]),
+        "estimated_vram_bytes": model.estimated_vram_bytes,
+    }
     if model.bundle_weight:
         entry["model_path"] = model.model_id
     if model.model_url:
@@ -179,7 +204,8 @@ def bundle_readme(config: PackageConfig, platform: str) -> str:
     rows = "\n".join(
         f"| `{m.model_id}` | `{model_lib(m.library(platform)[1])}` | `{m.library(platform)[1]}{LIBRARY_BIN_SYMBOL}` | "
         f"{m.compiled.chat_config['quantization']} | {'bundled' if m.bundle_weight else m.model_url} |"
-        for m in config.models)
+        for m in config.models
+    )
     return f"""# Kiln bundle for {platform}
 
 Built by Kiln from `{config.path.name}`.
@@ -216,8 +242,9 @@ def write_bundle(config: PackageConfig, platform: str, folder: Path) -> None:
     shutil.rmtree(work)
     for model in config.models:
         if model.bundle_weight:
-            shutil.copytree(model.compiled.path, folder / model.model_id,
-                            ignore=shutil.ignore_patterns("libs", BUILD_RECORD))
+            shutil.copytree(
+                model.compiled.path, folder / model.model_id, ignore=shutil.ignore_patterns("libs", BUILD_RECORD)
+            )
     app_config = {"model_list": [app_config_entry(m, platform) for m in config.models]}
     (folder / APP_CONFIG).write_text(json.dumps(app_config, indent=2) + "\n")
     (folder / "BUNDLE.md").write_text(bundle_readme(config, platform))

@@ -54,8 +54,14 @@ class BuildRequest:
     cpu_tuning: str = "portable"
 
     def overrides(self) -> dict[str, int]:
-        return {k: v for k, v in (("context_window_size", self.context_window_size),
-                                  ("prefill_chunk_size", self.prefill_chunk_size)) if v}
+        return {
+            k: v
+            for k, v in (
+                ("context_window_size", self.context_window_size),
+                ("prefill_chunk_size", self.prefill_chunk_size),
+            )
+            if v
+        }
 
 
 @dataclass
@@ -108,10 +114,12 @@ def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest, 
         record = json.loads((model_dir / BUILD_RECORD).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    same = (record.get("source_hash") == source.source_hash
-            and record.get("quantization") == request.quantization
-            and record.get("overrides") == request.overrides()
-            and record.get("kiln_code_digest") == code_digest)
+    same = (
+        record.get("source_hash") == source.source_hash
+        and record.get("quantization") == request.quantization
+        and record.get("overrides") == request.overrides()
+        and record.get("kiln_code_digest") == code_digest
+    )
     return record if same else None
 
 
@@ -156,8 +164,9 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
     return versions
 
 
-def quantized_model(source: SourceModel, arch: Architecture, config: DecoderConfig,
-                    scheme: Scheme) -> tuple[DecoderModel, SourceWeights, list[str]]:
+def quantized_model(
+    source: SourceModel, arch: Architecture, config: DecoderConfig, scheme: Scheme
+) -> tuple[DecoderModel, SourceWeights, list[str]]:
     """The family's module with the scheme's stored weights, the source they are read from, and
     the names of the float weights they stand for."""
     weights = SourceWeights(source, arch.fused_sources(config), arch.decoder_prefix(source.tensor_names()))
@@ -188,8 +197,9 @@ def build(request: BuildRequest) -> BuildResult:
         model_id = checked_model_id(request.model_id or f"{source.name}-{quantization.name}")
         model_dir = request.output / model_id
         previous = reusable_build(model_dir, source, request, code_digest)
-        kept_targets = {name: target for name, target in (previous or {}).get("targets", {}).items()
-                        if name not in request.targets}
+        kept_targets = {
+            name: target for name, target in (previous or {}).get("targets", {}).items() if name not in request.targets
+        }
         if previous:
             kept_files = [f for t in kept_targets.values() for f in target_files(t)]
             carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *kept_files])
@@ -209,14 +219,17 @@ def build(request: BuildRequest) -> BuildResult:
 
         built_targets = dict(kept_targets)
         for entry in entries:
-            built_targets[entry.name] = {"library": f"libs/{libraries[entry.name].name}",
-                                         "seconds": clock.timings[f"compile {entry.name}"]}
+            built_targets[entry.name] = {
+                "library": f"libs/{libraries[entry.name].name}",
+                "seconds": clock.timings[f"compile {entry.name}"],
+            }
             if entry.tunes_cpu:
                 built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}
             if entry.system_lib:
                 built_targets[entry.name] |= {
                     "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",
-                    "system_lib_prefix": system_lib_prefix(model_id)}
+                    "system_lib_prefix": system_lib_prefix(model_id),
+                }
             if entry.kernel_source:
                 kernel_source = entry.kernel_source_path(libraries[entry.name])
                 built_targets[entry.name]["kernel_source"] = f"libs/{kernel_source.name}"
@@ -242,5 +255,10 @@ def build(request: BuildRequest) -> BuildResult:
             model_dir.rename(tmp / "previous")
         staging.rename(model_dir)
 
-    return BuildResult(model_id, model_dir, {t: model_dir / "libs" / p.name for t, p in libraries.items()},
-                       clock.timings, bool(previous))
+    return BuildResult(
+        model_id,
+        model_dir,
+        {t: model_dir / "libs" / p.name for t, p in libraries.items()},
+        clock.timings,
+        bool(previous),
+    )

@@ -21,8 +21,10 @@ class SourceWeights:
     decoder_prefix: str = "model."  # where the source keeps the decoder's "model.*" tensors
 
     def parts(self, name: str) -> list[str]:
-        return [self.decoder_prefix + part.removeprefix("model.") if part.startswith("model.") else part
-                for part in self.fused.get(name, [name])]
+        return [
+            self.decoder_prefix + part.removeprefix("model.") if part.startswith("model.") else part
+            for part in self.fused.get(name, [name])
+        ]
 
     def _check_present(self, parts: list[str]) -> None:
         available = set(self.source.tensor_names())
@@ -39,8 +41,9 @@ class SourceWeights:
     def gguf_blocks(self, name: str, scheme: str) -> list[GGUFTensorBlocks]:
         """The GGUF blocks of each part, rows in Hugging Face order; the bytes are read on demand."""
         if not isinstance(self.source.tensors, GGUFModel):
-            raise KilnError(f"quantization {scheme} keeps a GGUF's own blocks: the source must be a .gguf file",
-                            self.source.path)
+            raise KilnError(
+                f"quantization {scheme} keeps a GGUF's own blocks: the source must be a .gguf file", self.source.path
+            )
         parts = self.parts(name)
         self._check_present(parts)
         return [self.source.tensors.blocks(n) for n in parts]

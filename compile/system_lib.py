@@ -65,7 +65,8 @@ def llvm_tool(name: str, package: str = "llvm") -> str:
     """An LLVM tool (`llvm-ar`, `llvm-nm`, `llvm-objcopy`, `ld.lld`), unversioned or the newest
     versioned one: they read ELF and Mach-O objects of any architecture, unlike GNU binutils."""
     found = shutil.which(name) or next(
-        (shutil.which(f"{name}-{v}") for v in range(30, 13, -1) if shutil.which(f"{name}-{v}")), None)
+        (shutil.which(f"{name}-{v}") for v in range(30, 13, -1) if shutil.which(f"{name}-{v}")), None
+    )
     if not found:
         raise KilnError(f"{name} is missing (it handles objects for phones); fix: apt-get install -y {package}")
     return found
@@ -95,7 +96,7 @@ def namespace_symbols(obj: Path, prefix: str) -> None:
     symbol_prefix = OBJECT_FORMATS[object_format(obj)].symbol_prefix
     renames = []
     for symbol in defined_globals(obj):
-        name = symbol[len(symbol_prefix):] if symbol.startswith(symbol_prefix) else symbol
+        name = symbol[len(symbol_prefix) :] if symbol.startswith(symbol_prefix) else symbol
         if not name.startswith(prefix):
             renames.append(f"{symbol} {symbol_prefix}{prefix}{name}\n")
     if renames:
@@ -162,6 +163,12 @@ def toolchain_status() -> list:
             statuses.append(ToolStatus(name, True, llvm_tool(name)))
         except KilnError:
             statuses.append(ToolStatus(name, False, "not found on PATH", "apt-get install -y llvm"))
-    statuses.append(ToolStatus("mobile targets", True, "android, iphone and metal build here; the TVM runtime "
-                               "here has no OpenCL or Metal device, so their libraries are checked, not run"))
+    statuses.append(
+        ToolStatus(
+            "mobile targets",
+            True,
+            "android, iphone and metal build here; the TVM runtime "
+            "here has no OpenCL or Metal device, so their libraries are checked, not run",
+        )
+    )
     return statuses

@@ -45,8 +45,13 @@ class MatmulWithoutTensorization(dl.ScheduleRule):
     schedule dlight itself falls back to when tensorization declines."""
 
     def apply(self, func, target, tunable):
-        generic = tvm.target.Target({"kind": "opencl", "max_num_threads": int(target.attrs["max_num_threads"]),
-                                     "max_shared_memory_per_block": int(target.attrs["max_shared_memory_per_block"])})
+        generic = tvm.target.Target(
+            {
+                "kind": "opencl",
+                "max_num_threads": int(target.attrs["max_num_threads"]),
+                "max_shared_memory_per_block": int(target.attrs["max_shared_memory_per_block"]),
+            }
+        )
         return dl.gpu.Matmul().apply(func, generic, tunable)
 
 
@@ -72,10 +77,18 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
 def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
     from .gpu_schedule import SplitReductionGEMV
 
-    rules = (matmul or dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), SplitReductionGEMV(),
-             dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
-    return tvm.transform.Sequential([inline_group_parameters,
-                                     dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])])
+    rules = (
+        matmul or dl.gpu.Matmul(),
+        dl.gpu.GEMV(),
+        dl.gpu.LowBatchGEMV(),
+        SplitReductionGEMV(),
+        dl.gpu.Reduction(),
+        dl.gpu.GeneralReduction(),
+        dl.gpu.Fallback(),
+    )
+    return tvm.transform.Sequential(
+        [inline_group_parameters, dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])]
+    )
 
 
 def untensorized_gpu_schedules() -> tvm.transform.Pass:
@@ -126,17 +139,27 @@ def cpu_target(tuning: str = "portable") -> dict:
 def metal_target(host_triple: str) -> dict:
     # Apple GPUs: 32 KB threadgroup memory; 256 threads fits every A- and M-series GPU. Warp size 1
     # (no simdgroup shuffles), as MLC builds for iPhones: nothing here can compile Metal to check more.
-    return {"kind": "metal", "max_num_threads": 256, "max_threads_per_block": 256,
-            "max_shared_memory_per_block": 32768, "thread_warp_size": 1,
-            "host": {"kind": "llvm", "mtriple": host_triple}}
+    return {
+        "kind": "metal",
+        "max_num_threads": 256,
+        "max_threads_per_block": 256,
+        "max_shared_memory_per_block": 32768,
+        "thread_warp_size": 1,
+        "host": {"kind": "llvm", "mtriple": host_triple},
+    }
 
 
 def android_target() -> dict:
     # 256 work-items and 16 KB of local memory per work-group: within what Adreno and Mali GPUs
     # allow (MLC's generic Android target leaves these to TVM's OpenCL defaults, the same numbers).
-    return {"kind": "opencl", "max_num_threads": 256, "max_threads_per_block": 256,
-            "max_shared_memory_per_block": 16384, "thread_warp_size": 1,
-            "host": {"kind": "llvm", "mtriple": "aarch64-linux-android"}}
+    return {
+        "kind": "opencl",
+        "max_num_threads": 256,
+        "max_threads_per_block": 256,
+        "max_shared_memory_per_block": 16384,
+        "thread_warp_size": 1,
+        "host": {"kind": "llvm", "mtriple": "aarch64-linux-android"},
+    }
 
 
 @dataclass(frozen=True)
@@ -172,27 +195,79 @@ class TargetEntry:
 TARGETS: dict[str, TargetEntry] = {
     t.name: t
     for t in (
-        TargetEntry("cpu", "x86-64 and ARM CPUs (shared library; --cpu-tuning host for this machine's)", cpu_target,
-                    cpu_schedules, export_shared_library, "so", tunes_cpu=True, device="cpu"),
-        TargetEntry("cuda", "NVIDIA GPUs (shared library; kernels compiled at load by nvrtc/nvcc)",
-                    lambda: {"kind": "cuda", "arch": "sm_80", "max_shared_memory_per_block": 49152,
-                             "max_num_threads": 1024, "thread_warp_size": 32, "host": {"kind": "llvm"}},
-                    untensorized_gpu_schedules,
-                    export_shared_library, "so", device="cuda"),
-        TargetEntry("webgpu", "browsers with WebGPU (wasm + WGSL)",
-                    lambda: {"kind": "webgpu", "host": WASM32}, gpu_schedules, export_wasm, "wasm",
-                    check_webgpu_limits, browser=True),
-        TargetEntry("wasm", "browsers without WebGPU (CPU wasm)", lambda: WASM32_SIMD, cpu_schedules,
-                    export_wasm, "wasm", browser=True),
-        TargetEntry("android", "Android phones (OpenCL; static library for aarch64, build-only here)",
-                    android_target, gpu_schedules, export_system_library, "tar", system_lib=True,
-                    kernel_source="cl"),
-        TargetEntry("iphone", "iPhones and iPads (Metal; static library for arm64 iOS, build-only here)",
-                    lambda: metal_target("arm64-apple-ios14.0"), untensorized_gpu_schedules, export_system_library,
-                    "tar", system_lib=True),
-        TargetEntry("metal", "Macs with Apple silicon (Metal; static library for arm64 macOS, build-only here)",
-                    lambda: metal_target("arm64-apple-macosx11.0"), untensorized_gpu_schedules, export_system_library,
-                    "tar", system_lib=True),
+        TargetEntry(
+            "cpu",
+            "x86-64 and ARM CPUs (shared library; --cpu-tuning host for this machine's)",
+            cpu_target,
+            cpu_schedules,
+            export_shared_library,
+            "so",
+            tunes_cpu=True,
+            device="cpu",
+        ),
+        TargetEntry(
+            "cuda",
+            "NVIDIA GPUs (shared library; kernels compiled at load by nvrtc/nvcc)",
+            lambda: {
+                "kind": "cuda",
+                "arch": "sm_80",
+                "max_shared_memory_per_block": 49152,
+                "max_num_threads": 1024,
+                "thread_warp_size": 32,
+                "host": {"kind": "llvm"},
+            },
+            untensorized_gpu_schedules,
+            export_shared_library,
+            "so",
+            device="cuda",
+        ),
+        TargetEntry(
+            "webgpu",
+            "browsers with WebGPU (wasm + WGSL)",
+            lambda: {"kind": "webgpu", "host": WASM32},
+            gpu_schedules,
+            export_wasm,
+            "wasm",
+            check_webgpu_limits,
+            browser=True,
+        ),
+        TargetEntry(
+            "wasm",
+            "browsers without WebGPU (CPU wasm)",
+            lambda: WASM32_SIMD,
+            cpu_schedules,
+            export_wasm,
+            "wasm",
+            browser=True,
+        ),
+        TargetEntry(
+            "android",
+            "Android phones (OpenCL; static library for aarch64, build-only here)",
+            android_target,
+            gpu_schedules,
+            export_system_library,
+            "tar",
+            system_lib=True,
+            kernel_source="cl",
+        ),
+        TargetEntry(
+            "iphone",
+            "iPhones and iPads (Metal; static library for arm64 iOS, build-only here)",
+            lambda: metal_target("arm64-apple-ios14.0"),
+            untensorized_gpu_schedules,
+            export_system_library,
+            "tar",
+            system_lib=True,
+        ),
+        TargetEntry(
+            "metal",
+            "Macs with Apple silicon (Metal; static library for arm64 macOS, build-only here)",
+            lambda: metal_target("arm64-apple-macosx11.0"),
+            untensorized_gpu_schedules,
+            export_system_library,
+            "tar",
+            system_lib=True,
+        ),
     )
 }
 
@@ -212,25 +287,27 @@ def target_named(name: str, cpu_tuning: str = "portable") -> TargetEntry:
 def kiln_pipeline(entry: TargetEntry) -> tvm.transform.Pass:
     """TVM's Relax lowering with Kiln's schedules between operator fusion and memory planning."""
     t = relax.transform
-    return tvm.transform.Sequential([
-        relax.backend.DispatchSampling(),
-        relax.backend.DispatchSortScan(),
-        t.LegalizeOps(),
-        t.AnnotateTIROpPattern(),
-        t.FoldConstant(),
-        t.FuseOps(),
-        t.FuseTIR(),
-        t.DeadCodeElimination(),
-        entry.schedules(),
-        t.RewriteDataflowReshape(),
-        t.ToNonDataflow(),
-        t.RemovePurityChecking(),
-        t.CallTIRRewrite(),
-        t.StaticPlanBlockMemory(),
-        t.LowerAllocTensor(),
-        t.KillAfterLastUse(),
-        t.LowerRuntimeBuiltin(),
-        t.ComputePrimValue(),
-        t.VMShapeLower(),
-        t.AttachGlobalSymbol(),
-    ])
+    return tvm.transform.Sequential(
+        [
+            relax.backend.DispatchSampling(),
+            relax.backend.DispatchSortScan(),
+            t.LegalizeOps(),
+            t.AnnotateTIROpPattern(),
+            t.FoldConstant(),
+            t.FuseOps(),
+            t.FuseTIR(),
+            t.DeadCodeElimination(),
+            entry.schedules(),
+            t.RewriteDataflowReshape(),
+            t.ToNonDataflow(),
+            t.RemovePurityChecking(),
+            t.CallTIRRewrite(),
+            t.StaticPlanBlockMemory(),
+            t.LowerAllocTensor(),
+            t.KillAfterLastUse(),
+            t.LowerRuntimeBuiltin(),
+            t.ComputePrimValue(),
+            t.VMShapeLower(),
+            t.AttachGlobalSymbol(),
+        ]
+    )

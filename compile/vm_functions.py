@@ -40,8 +40,14 @@ def _apply_logit_bias(var_logits: T.handle, var_pos2seq: T.handle, var_token_ids
 
 
 @T.prim_func(private=True, s_tir=True)
-def _apply_penalty(var_logits: T.handle, var_seq_ids: T.handle, var_pos2seq: T.handle,
-                   var_token_ids: T.handle, var_token_cnt: T.handle, var_penalties: T.handle):
+def _apply_penalty(
+    var_logits: T.handle,
+    var_seq_ids: T.handle,
+    var_pos2seq: T.handle,
+    var_token_ids: T.handle,
+    var_token_cnt: T.handle,
+    var_penalties: T.handle,
+):
     batch, vocab, num_seq, num_token = T.int64(), T.int64(), T.int64(), T.int64()
     logits = T.match_buffer(var_logits, (batch, vocab), "float32")
     seq_ids = T.match_buffer(var_seq_ids, (num_seq,), "int32")
@@ -58,9 +64,7 @@ def _apply_penalty(var_logits: T.handle, var_seq_ids: T.handle, var_pos2seq: T.h
             row: T.let[T.int32] = seq_ids[pos2seq[vi]]
             seq: T.let[T.int32] = pos2seq[vi]
             shifted: T.let[T.float32] = (
-                logits[row, token_ids[vi]]
-                - penalties[seq, 0]
-                - T.Cast("float32", token_cnt[vi]) * penalties[seq, 1]
+                logits[row, token_ids[vi]] - penalties[seq, 0] - T.Cast("float32", token_cnt[vi]) * penalties[seq, 1]
             )
             logits[row, token_ids[vi]] = T.if_then_else(
                 shifted > T.float32(0), shifted / penalties[seq, 2], shifted * penalties[seq, 2]
@@ -117,8 +121,9 @@ def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
         values = T.match_buffer(var_values, (batch, padded), "int32")
         for p in T.serial(T.int32(log_n)):
             for q in T.serial(p + 1):
-                for bx in T.thread_binding(T.Cast("int32", batch) * (padded // GPU_THREADS_PER_BLOCK),
-                                           thread="blockIdx.x"):
+                for bx in T.thread_binding(
+                    T.Cast("int32", batch) * (padded // GPU_THREADS_PER_BLOCK), thread="blockIdx.x"
+                ):
                     for tx in T.thread_binding(T.int32(GPU_THREADS_PER_BLOCK), thread="threadIdx.x"):
                         compare_exchange(keys, values, bx * GPU_THREADS_PER_BLOCK + tx, p, q)
 
@@ -161,11 +166,9 @@ def _define(bb: rx.BlockBuilder, name: str, params: list[rx.Var], body) -> None:
         bb.emit_func_output(output)
 
 
-def _attach_inplace(bb: rx.BlockBuilder, name: str, kernel, block_name: str, params: list[rx.Var],
-                    gpu: bool) -> None:
+def _attach_inplace(bb: rx.BlockBuilder, name: str, kernel, block_name: str, params: list[rx.Var], gpu: bool) -> None:
     kernel_var = bb.add_func(_bind_to_gpu_threads(kernel, block_name) if gpu else kernel, f"{name}_kernel")
-    _define(bb, name, params, lambda: rx.call_tir_inplace(
-        kernel_var, params, inplace_indices=[0], out_ty=params[0].ty))
+    _define(bb, name, params, lambda: rx.call_tir_inplace(kernel_var, params, inplace_indices=[0], out_ty=params[0].ty))
 
 
 def _attach_argsort(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
@@ -180,10 +183,14 @@ def _attach_argsort(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
         padding = op.full([batch, padded - vocab_size], rx.const(-1.0, "float32"), "float32")
         keys = bb.emit(op.concat([probs, padding], axis=1)) if padded > vocab_size else probs
         values = bb.emit(op.broadcast_to(op.arange(0, padded, 1, "int32"), [batch, padded]))
-        both = bb.emit(rx.call_tir_inplace(
-            sort, [keys, values], inplace_indices=[0, 1],
-            out_ty=[rx.TensorType([batch, padded], "float32"), rx.TensorType([batch, padded], "int32")],
-        ))
+        both = bb.emit(
+            rx.call_tir_inplace(
+                sort,
+                [keys, values],
+                inplace_indices=[0, 1],
+                out_ty=[rx.TensorType([batch, padded], "float32"), rx.TensorType([batch, padded], "int32")],
+            )
+        )
         first = lambda x: op.strided_slice(x, axes=[1], begin=[0], end=[vocab_size])  # noqa: E731
         return rx.Tuple([bb.emit(first(rx.TupleGetItem(both, 0))), bb.emit(first(rx.TupleGetItem(both, 1)))])
 
@@ -195,8 +202,12 @@ def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
     num_seq, num_probs, vocab = _shape("num_seq", "num_probs", "vocab")
     logits = _tensor("logits", [num_seq, num_probs, vocab], "float32")
     temperature = _tensor("temperature", [num_seq], "float32")
-    _define(bb, "softmax_with_temperature", [logits, temperature], lambda: op.nn.softmax(
-        bb.emit(op.divide(logits, op.reshape(temperature, [num_seq, 1, 1]))), axis=-1))
+    _define(
+        bb,
+        "softmax_with_temperature",
+        [logits, temperature],
+        lambda: op.nn.softmax(bb.emit(op.divide(logits, op.reshape(temperature, [num_seq, 1, 1]))), axis=-1),
+    )
 
     _attach_argsort(bb, vocab_size, gpu)
 
@@ -212,17 +223,20 @@ def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
         # pick the first position whose cumulative mass passes u * (kept mass). Comparisons go
         # straight to int32: WGSL has no 8-bit storage for a materialized bool tensor.
         cumulative = bb.emit(op.cumsum(sorted_probs, axis=1))
-        kept = bb.emit(op.astype(
-            op.less(op.subtract(cumulative, sorted_probs), op.reshape(top_p, [batch, 1])), "int32"))
+        kept = bb.emit(
+            op.astype(op.less(op.subtract(cumulative, sorted_probs), op.reshape(top_p, [batch, 1])), "int32")
+        )
         kept_mass = bb.emit(op.sum(op.multiply(sorted_probs, op.astype(kept, "float32")), axis=[1]))
         kept_count = bb.emit(op.sum(kept, axis=[1]))
         row_cumulative = bb.emit(op.take(cumulative, sample_rows, axis=0, mode="clip"))
         threshold = bb.emit(op.multiply(uniform, op.take(kept_mass, sample_rows, axis=0, mode="clip")))
         below = bb.emit(op.astype(op.less(row_cumulative, op.reshape(threshold, [num_samples, 1])), "int32"))
-        position = bb.emit(op.minimum(
-            op.sum(below, axis=[1]),
-            op.subtract(op.take(kept_count, sample_rows, axis=0, mode="clip"), rx.const(1, "int32")),
-        ))
+        position = bb.emit(
+            op.minimum(
+                op.sum(below, axis=[1]),
+                op.subtract(op.take(kept_count, sample_rows, axis=0, mode="clip"), rx.const(1, "int32")),
+            )
+        )
         row_indices = bb.emit(op.take(sorted_indices, sample_rows, axis=0, mode="clip"))
         token = bb.emit(op.gather_elements(row_indices, op.reshape(position, [num_samples, 1]), axis=1))
         return op.reshape(token, [num_samples])
@@ -232,27 +246,48 @@ def _attach_sampling(bb: rx.BlockBuilder, vocab_size: int, gpu: bool) -> None:
 
 def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:
     batch, vocab, num_token = _shape("batch", "vocab", "num_token")
-    _attach_inplace(bb, "apply_logit_bias_inplace", _apply_logit_bias, "logit_bias", [
-        _tensor("logits", [batch, vocab], "float32"),
-        _tensor("pos2seq_id", [num_token], "int32"),
-        _tensor("token_ids", [num_token], "int32"),
-        _tensor("logit_bias", [num_token], "float32"),
-    ], gpu)
+    _attach_inplace(
+        bb,
+        "apply_logit_bias_inplace",
+        _apply_logit_bias,
+        "logit_bias",
+        [
+            _tensor("logits", [batch, vocab], "float32"),
+            _tensor("pos2seq_id", [num_token], "int32"),
+            _tensor("token_ids", [num_token], "int32"),
+            _tensor("logit_bias", [num_token], "float32"),
+        ],
+        gpu,
+    )
     batch, vocab, num_seq, num_token = _shape("batch", "vocab", "num_seq", "num_token")
-    _attach_inplace(bb, "apply_penalty_inplace", _apply_penalty, "penalty", [
-        _tensor("logits", [batch, vocab], "float32"),
-        _tensor("seq_ids", [num_seq], "int32"),
-        _tensor("pos2seq_id", [num_token], "int32"),
-        _tensor("token_ids", [num_token], "int32"),
-        _tensor("token_cnt", [num_token], "int32"),
-        _tensor("penalties", [num_seq, 3], "float32"),
-    ], gpu)
+    _attach_inplace(
+        bb,
+        "apply_penalty_inplace",
+        _apply_penalty,
+        "penalty",
+        [
+            _tensor("logits", [batch, vocab], "float32"),
+            _tensor("seq_ids", [num_seq], "int32"),
+            _tensor("pos2seq_id", [num_token], "int32"),
+            _tensor("token_ids", [num_token], "int32"),
+            _tensor("token_cnt", [num_token], "int32"),
+            _tensor("penalties", [num_seq, 3], "float32"),
+        ],
+        gpu,
+    )
     batch, vocab, num_seq, words = _shape("batch", "vocab", "num_seq", "words")
-    _attach_inplace(bb, "apply_bitmask_inplace", _apply_bitmask, "bitmask", [
-        _tensor("logits", [batch, vocab], "float32"),
-        _tensor("seq_ids", [num_seq], "int32"),
-        _tensor("bitmask", [batch, words], "int32"),
-    ], gpu)
+    _attach_inplace(
+        bb,
+        "apply_bitmask_inplace",
+        _apply_bitmask,
+        "bitmask",
+        [
+            _tensor("logits", [batch, vocab], "float32"),
+            _tensor("seq_ids", [num_seq], "int32"),
+            _tensor("bitmask", [batch, words], "int32"),
+        ],
+        gpu,
+    )
 
 
 def attach_vm_functions(mod, metadata: dict, target: tvm.target.Target, vocab_size: int):

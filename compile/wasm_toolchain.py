@@ -32,12 +32,18 @@ BUILD_INFO = "build-info.json"
 COMPILE_FLAGS = ["-O3", "-std=c++17", "-Wno-ignored-attributes"]
 # TOTAL_MEMORY matches what tvm.support.emcc.create_tvmjs_wasm gives MLC/WebLLM model libraries.
 LINK_FLAGS = [
-    "-std=c++17", "--no-entry",
-    "-s", "WASM_BIGINT=1",
-    "-s", "ALLOW_MEMORY_GROWTH=1",
-    "-s", "STANDALONE_WASM=1",
-    "-s", "ERROR_ON_UNDEFINED_SYMBOLS=0",
-    "-s", "TOTAL_MEMORY=160MB",
+    "-std=c++17",
+    "--no-entry",
+    "-s",
+    "WASM_BIGINT=1",
+    "-s",
+    "ALLOW_MEMORY_GROWTH=1",
+    "-s",
+    "STANDALONE_WASM=1",
+    "-s",
+    "ERROR_ON_UNDEFINED_SYMBOLS=0",
+    "-s",
+    "TOTAL_MEMORY=160MB",
 ]
 # -O1 links in ~2 s; -O3 runs binaryen's full optimizer (40-130 s here) for a 43% smaller
 # file (3.6 vs 6.3 MB, 0.66 vs 0.85 MB gzipped) and no measurable speed gain: the runtime
@@ -67,12 +73,14 @@ class SourcePatch:
 # layers': on WebGPU the global layers then read only the window's pages. The merged auxiliary buffer
 # CUDA and CPU use keeps every table apart, and every attention kernel takes its tables' offsets.
 SOURCE_PATCHES = (
-    SourcePatch("src/runtime/vm/paged_kv_cache.cc",
-                "    if (device_.device_type == DLDeviceType::kDLCUDA ||\n"
-                "        device_.device_type == DLDeviceType::kDLCPU) {",
-                "    if (device_.device_type == DLDeviceType::kDLCUDA ||\n"
-                "        device_.device_type == DLDeviceType::kDLCPU ||\n"
-                "        device_.device_type == DLDeviceType::kDLWebGPU) {"),
+    SourcePatch(
+        "src/runtime/vm/paged_kv_cache.cc",
+        "    if (device_.device_type == DLDeviceType::kDLCUDA ||\n"
+        "        device_.device_type == DLDeviceType::kDLCPU) {",
+        "    if (device_.device_type == DLDeviceType::kDLCUDA ||\n"
+        "        device_.device_type == DLDeviceType::kDLCPU ||\n"
+        "        device_.device_type == DLDeviceType::kDLWebGPU) {",
+    ),
 )
 # Debian's emscripten runs its JS tools with node and needs Debian's node modules (acorn).
 DEBIAN_NODE_MODULES = "/usr/share/nodejs"
@@ -184,8 +192,7 @@ def assemble_source_root(root: Path) -> Path:
     }
     for source, destination in layout.items():
         if not source.is_dir():
-            raise KilnError("the installed TVM wheel lacks the web runtime sources expected here",
-                            path=source)
+            raise KilnError("the installed TVM wheel lacks the web runtime sources expected here", path=source)
         shutil.copytree(source, destination, ignore=shutil.ignore_patterns("__pycache__"))
     for header in HEADERS_DIR.rglob("*.h"):
         destination = root / header.relative_to(HEADERS_DIR)
@@ -202,18 +209,26 @@ def assemble_source_root(root: Path) -> Path:
 
 
 def _include_flags(root: Path) -> list[str]:
-    return [f"-I{root / sub}" for sub in (
-        ".", "include", "3rdparty/tvm-ffi/include", "3rdparty/tvm-ffi/3rdparty/dlpack/include",
-        "3rdparty/compiler-rt")]
+    return [
+        f"-I{root / sub}"
+        for sub in (
+            ".",
+            "include",
+            "3rdparty/tvm-ffi/include",
+            "3rdparty/tvm-ffi/3rdparty/dlpack/include",
+            "3rdparty/compiler-rt",
+        )
+    ]
 
 
 def _run_emcc(command: list[str], what: str, path: Path) -> None:
-    result = subprocess.run(command, capture_output=True, text=True, env=emcc_environment(),
-                            check=False)
+    result = subprocess.run(command, capture_output=True, text=True, env=emcc_environment(), check=False)
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-STDERR_TAIL_LINES:])
-        raise KilnError(f"emcc failed {what} (exit {result.returncode}).\n"
-                        f"command: {subprocess.list2cmdline(command)}\n{tail}", path=path)
+        raise KilnError(
+            f"emcc failed {what} (exit {result.returncode}).\ncommand: {subprocess.list2cmdline(command)}\n{tail}",
+            path=path,
+        )
 
 
 def build_web_runtime(force: bool = False, progress: bool = True) -> Path:
@@ -228,8 +243,7 @@ def build_web_runtime(force: bool = False, progress: bool = True) -> Path:
     if not force and web_runtime_is_built(runtime_dir, fingerprint):
         return runtime_dir
     runtime_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{runtime_dir.name}-building-",
-                                    dir=runtime_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{runtime_dir.name}-building-", dir=runtime_dir.parent))
     staging.chmod(0o755)
     try:
         with tempfile.TemporaryDirectory(prefix="kiln-web-runtime-src-") as scratch:
@@ -247,15 +261,24 @@ def _compile_runtime_sources(emcc: str, root: Path, out_dir: Path, progress: boo
     from tqdm import tqdm
 
     timings = {}
-    bar = tqdm(RUNTIME_SOURCES, desc="TVM web runtime", unit="file", disable=not progress,
-               file=sys.stderr)
+    bar = tqdm(RUNTIME_SOURCES, desc="TVM web runtime", unit="file", disable=not progress, file=sys.stderr)
     for source_name in bar:
         bar.set_postfix_str(f"emcc {source_name}")
         source = root / "web" / "emcc" / source_name
         started = time.monotonic()
-        _run_emcc([emcc, *COMPILE_FLAGS, *_include_flags(root), "-c", str(source),
-                   "-o", str(out_dir / Path(source_name).with_suffix(".o").name)],
-                  f"compiling {source_name}", source)
+        _run_emcc(
+            [
+                emcc,
+                *COMPILE_FLAGS,
+                *_include_flags(root),
+                "-c",
+                str(source),
+                "-o",
+                str(out_dir / Path(source_name).with_suffix(".o").name),
+            ],
+            f"compiling {source_name}",
+            source,
+        )
         timings[source_name] = round(time.monotonic() - started, 1)
     bar.close()
     return timings
@@ -282,8 +305,9 @@ def ensure_web_runtime(progress: bool = True) -> Path:
     return build_web_runtime(force=False, progress=progress)
 
 
-def link_tvmjs_wasm(output: str | Path, objects: Sequence[str | Path],
-                    options: Sequence[str] | str | None = None) -> None:
+def link_tvmjs_wasm(
+    output: str | Path, objects: Sequence[str | Path], options: Sequence[str] | str | None = None
+) -> None:
     """`fcompile` for TVM's `export_library`: link model objects with the web runtime into a .wasm.
 
     `object_format = "o"` makes TVM write wasm object files: its default, LLVM 22 bitcode,
@@ -299,8 +323,16 @@ def link_tvmjs_wasm(output: str | Path, objects: Sequence[str | Path],
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".kiln-link-", dir=output.parent) as scratch:
         partial = Path(scratch) / output.name
-        command = [emcc, LINK_OPT_LEVEL, *LINK_FLAGS, "-o", str(partial),
-                   *map(str, runtime_objects), *map(str, objects), *(options or [])]
+        command = [
+            emcc,
+            LINK_OPT_LEVEL,
+            *LINK_FLAGS,
+            "-o",
+            str(partial),
+            *map(str, runtime_objects),
+            *map(str, objects),
+            *(options or []),
+        ]
         _run_emcc(command, "linking the model library", output)
         os.replace(partial, output)
 
@@ -325,8 +357,7 @@ def dawn_node_environment() -> dict[str, str]:
         env["VK_ICD_FILENAMES"] = str(SWIFTSHADER_ICD)
     chromium_dir = SWIFTSHADER_ICD.parent
     if ctypes.util.find_library("vulkan") is None and (chromium_dir / "libvulkan.so.1").is_file():
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (env.get("LD_LIBRARY_PATH"), str(chromium_dir)) if p)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (env.get("LD_LIBRARY_PATH"), str(chromium_dir)) if p)
     return env
 
 
@@ -337,8 +368,7 @@ def find_chromium() -> Path | None:
 def _first_line_of(command: list[str], env: dict | None = None) -> str | None:
     """The first line a `--version` style command prints, or None when it does not run."""
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env,
-                                check=False)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = (result.stdout or result.stderr).strip().splitlines()
@@ -351,11 +381,9 @@ def _status(name: str, ok: bool, detail: str, fix: str) -> ToolStatus:
 
 def _tvm_status() -> ToolStatus:
     try:
-        versions = (f"apache-tvm {tvm_version()}, "
-                    f"apache-tvm-ffi {importlib.metadata.version('apache-tvm-ffi')}")
+        versions = f"apache-tvm {tvm_version()}, apache-tvm-ffi {importlib.metadata.version('apache-tvm-ffi')}"
     except importlib.metadata.PackageNotFoundError as missing:
-        return _status("TVM", False, f"{missing} is not installed",
-                       "pip install apache-tvm==0.27.0.post1")
+        return _status("TVM", False, f"{missing} is not installed", "pip install apache-tvm==0.27.0.post1")
     return _status("TVM", True, versions, "")
 
 
@@ -363,16 +391,14 @@ def _command_status(name: str, program: str, fix: str, env: dict | None = None) 
     path = shutil.which(program)
     version = path and _first_line_of([path, "--version"], env)
     if not version:
-        return _status(name, False, f"{program} not found on PATH" if not path
-                       else f"{path} --version failed", fix)
+        return _status(name, False, f"{program} not found on PATH" if not path else f"{path} --version failed", fix)
     return _status(name, True, f"{version} ({path})", fix)
 
 
 def _chromium_status() -> ToolStatus:
     chromium = find_chromium()
     if chromium is None:
-        return _status("Chromium", False,
-                       "not found at " + " or ".join(map(str, CHROMIUM_PATHS)), CHROMIUM_FIX)
+        return _status("Chromium", False, "not found at " + " or ".join(map(str, CHROMIUM_PATHS)), CHROMIUM_FIX)
     version = _first_line_of([str(chromium), "--version"]) or "version unknown"
     return _status("Chromium", True, f"{version} ({chromium})", CHROMIUM_FIX)
 
@@ -381,10 +407,13 @@ def _web_runtime_status(tvm_ok: bool, emcc_ok: bool) -> ToolStatus:
     if not (tvm_ok and emcc_ok):
         return _status("TVM web runtime", False, "needs TVM and emcc first", BUILD_RUNTIME_COMMAND)
     if web_runtime_is_built():
-        return _status("TVM web runtime", True, f"built in {web_runtime_dir()}",
-                       BUILD_RUNTIME_COMMAND)
-    return _status("TVM web runtime", False, f"not built for TVM {tvm_version()} with this emcc "
-                   f"and Kiln's headers (cache: {web_runtime_dir()})", BUILD_RUNTIME_COMMAND)
+        return _status("TVM web runtime", True, f"built in {web_runtime_dir()}", BUILD_RUNTIME_COMMAND)
+    return _status(
+        "TVM web runtime",
+        False,
+        f"not built for TVM {tvm_version()} with this emcc and Kiln's headers (cache: {web_runtime_dir()})",
+        BUILD_RUNTIME_COMMAND,
+    )
 
 
 def toolchain_status() -> list[ToolStatus]:

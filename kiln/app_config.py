@@ -35,8 +35,11 @@ class CompiledModel:
     @property
     def libraries(self) -> dict[str, str]:
         """Built targets → library path relative to the model folder (only files that exist)."""
-        return {target: entry["library"] for target, entry in self.build.get("targets", {}).items()
-                if (self.path / entry["library"]).is_file()}
+        return {
+            target: entry["library"]
+            for target, entry in self.build.get("targets", {}).items()
+            if (self.path / entry["library"]).is_file()
+        }
 
 
 def read_compiled_model(folder: Path) -> CompiledModel:

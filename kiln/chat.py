@@ -32,10 +32,12 @@ def interrupt_on_ctrl_c(engine: Engine):
 
 
 def describe_usage(usage: Usage) -> str:
-    return (f"prompt {usage.prompt_tokens} tokens ({usage.prefilled_tokens} prefilled, "
-            f"{usage.prefill_tokens_per_s:.1f} tok/s), reply {usage.completion_tokens} tokens "
-            f"(decode {usage.decode_tokens_per_s:.1f} tok/s), time to first token {usage.ttft_s:.2f} s, "
-            f"total {usage.total_s:.2f} s")
+    return (
+        f"prompt {usage.prompt_tokens} tokens ({usage.prefilled_tokens} prefilled, "
+        f"{usage.prefill_tokens_per_s:.1f} tok/s), reply {usage.completion_tokens} tokens "
+        f"(decode {usage.decode_tokens_per_s:.1f} tok/s), time to first token {usage.ttft_s:.2f} s, "
+        f"total {usage.total_s:.2f} s"
+    )
 
 
 class TerminalChat:

@@ -118,8 +118,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def unsafe_undefined(self, obj, attribute):
         """Fail rather than print nothing: a chat template has no reason to look at Python's internals."""
-        raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
-                                              "object is unsafe")
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
 
     def wrap_str_format(self, value):
         """`text.format` (the sandbox's own), for a text without huge widths."""
@@ -133,8 +134,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             checked_format(left)
         if result_size(left, right, operation) > MAX_TEXT:
             raise TemplateTooCostly(f"'{operation}' would make a value of over {MAX_TEXT} items")
-        if operation == "**" and isinstance(left, int) and isinstance(right, int) \
-                and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
+        if (
+            operation == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and abs(left) > 1
+            and right * abs(left).bit_length() > MAX_POWER_BITS
+        ):
             raise TemplateTooCostly(f"{left} ** {right} has over {MAX_POWER_BITS} bits")
         return self.binops[operation](left, right)
 
@@ -186,7 +192,7 @@ def special_token_text(key: str, value, path: Path) -> str:
     """A special token as text: a string, or an added token's `{"content": ...}`."""
     text = value.get("content") if isinstance(value, dict) else value
     if text is not None and not isinstance(text, str):
-        raise KilnError(f"{key} should be a string or {{\"content\": string}}, got {value!r}", path)
+        raise KilnError(f'{key} should be a string or {{"content": string}}, got {value!r}', path)
     return text or ""
 
 
@@ -214,8 +220,9 @@ class ChatTemplate:
         """The model's default chat template, or None when the folder has none (a base model)."""
         tokenizer_config_path = folder / "tokenizer_config.json"
         tokenizer_config = read_json_object(tokenizer_config_path) if tokenizer_config_path.is_file() else {}
-        special_tokens = {key: special_token_text(key, tokenizer_config.get(key), tokenizer_config_path)
-                          for key in SPECIAL_TOKEN_KEYS}
+        special_tokens = {
+            key: special_token_text(key, tokenizer_config.get(key), tokenizer_config_path) for key in SPECIAL_TOKEN_KEYS
+        }
         if (folder / TEMPLATE_FILE).is_file():
             return cls((folder / TEMPLATE_FILE).read_text(encoding="utf-8"), folder / TEMPLATE_FILE, special_tokens)
         processor_path = folder / PROCESSOR_TEMPLATE_FILE
@@ -232,8 +239,14 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         tools_context = {"tools": tools} if tools else {}
-        return render_chat_template(self.compiled(), self.path, messages=messages,
-                                    add_generation_prompt=add_generation_prompt, **tools_context, **self.special_tokens)
+        return render_chat_template(
+            self.compiled(),
+            self.path,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **tools_context,
+            **self.special_tokens,
+        )
 
 
 def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -276,5 +289,6 @@ def render_chat_template(template: jinja2.Template, path: Path, **context) -> st
     except jinja2.exceptions.SecurityError as e:
         raise KilnError(f"the chat_template tried something unsafe and was stopped: {one_line(e)}", path) from None
     except Exception as e:  # a template is code: it can also fail with TypeError, ZeroDivisionError, ...
-        raise KilnError(f"the chat template failed on these messages: {type(e).__name__}: {one_line(e)}",
-                        path) from None
+        raise KilnError(
+            f"the chat template failed on these messages: {type(e).__name__}: {one_line(e)}", path
+        ) from None

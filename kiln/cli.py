@@ -31,30 +31,42 @@ def described(registry: dict) -> str:
 
 def add_compile(sub) -> None:
     p = sub.add_parser("compile", help="build a model for one or more targets")
-    p.add_argument("source", help="Hugging Face folder, hub id (org/name) or .gguf file of a model whose "
-                                   f"model_type is {one_of(MODELS)}")
+    p.add_argument(
+        "source",
+        help=f"Hugging Face folder, hub id (org/name) or .gguf file of a model whose model_type is {one_of(MODELS)}",
+    )
     p.add_argument("--quantization", "-q", required=True, help=described(QUANTIZATIONS))
-    p.add_argument("--target", "-t", type=comma_list, default=["cpu"],
-                   help=f"comma-separated: {described(TARGETS)}")
+    p.add_argument("--target", "-t", type=comma_list, default=["cpu"], help=f"comma-separated: {described(TARGETS)}")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"), help="output folder (default dist/)")
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
     p.add_argument("--context-window-size", type=int)
     p.add_argument("--prefill-chunk-size", type=int)
-    p.add_argument("--cpu-tuning", choices=CPU_TUNINGS, default="portable",
-                   help="the cpu library's instruction set: portable (default; x86-64-v3 — AVX2, every x86-64 CPU "
-                        "since 2013–2015 — or ARMv8-A), legacy (x86-64-v2: any x86-64 since 2009, 2.5x slower "
-                        "decode) or host (this machine's CPU; may not run elsewhere)")
+    p.add_argument(
+        "--cpu-tuning",
+        choices=CPU_TUNINGS,
+        default="portable",
+        help="the cpu library's instruction set: portable (default; x86-64-v3 — AVX2, every x86-64 CPU "
+        "since 2013–2015 — or ARMv8-A), legacy (x86-64-v2: any x86-64 since 2009, 2.5x slower "
+        "decode) or host (this machine's CPU; may not run elsewhere)",
+    )
     p.set_defaults(run=run_compile)
 
 
 def run_compile(args) -> int:
     from kiln.compile.pipeline import BuildRequest, build
 
-    result = build(BuildRequest(
-        source=args.source, quantization=args.quantization, targets=args.target, output=args.output,
-        model_id=args.model_id, context_window_size=args.context_window_size,
-        prefill_chunk_size=args.prefill_chunk_size, cpu_tuning=args.cpu_tuning,
-    ))
+    result = build(
+        BuildRequest(
+            source=args.source,
+            quantization=args.quantization,
+            targets=args.target,
+            output=args.output,
+            model_id=args.model_id,
+            context_window_size=args.context_window_size,
+            prefill_chunk_size=args.prefill_chunk_size,
+            cpu_tuning=args.cpu_tuning,
+        )
+    )
     print(result.model_dir)
     for target, path in result.libraries.items():
         print(f"  {target}: {path}")
@@ -62,8 +74,9 @@ def run_compile(args) -> int:
 
 
 def add_doctor(sub) -> None:
-    p = sub.add_parser("doctor",
-                       help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)")
+    p = sub.add_parser(
+        "doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)"
+    )
     p.add_argument("--build-runtime", action="store_true", help="build the TVM web runtime if it is missing")
     p.set_defaults(run=run_doctor)
 
@@ -82,13 +95,25 @@ def run_doctor(args) -> int:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print numbers")
     bench = p.add_subparsers(dest="bench", required=True)
-    c = bench.add_parser("compile", help="seconds per build stage, and the perplexity of q0f32, the quantization "
-                                         "and, for a .gguf source, gguf_f32 (its own blocks)")
+    c = bench.add_parser(
+        "compile",
+        help="seconds per build stage, and the perplexity of q0f32, the quantization "
+        "and, for a .gguf source, gguf_f32 (its own blocks)",
+    )
     c.add_argument("source")
-    c.add_argument("--quantization", "-q", default="q4f32_1",
-                   help=f"the quantization to time and compare: {one_of(QUANTIZATIONS)} (default q4f32_1)")
-    c.add_argument("--target", "-t", type=comma_list, default=["webgpu"],
-                   help=f"the targets to build, comma-separated: {one_of(TARGETS)} (default webgpu)")
+    c.add_argument(
+        "--quantization",
+        "-q",
+        default="q4f32_1",
+        help=f"the quantization to time and compare: {one_of(QUANTIZATIONS)} (default q4f32_1)",
+    )
+    c.add_argument(
+        "--target",
+        "-t",
+        type=comma_list,
+        default=["webgpu"],
+        help=f"the targets to build, comma-separated: {one_of(TARGETS)} (default webgpu)",
+    )
     c.add_argument("--text", type=Path, help="perplexity text (default: the bundled English sample)")
     c.add_argument("--output", "-o", type=Path, help="where to build (default: a temporary folder)")
     c.add_argument("--json", action="store_true")
@@ -117,8 +142,12 @@ def add_sampling_options(p) -> None:
 
 
 def add_threads_option(p) -> None:
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="threads of the cpu library (default: this machine's physical cores, or TVM_NUM_THREADS)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads of the cpu library (default: this machine's physical cores, or TVM_NUM_THREADS)",
+    )
 
 
 def add_generation_options(p) -> None:
@@ -138,10 +167,17 @@ def generation_config(args, logits_top_k: int = 0):
     from kiln.engine import GenerationConfig
 
     return GenerationConfig(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
-        logits_top_k=logits_top_k, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        logits_top_k=logits_top_k,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -152,18 +188,34 @@ def add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat template")
     p.add_argument("--json", action="store_true", help="print prompt and output token ids, text and usage as JSON")
     p.add_argument("--logits", type=int, default=0, metavar="K", help="with --json: the top-K logits of every step")
-    p.add_argument("--device", choices=("native", "browser"), default="native",
-                   help="native (default): the TVM runtime here; browser: the browser engine in headless Chromium")
-    p.add_argument("--target", "-t", choices=("auto", *NATIVE_TARGETS, *BROWSER_TARGETS),
-                   help=f"the library to run: {one_of(NATIVE_TARGETS)} natively (default cpu); "
-                        f"{one_of(('auto', *BROWSER_TARGETS))} in the browser (default auto)")
+    p.add_argument(
+        "--device",
+        choices=("native", "browser"),
+        default="native",
+        help="native (default): the TVM runtime here; browser: the browser engine in headless Chromium",
+    )
+    p.add_argument(
+        "--target",
+        "-t",
+        choices=("auto", *NATIVE_TARGETS, *BROWSER_TARGETS),
+        help=f"the library to run: {one_of(NATIVE_TARGETS)} natively (default cpu); "
+        f"{one_of(('auto', *BROWSER_TARGETS))} in the browser (default auto)",
+    )
     add_threads_option(p)
     add_generation_options(p)
     constrained = p.add_mutually_exclusive_group()
-    constrained.add_argument("--json-schema", type=Path, metavar="FILE",
-                             help="reply with JSON that fits this JSON Schema (needs kiln-llm[structured])")
-    constrained.add_argument("--grammar", type=Path, metavar="FILE",
-                             help="reply in the language of this EBNF grammar (XGrammar's dialect, rule root)")
+    constrained.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="reply with JSON that fits this JSON Schema (needs kiln-llm[structured])",
+    )
+    constrained.add_argument(
+        "--grammar",
+        type=Path,
+        metavar="FILE",
+        help="reply in the language of this EBNF grammar (XGrammar's dialect, rule root)",
+    )
     p.set_defaults(run=run_generate)
 
 
@@ -249,9 +301,13 @@ def add_bench_native(bench) -> None:
     n = bench.add_parser("native", help="load time, time to first token, prefill and decode tokens/s, memory")
     n.add_argument("model_dir", type=Path, help="a compiled model folder (dist/<model-id>)")
     n.add_argument("--target", "-t", choices=NATIVE_TARGETS, default="cpu", help="the library to run (default cpu)")
-    n.add_argument("--json-schema", type=Path, metavar="FILE",
-                   help="decode held to this JSON Schema (a run ends early when the JSON is complete); "
-                        "adds the token mask's cost per token")
+    n.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="decode held to this JSON Schema (a run ends early when the JSON is complete); "
+        "adds the token mask's cost per token",
+    )
     n.set_defaults(grammar=None)
     add_threads_option(n)
     add_run_options(n, prompt_tokens=128, decode_tokens=128, runs=3)
@@ -261,18 +317,30 @@ def add_bench_native(bench) -> None:
 def run_bench_native(args) -> int:
     from kiln.bench.native import bench_native
 
-    report = bench_native(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs,
-                          response_format=response_format(args))
+    report = bench_native(
+        args.model_dir,
+        args.target,
+        args.prompt_tokens,
+        args.decode_tokens,
+        args.runs,
+        response_format=response_format(args),
+    )
     print_report(report, args.json)
     return 0
 
 
 def add_bench_browser(bench) -> None:
-    b = bench.add_parser("browser", help="cold/warm load, time to first token, prefill and decode tokens/s "
-                                         "in headless Chromium")
+    b = bench.add_parser(
+        "browser", help="cold/warm load, time to first token, prefill and decode tokens/s in headless Chromium"
+    )
     b.add_argument("model_dir", type=Path, help=f"a compiled model folder with a {one_of(BROWSER_TARGETS)} library")
-    b.add_argument("--target", "-t", choices=("auto", *BROWSER_TARGETS), default="auto",
-                   help="the library to run; auto: WebGPU when Chromium has a hardware adapter, else wasm")
+    b.add_argument(
+        "--target",
+        "-t",
+        choices=("auto", *BROWSER_TARGETS),
+        default="auto",
+        help="the library to run; auto: WebGPU when Chromium has a hardware adapter, else wasm",
+    )
     add_run_options(b, prompt_tokens=32, decode_tokens=16, runs=1)
     b.set_defaults(run=run_bench_browser)
 
@@ -287,17 +355,27 @@ def run_bench_browser(args) -> int:
 
 def add_parity(sub) -> None:
     p = sub.add_parser("parity", help="check that the browser engine generates what the native build generates")
-    p.add_argument("model_dir", type=Path,
-                   help=f"a compiled model folder with a native and a {one_of(BROWSER_TARGETS)} library")
+    p.add_argument(
+        "model_dir", type=Path, help=f"a compiled model folder with a native and a {one_of(BROWSER_TARGETS)} library"
+    )
     p.add_argument("--prompts", type=Path, help="a text file with one prompt per line (default: 4 built-in prompts)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
-    p.add_argument("--forced-positions", type=int,
-                   help="compare forced-decoding argmax at the last N positions (default: all)")
-    p.add_argument("--target", "-t", choices=("auto", *BROWSER_TARGETS), default="auto",
-                   help="the browser library (default auto: WebGPU when Chromium has it, else wasm)")
+    p.add_argument(
+        "--forced-positions", type=int, help="compare forced-decoding argmax at the last N positions (default: all)"
+    )
+    p.add_argument(
+        "--target",
+        "-t",
+        choices=("auto", *BROWSER_TARGETS),
+        default="auto",
+        help="the browser library (default auto: WebGPU when Chromium has it, else wasm)",
+    )
     p.add_argument("--native-target", choices=NATIVE_TARGETS, default="cpu", help="the native library (default cpu)")
-    p.add_argument("--browser-model-dir", type=Path,
-                   help="the folder the browser loads (default MODEL_DIR), e.g. the copy deployed to a site")
+    p.add_argument(
+        "--browser-model-dir",
+        type=Path,
+        help="the folder the browser loads (default MODEL_DIR), e.g. the copy deployed to a site",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_parity)
 
@@ -306,21 +384,42 @@ def run_parity(args) -> int:
     from kiln.browser.parity import DEFAULT_PROMPTS, read_prompts, run_parity as parity
 
     prompts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
-    report = parity(args.model_dir, prompts, args.max_tokens, args.forced_positions, args.target,
-                    args.native_target, browser_model_dir=args.browser_model_dir)
+    report = parity(
+        args.model_dir,
+        prompts,
+        args.max_tokens,
+        args.forced_positions,
+        args.target,
+        args.native_target,
+        browser_model_dir=args.browser_model_dir,
+    )
     print_report(report, args.json)
     return 0 if report["passed"] else 1
 
 
 def add_bench_report(bench) -> None:
-    r = bench.add_parser("report", help="bench native and bench browser on one model, side by side: "
-                                        "a JSON file and a PNG chart with browser ÷ native ratios")
-    r.add_argument("model_dir", type=Path,
-                   help=f"a compiled model folder with a cpu library and browser ones ({', '.join(BROWSER_TARGETS)})")
-    r.add_argument("--target", "-t", type=comma_list,
-                   help=f"browser libraries to run, comma-separated: {', '.join(BROWSER_TARGETS)} (default: all built)")
-    r.add_argument("--output", "-o", type=Path,
-                   help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)")
+    r = bench.add_parser(
+        "report",
+        help="bench native and bench browser on one model, side by side: "
+        "a JSON file and a PNG chart with browser ÷ native ratios",
+    )
+    r.add_argument(
+        "model_dir",
+        type=Path,
+        help=f"a compiled model folder with a cpu library and browser ones ({', '.join(BROWSER_TARGETS)})",
+    )
+    r.add_argument(
+        "--target",
+        "-t",
+        type=comma_list,
+        help=f"browser libraries to run, comma-separated: {', '.join(BROWSER_TARGETS)} (default: all built)",
+    )
+    r.add_argument(
+        "--output",
+        "-o",
+        type=Path,
+        help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)",
+    )
     add_run_options(r, prompt_tokens=32, decode_tokens=16, runs=1)
     r.set_defaults(run=run_bench_report)
 
@@ -339,15 +438,35 @@ def add_serve(sub) -> None:
     p.add_argument("--dist", type=Path, default=Path("dist"), help="folder of compiled models (default dist/)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
-                   help="also accept requests whose Host is NAME (e.g. behind a proxy; repeatable); others "
-                        "than the bound address are refused against DNS rebinding")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="let pages of ORIGIN (e.g. http://localhost:5173, or *) call /v1 (repeatable)")
-    p.add_argument("--idle-unload", type=float, default=600.0, metavar="SECONDS",
-                   help="release a model's engine unused this long (default 600; 0 never)")
-    p.add_argument("--max-loaded-models", type=int, default=2, metavar="N",
-                   help="keep at most N engines loaded, releasing the least recently used (default 2; 0 no limit)")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also accept requests whose Host is NAME (e.g. behind a proxy; repeatable); others "
+        "than the bound address are refused against DNS rebinding",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let pages of ORIGIN (e.g. http://localhost:5173, or *) call /v1 (repeatable)",
+    )
+    p.add_argument(
+        "--idle-unload",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="release a model's engine unused this long (default 600; 0 never)",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=2,
+        metavar="N",
+        help="keep at most N engines loaded, releasing the least recently used (default 2; 0 no limit)",
+    )
     add_threads_option(p)
     p.set_defaults(run=run_serve)
 
@@ -355,19 +474,29 @@ def add_serve(sub) -> None:
 def run_serve(args) -> int:
     from kiln.server import ServerConfig, serve
 
-    config = ServerConfig(dist=args.dist, allowed_hosts=tuple(args.allow_host), cors_origins=tuple(args.cors_origin),
-                          idle_unload_s=args.idle_unload, max_loaded_models=args.max_loaded_models)
+    config = ServerConfig(
+        dist=args.dist,
+        allowed_hosts=tuple(args.allow_host),
+        cors_origins=tuple(args.cors_origin),
+        idle_unload_s=args.idle_unload,
+        max_loaded_models=args.max_loaded_models,
+    )
     serve(config, args.host, args.port)
     return 0
 
 
 def add_package(sub) -> None:
-    p = sub.add_parser("package", help="app bundles (static library, weights, app config) for "
-                                       f"{one_of(PLATFORMS)}")
-    p.add_argument("--config", "-c", type=Path, default=Path("kiln-package.json"),
-                   help="the package config (default kiln-package.json)")
-    p.add_argument("--output", "-o", type=Path, default=Path("dist"),
-                   help="where bundle-<platform>/ folders go (default dist/)")
+    p = sub.add_parser("package", help=f"app bundles (static library, weights, app config) for {one_of(PLATFORMS)}")
+    p.add_argument(
+        "--config",
+        "-c",
+        type=Path,
+        default=Path("kiln-package.json"),
+        help="the package config (default kiln-package.json)",
+    )
+    p.add_argument(
+        "--output", "-o", type=Path, default=Path("dist"), help="where bundle-<platform>/ folders go (default dist/)"
+    )
     p.set_defaults(run=run_package)
 
 
@@ -383,8 +512,9 @@ COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_pari
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln",
-                                     description="Compile LLMs with TVM for the browser, native and mobile.")
+    parser = argparse.ArgumentParser(
+        prog="kiln", description="Compile LLMs with TVM for the browser, native and mobile."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:

@@ -36,15 +36,15 @@ from kiln.tools import ToolCallFormat, messages_for_template, tool_call_format
 @dataclass
 class GenerationConfig:
     max_tokens: int = 256
-    temperature: float = 0.0          # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0                    # 0 = off
+    top_k: int = 0  # 0 = off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    logits_top_k: int = 0             # >0: record the top-K logits of every step
+    logits_top_k: int = 0  # >0: record the top-K logits of every step
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None  # None: free text
 
@@ -67,37 +67,42 @@ class GenerationConfig:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    prefilled_tokens: int             # tokens actually prefilled this call (the rest came from the cache)
+    prefilled_tokens: int  # tokens actually prefilled this call (the rest came from the cache)
     ttft_s: float
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     total_s: float
-    mask_ms_per_token: float = 0.0    # computing a response format's token mask, per generated token
+    mask_ms_per_token: float = 0.0  # computing a response format's token mask, per generated token
 
 
 @dataclass
 class Delta:
     """One streamed piece of a generation."""
 
-    text: str                         # never splits a multi-byte character
-    token_ids: list[int]              # tokens generated since the previous delta
+    text: str  # never splits a multi-byte character
+    token_ids: list[int]  # tokens generated since the previous delta
     finish_reason: str | None = None  # "stop" | "length" | "abort" (interrupted, as WebLLM says) on the last delta
-    usage: Usage | None = None        # on the last delta
+    usage: Usage | None = None  # on the last delta
     logits: list[dict] | None = None  # with logits_top_k: one record per token in token_ids
 
 
 @dataclass
 class GenerationResult:
     prompt_tokens: list[int]
-    tokens: list[int]                 # includes the EOS token that ended the generation, if one did
-    text: str                         # excludes the EOS token and anything from a stop string on
+    tokens: list[int]  # includes the EOS token that ended the generation, if one did
+    text: str  # excludes the EOS token and anything from a stop string on
     finish_reason: str
     usage: Usage
     logits: list[dict] | None = None  # per step {"token_ids": [...], "logits": [...]} when logits_top_k
 
     def to_json(self) -> dict:
-        out = {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
-               "finish_reason": self.finish_reason, "usage": asdict(self.usage)}
+        out = {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": asdict(self.usage),
+        }
         if self.logits is not None:
             out["logits"] = self.logits
         return out
@@ -136,7 +141,7 @@ class Engine:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
-        self.last_active = time.monotonic()   # when the last generation ended (or the engine loaded)
+        self.last_active = time.monotonic()  # when the last generation ended (or the engine loaded)
         self._cached_ids: list[int] = []
         self._conversation: Conversation | None = None
 
@@ -148,12 +153,15 @@ class Engine:
 
     def require_chat_template(self) -> ChatTemplate:
         if self.chat_template is None:
-            raise KilnError("this model has no chat template (a base model): it completes raw text, it does not "
-                            "chat", self.model_dir)
+            raise KilnError(
+                "this model has no chat template (a base model): it completes raw text, it does not chat",
+                self.model_dir,
+            )
         return self.chat_template
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The conversation as the chat template writes it; with `tools` (OpenAI's), showing them to the model."""
         template = self.require_chat_template()
         check_messages(messages)
@@ -173,8 +181,9 @@ class Engine:
         """Complete a raw prompt (text, or token ids as they are)."""
         return self._start(self._raw_prompt_ids(prompt), config, list(config.stop), conversation_text=None)
 
-    def stream_chat(self, messages: list[dict], config: GenerationConfig, tools: list[dict] | None = None,
-                    reply_opening: str = "") -> Iterator[Delta]:
+    def stream_chat(
+        self, messages: list[dict], config: GenerationConfig, tools: list[dict] | None = None, reply_opening: str = ""
+    ) -> Iterator[Delta]:
         """Reply to a conversation; stops also at the conversation template's stop strings. `tools`
         are shown to the model; `reply_opening` is written after the generation prompt, as the
         start of the reply the model continues (it is not in the deltas)."""
@@ -185,8 +194,9 @@ class Engine:
         prompt_ids = self._raw_prompt_ids(prompt)
         return collect(prompt_ids, self._start(prompt_ids, config, list(config.stop), conversation_text=None))
 
-    def generate_chat(self, messages: list[dict], config: GenerationConfig, tools: list[dict] | None = None,
-                      reply_opening: str = "") -> GenerationResult:
+    def generate_chat(
+        self, messages: list[dict], config: GenerationConfig, tools: list[dict] | None = None, reply_opening: str = ""
+    ) -> GenerationResult:
         prompt_ids, text = self._chat_prompt_ids(messages, tools, reply_opening)
         stops = [*config.stop, *self.chat_stop_strings]
         return collect(prompt_ids, self._start(prompt_ids, config, stops, conversation_text=text))
@@ -211,12 +221,13 @@ class Engine:
     def _raw_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
-    def _chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
-                         reply_opening: str = "") -> tuple[list[int], str]:
+    def _chat_prompt_ids(
+        self, messages: list[dict], tools: list[dict] | None = None, reply_opening: str = ""
+    ) -> tuple[list[int], str]:
         text = self.render_chat(messages, tools=tools) + reply_opening
         previous = self._conversation
         if previous is not None and text.startswith(previous.text):
-            new_ids = self.tokenizer.encode(text[len(previous.text):], add_special_tokens=False).ids
+            new_ids = self.tokenizer.encode(text[len(previous.text) :], add_special_tokens=False).ids
             return previous.token_ids + new_ids, text
         return self.tokenizer.encode(text, add_special_tokens=False).ids, text
 
@@ -226,13 +237,17 @@ class Engine:
         self._conversation = None
 
     def _acquire(self) -> None:
-        acquired = (self._lock.acquire(timeout=self.busy_timeout_s) if self.busy_timeout_s > 0
-                    else self._lock.acquire(blocking=False))
+        acquired = (
+            self._lock.acquire(timeout=self.busy_timeout_s)
+            if self.busy_timeout_s > 0
+            else self._lock.acquire(blocking=False)
+        )
         if not acquired:
             raise EngineBusy(f"the engine for {self.model_id} is busy with another generation")
 
-    def _start(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
-               conversation_text: str | None) -> Iterator[Delta]:
+    def _start(
+        self, prompt_ids: list[int], config: GenerationConfig, stops: list[str], conversation_text: str | None
+    ) -> Iterator[Delta]:
         config.check()
         self._check_prompt(prompt_ids)
         # Compiled before the engine is taken: a bad schema is the caller's error, found at once.
@@ -248,8 +263,9 @@ class Engine:
             raise KilnError("the prompt is empty")
         window = self.model.context_window_size
         if len(prompt_ids) > window:
-            raise KilnError(f"the prompt has {len(prompt_ids)} tokens, more than the context window of "
-                            f"{window}", self.model_dir)
+            raise KilnError(
+                f"the prompt has {len(prompt_ids)} tokens, more than the context window of {window}", self.model_dir
+            )
         vocab = self.model.vocab_size
         if not all(0 <= t < vocab for t in prompt_ids):
             raise KilnError(f"prompt token ids must be in [0, {vocab})")
@@ -270,13 +286,19 @@ class Engine:
         for start in range(common, len(prompt_ids), chunk_size):
             if self._interrupted.is_set():
                 return None, len(self._cached_ids) - common
-            chunk = prompt_ids[start:start + chunk_size]
+            chunk = prompt_ids[start : start + chunk_size]
             logits = self.model.prefill(chunk)
             self._cached_ids.extend(chunk)
         return logits, len(prompt_ids) - common
 
-    def _generation(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
-                    conversation_text: str | None, constraint: TokenConstraint | None) -> Iterator[Delta]:
+    def _generation(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        stops: list[str],
+        conversation_text: str | None,
+        constraint: TokenConstraint | None,
+    ) -> Iterator[Delta]:
         self._acquire()
         try:
             self._interrupted.clear()
@@ -292,8 +314,14 @@ class Engine:
             self.last_active = time.monotonic()
             self._lock.release()
 
-    def _run(self, prompt_ids: list[int], config: GenerationConfig, stops: list[str],
-             conversation_text: str | None, constraint: TokenConstraint | None) -> Iterator[Delta]:
+    def _run(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        stops: list[str],
+        conversation_text: str | None,
+        constraint: TokenConstraint | None,
+    ) -> Iterator[Delta]:
         started = time.perf_counter()
         logits, prefilled = self._prefill(prompt_ids)
         prefill_s = time.perf_counter() - started
@@ -350,7 +378,9 @@ class Engine:
         # README, "Benchmarks": tokens after the first ÷ the time from the first to the last, sampling included.
         decode_s = last_token_at - first_token_at if first_token_at else 0.0
         usage = Usage(
-            prompt_tokens=len(prompt_ids), completion_tokens=len(tokens), prefilled_tokens=prefilled,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(tokens),
+            prefilled_tokens=prefilled,
             ttft_s=(first_token_at or ended) - started,
             prefill_tokens_per_s=prefilled / prefill_s if prefill_s > 0 else 0.0,
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
@@ -378,8 +408,9 @@ def collect(prompt_ids: list[int], deltas: Iterator[Delta]) -> GenerationResult:
         tokens.extend(delta.token_ids)
         logits.extend(delta.logits or [])
         last = delta
-    return GenerationResult(prompt_ids, tokens, "".join(texts), last.finish_reason, last.usage,
-                            logits if last.logits is not None else None)
+    return GenerationResult(
+        prompt_ids, tokens, "".join(texts), last.finish_reason, last.usage, logits if last.logits is not None else None
+    )
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
@@ -397,7 +428,11 @@ def check_messages(messages: list[dict]) -> None:
         raise KilnError("the conversation is empty: give at least one message")
     for i, message in enumerate(messages):
         calls_tools = isinstance(message, dict) and message.get("tool_calls") and message.get("content") is None
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not (isinstance(message.get("content"), str) or calls_tools):
-            raise KilnError(f"message {i} needs a string 'role' and a string 'content' (or tool_calls), "
-                            f"got {message!r}")
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not (isinstance(message.get("content"), str) or calls_tools)
+        ):
+            raise KilnError(
+                f"message {i} needs a string 'role' and a string 'content' (or tool_calls), got {message!r}"
+            )

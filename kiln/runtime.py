@@ -29,8 +29,10 @@ PAGE_SIZE = 16
 SEQUENCE_ID = 0
 # LLVM's CPU features that are instructions (x86 and ARM); the rest ("slow-lea", "prefer-256-bit",
 # …) only tune code generation and are no requirement.
-INSTRUCTION_SET = re.compile(r"(mmx|sse|ssse|avx|amx|fma|f16c|bmi|popcnt|lzcnt|movbe|aes|pclmul|vpclmul|gfni|sha|"
-                             r"cx16|neon|sve|fullfp16|fp16|dotprod|i8mm|bf16|crc)")
+INSTRUCTION_SET = re.compile(
+    r"(mmx|sse|ssse|avx|amx|fma|f16c|bmi|popcnt|lzcnt|movbe|aes|pclmul|vpclmul|gfni|sha|"
+    r"cx16|neon|sve|fullfp16|fp16|dotprod|i8mm|bf16|crc)"
+)
 
 
 def default_cpu_threads() -> int:
@@ -89,10 +91,13 @@ def check_build_versions(build: dict, model_dir: Path) -> None:
     both versions, so a record without them is refused too. web/src/loader.js applies the same rule."""
     built_kiln, built_tvm = build.get("kiln_version"), build.get("versions", {}).get("tvm")
     if version_series(built_kiln) != version_series(kiln.__version__) or built_tvm != tvm.__version__:
-        raise KilnError(f"built by Kiln {built_kiln or '(not recorded)'} with TVM {built_tvm or '(not recorded)'}, "
-                        f"but this is Kiln {kiln.__version__} with TVM {tvm.__version__}, which runs builds of Kiln "
-                        f"{version_series(kiln.__version__)}.x made with its TVM: rebuild the model with this "
-                        "kiln compile", model_dir)
+        raise KilnError(
+            f"built by Kiln {built_kiln or '(not recorded)'} with TVM {built_tvm or '(not recorded)'}, "
+            f"but this is Kiln {kiln.__version__} with TVM {tvm.__version__}, which runs builds of Kiln "
+            f"{version_series(kiln.__version__)}.x made with its TVM: rebuild the model with this "
+            "kiln compile",
+            model_dir,
+        )
 
 
 def library_path(model_dir: Path, target: str) -> Path:
@@ -101,14 +106,19 @@ def library_path(model_dir: Path, target: str) -> Path:
     entry = build.get("targets", {}).get(target)
     if entry is None or not (model_dir / entry["library"]).is_file():
         built = ", ".join(build.get("targets", {})) or "none"
-        raise KilnError(f"no {target} library in this model folder (built for: {built}); "
-                        f"build it with: kiln compile {build.get('source', 'SOURCE')} "
-                        f"--quantization {build.get('quantization', 'Q')} --target {target}", model_dir)
+        raise KilnError(
+            f"no {target} library in this model folder (built for: {built}); "
+            f"build it with: kiln compile {build.get('source', 'SOURCE')} "
+            f"--quantization {build.get('quantization', 'Q')} --target {target}",
+            model_dir,
+        )
     if missing := missing_cpu_features(entry.get("mcpu")):
-        raise KilnError(f"the {target} library was built for the {entry['mcpu']} CPU and this machine's lacks "
-                        f"{', '.join(missing)}; rebuild it with --cpu-tuning legacy (any x86-64) "
-                        "or host (this machine)",
-                        model_dir)
+        raise KilnError(
+            f"the {target} library was built for the {entry['mcpu']} CPU and this machine's lacks "
+            f"{', '.join(missing)}; rebuild it with --cpu-tuning legacy (any x86-64) "
+            "or host (this machine)",
+            model_dir,
+        )
     return model_dir / entry["library"]
 
 
@@ -117,6 +127,7 @@ def missing_cpu_features(mcpu: str | None) -> list[str]:
     (running it would end in an illegal instruction)."""
     if mcpu is None:
         return []
+
     def instruction_sets(cpu: str) -> set[str]:
         features = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
         return {str(feature) for feature in features if INSTRUCTION_SET.match(str(feature))}
@@ -140,14 +151,24 @@ class NativeModel:
         self.context_window_size = int(self.metadata["context_window_size"])
         self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
         self.vocab_size = int(self.chat_config["vocab_size"])
-        self._kv_builtin = {name: tvm.get_global_func(f"vm.builtin.{name}") for name in (
-            "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
-            "kv_state_end_forward", "kv_state_popn")}
+        self._kv_builtin = {
+            name: tvm.get_global_func(f"vm.builtin.{name}")
+            for name in (
+                "kv_state_add_sequence",
+                "kv_state_remove_sequence",
+                "kv_state_begin_forward",
+                "kv_state_end_forward",
+                "kv_state_popn",
+            )
+        }
         self.sliding_window_size = int(self.metadata.get("sliding_window_size", -1))
         self.layer_window_size = int(self.metadata.get("layer_sliding_window_size", -1))
         self.kv_cache = self.vm["create_tir_paged_kv_cache"](
-            ShapeTuple([1]), ShapeTuple([self.context_window_size]), ShapeTuple([self.prefill_chunk_size]),
-            ShapeTuple([PAGE_SIZE]), ShapeTuple([int(self.sliding_window_size > 0)]),
+            ShapeTuple([1]),
+            ShapeTuple([self.context_window_size]),
+            ShapeTuple([self.prefill_chunk_size]),
+            ShapeTuple([PAGE_SIZE]),
+            ShapeTuple([int(self.sliding_window_size > 0)]),
         )
         self._add_sequence()
 
@@ -155,7 +176,8 @@ class NativeModel:
         self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
         if self.sliding_window_size > 0:
             tvm.get_global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(
-                self.kv_cache, SEQUENCE_ID, self.sliding_window_size, 0)
+                self.kv_cache, SEQUENCE_ID, self.sliding_window_size, 0
+            )
         self.cached_tokens = 0
 
     def _load_params(self, names: list[str]) -> list[tvm.runtime.Tensor]:
@@ -204,7 +226,7 @@ class NativeModel:
     def _chunks(self, token_ids: list[int]) -> Iterator[list[int]]:
         start = 0
         while start < len(token_ids):
-            chunk = token_ids[start:start + self._chunk_size()]
+            chunk = token_ids[start : start + self._chunk_size()]
             start += len(chunk)
             yield chunk
 
@@ -215,8 +237,9 @@ class NativeModel:
         ids = tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device)
         embeds = self.vm["embed"](ids, self.params)
         embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))
-        self._kv_builtin["kv_state_begin_forward"](self.kv_cache, ShapeTuple([SEQUENCE_ID]),
-                                                   ShapeTuple([len(token_ids)]))
+        self._kv_builtin["kv_state_begin_forward"](
+            self.kv_cache, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)])
+        )
         logits, self.kv_cache = self.vm[function](embeds, self.kv_cache, self.params)
         self._kv_builtin["kv_state_end_forward"](self.kv_cache)
         self.cached_tokens += len(token_ids)
@@ -224,8 +247,10 @@ class NativeModel:
 
     def _check_room(self, count: int) -> None:
         if self.cached_tokens + count > self.context_window_size:
-            raise KilnError(f"{self.cached_tokens + count} tokens exceed the context window of "
-                            f"{self.context_window_size}", self.model_dir)
+            raise KilnError(
+                f"{self.cached_tokens + count} tokens exceed the context window of {self.context_window_size}",
+                self.model_dir,
+            )
 
     def prefill(self, token_ids: list[int]) -> np.ndarray:
         """Append tokens to the sequence (in chunks); the logits after the last one, [vocab]."""

@@ -76,7 +76,7 @@ class Sampler:
         scaled = logits / c.temperature
         ids = np.arange(scaled.size)
         if 0 < c.top_k < scaled.size:
-            ids = np.sort(ranked(largest(scaled, c.top_k), scaled)[:c.top_k])
+            ids = np.sort(ranked(largest(scaled, c.top_k), scaled)[: c.top_k])
         candidates = scaled[ids]
         weights = exp_nonpositive(candidates - candidates.max())
         if c.top_p < 1:
@@ -137,7 +137,7 @@ def nucleus(scaled: np.ndarray, weights: np.ndarray, top_p: float) -> np.ndarray
         top = ranked(np.arange(scaled.size) if whole else largest(scaled, size), scaled)
         cumulative = np.cumsum(weights[top])
         if whole or cumulative[-1] >= threshold:
-            return top[:int(np.searchsorted(cumulative, threshold)) + 1]
+            return top[: int(np.searchsorted(cumulative, threshold)) + 1]
         size *= 8
 
 

@@ -41,8 +41,14 @@ class TensorCacheWriter:
     def add(self, name: str, array: np.ndarray, layout: dict | None = None) -> None:
         """`layout`: extra record fields saying how to read bytes that are not plain values of the dtype."""
         data = np.ascontiguousarray(array).tobytes()
-        record = {"name": name, "shape": list(array.shape), "dtype": str(array.dtype),
-                  "format": "raw", "nbytes": len(data), **(layout or {})}
+        record = {
+            "name": name,
+            "shape": list(array.shape),
+            "dtype": str(array.dtype),
+            "format": "raw",
+            "nbytes": len(data),
+            **(layout or {}),
+        }
         self.param_count += int(array.size)
         if self.pending_bytes + len(data) > self.shard_cap_bytes:
             self._flush()
@@ -59,16 +65,26 @@ class TensorCacheWriter:
                 record["byteOffset"] = offset
                 f.write(data)
                 offset += len(data)
-        self.shards.append({"dataPath": path.name, "format": "raw-shard", "nbytes": offset,
-                            "records": [record for record, _ in self.pending], "md5sum": md5_of(path)})
+        self.shards.append(
+            {
+                "dataPath": path.name,
+                "format": "raw-shard",
+                "nbytes": offset,
+                "records": [record for record, _ in self.pending],
+                "md5sum": md5_of(path),
+            }
+        )
         self.pending, self.pending_bytes = [], 0
 
     def finish(self) -> dict:
         self._flush()
         total = sum(shard["nbytes"] for shard in self.shards)
         cache = {
-            "metadata": {"ParamSize": self.param_count, "ParamBytes": total,
-                         "BitsPerParam": 8 * total / max(self.param_count, 1)},
+            "metadata": {
+                "ParamSize": self.param_count,
+                "ParamBytes": total,
+                "BitsPerParam": 8 * total / max(self.param_count, 1),
+            },
             "records": self.shards,
         }
         (self.out_dir / "tensor-cache.json").write_text(json.dumps(cache, indent=2))
@@ -112,8 +128,9 @@ def verify_shards(model_dir: Path) -> None:
 def records(model_dir: Path) -> list[TensorRecord]:
     _, index = read_index(model_dir)
     return [
-        TensorRecord(r["name"], tuple(r["shape"]), r["dtype"], model_dir / shard["dataPath"],
-                     r["byteOffset"], r["nbytes"])
+        TensorRecord(
+            r["name"], tuple(r["shape"]), r["dtype"], model_dir / shard["dataPath"], r["byteOffset"], r["nbytes"]
+        )
         for shard in index["records"]
         for r in shard["records"]
     ]

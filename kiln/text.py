@@ -21,7 +21,7 @@ class TextStream:
 
     def _decoded_window(self) -> tuple[str, str]:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        return decode(self.ids[self.emitted_from:self.unread_from]), decode(self.ids[self.emitted_from:])
+        return decode(self.ids[self.emitted_from : self.unread_from]), decode(self.ids[self.emitted_from :])
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -29,13 +29,13 @@ class TextStream:
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self.emitted_from, self.unread_from = self.unread_from, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     def flush(self) -> str:
         """What is left at the end, incomplete characters as U+FFFD."""
         before, after = self._decoded_window()
         self.emitted_from = self.unread_from = len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
 
 class StopStrings:
@@ -50,10 +50,10 @@ class StopStrings:
         self.held += text
         hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
         if hits:
-            safe, self.held = self.held[:min(hits)], ""
+            safe, self.held = self.held[: min(hits)], ""
             return safe, True
         keep = self._partial_match_length()
-        safe, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        safe, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return safe, False
 
     def _partial_match_length(self) -> int:

@@ -63,7 +63,7 @@ class ToolCallFormat:
             # A reply may end right after a call's JSON, without the closing.
             end = text.find(self.closing, start + len(self.opening)) if self.closing else -1
             end = len(text) if end < 0 else end
-            call = self.parsed(text[start + len(self.opening):end])
+            call = self.parsed(text[start + len(self.opening) : end])
             if call is None:
                 break
             outside.append(text[position:start])
@@ -84,11 +84,21 @@ class ToolCallFormat:
 
 TOOL_CALL_FORMATS = (
     # Qwen2.5, Qwen3, Hermes: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-    ToolCallFormat("hermes", template_marker="<tool_call>", opening="<tool_call>\n", closing="\n</tool_call>",
-                   arguments_key="arguments"),
+    ToolCallFormat(
+        "hermes",
+        template_marker="<tool_call>",
+        opening="<tool_call>\n",
+        closing="\n</tool_call>",
+        arguments_key="arguments",
+    ),
     # Llama 3.1 and later: the reply is the call's JSON.
-    ToolCallFormat("llama3_json", template_marker='"parameters": dictionary of argument name',
-                   opening="", closing="", arguments_key="parameters"),
+    ToolCallFormat(
+        "llama3_json",
+        template_marker='"parameters": dictionary of argument name',
+        opening="",
+        closing="",
+        arguments_key="parameters",
+    ),
 )
 
 
@@ -149,13 +159,21 @@ class ToolRequest:
         if self.choice == "none":
             return None
         if self.choice == "auto":
-            tags = [{"begin": call_format.call_prefix(name), "schema": schema, "end": "}" + call_format.closing}
-                    for name, schema in self.functions.items()]
+            tags = [
+                {"begin": call_format.call_prefix(name), "schema": schema, "end": "}" + call_format.closing}
+                for name, schema in self.functions.items()
+            ]
             return ResponseFormat.from_structural_tag(tags, [call_format.trigger])
         names = list(self.functions) if self.choice == "required" else [self.choice]
         key = call_format.arguments_key
-        calls = [{"type": "object", "properties": {"name": {"const": name}, key: self.functions[name]},
-                  "required": ["name", key]} for name in names]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, key: self.functions[name]},
+                "required": ["name", key],
+            }
+            for name in names
+        ]
         return ResponseFormat.from_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
     def reply_opening(self, call_format: ToolCallFormat) -> str:
@@ -172,8 +190,10 @@ def choose(tool_choice: Any, functions: dict[str, dict]) -> str:
     function = tool_choice.get("function") if named else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise ToolRequestError("tool_choice must be 'none', 'auto', 'required' or "
-                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        raise ToolRequestError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
     if name not in functions:
         raise ToolRequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     return name
@@ -184,23 +204,28 @@ def read_tool_calls(call_format: ToolCallFormat, functions: dict[str, dict], tex
     content, calls = call_format.calls_in(text)
     if any(name not in functions for name, _ in calls):  # a call to a function it was not given: text
         return text, []
-    return content, [ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
-                     for name, arguments in calls]
+    return content, [
+        ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls
+    ]
 
 
 def messages_for_template(messages: list[dict]) -> list[dict]:
     """OpenAI messages as chat templates expect them: a call's arguments as an object, not JSON text."""
-    return [{**m, "content": m.get("content") or "", "tool_calls": [template_call(call) for call in m["tool_calls"]]}
-            if m.get("tool_calls") else m for m in messages]
+    return [
+        {**m, "content": m.get("content") or "", "tool_calls": [template_call(call) for call in m["tool_calls"]]}
+        if m.get("tool_calls")
+        else m
+        for m in messages
+    ]
 
 
 def template_call(call: dict) -> dict:
     try:
         return {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
     except (KeyError, TypeError, ValueError):
-        raise KilnError(f"a tool call needs a function with a name and its arguments as JSON text, "
-                        f"got {call!r}") from None
-
+        raise KilnError(
+            f"a tool call needs a function with a name and its arguments as JSON text, got {call!r}"
+        ) from None
 
 
 class ContentBeforeCalls:
@@ -222,8 +247,14 @@ class ContentBeforeCalls:
         if at >= 0:
             self.in_call = True
         else:
-            at = len(self.held) - next((n for n in range(min(len(self.held), len(self.trigger) - 1), 0, -1)
-                                        if self.trigger.startswith(self.held[-n:])), 0)
+            at = len(self.held) - next(
+                (
+                    n
+                    for n in range(min(len(self.held), len(self.trigger) - 1), 0, -1)
+                    if self.trigger.startswith(self.held[-n:])
+                ),
+                0,
+            )
         safe, self.held = self.held[:at], self.held[at:]
         return safe
 

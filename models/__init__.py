@@ -10,20 +10,34 @@ from . import gemma3, llama, mistral, phi3, qwen2, qwen3
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
 from .gguf import GGUFMapping, GGUFTensors
 
-MODELS: dict[str, Architecture] = {arch.model_type: arch for arch in (
-    llama.ARCHITECTURE, qwen2.ARCHITECTURE, mistral.ARCHITECTURE,
-    qwen3.ARCHITECTURE, phi3.ARCHITECTURE, gemma3.ARCHITECTURE, gemma3.MULTIMODAL_ARCHITECTURE,
-)}
+MODELS: dict[str, Architecture] = {
+    arch.model_type: arch
+    for arch in (
+        llama.ARCHITECTURE,
+        qwen2.ARCHITECTURE,
+        mistral.ARCHITECTURE,
+        qwen3.ARCHITECTURE,
+        phi3.ARCHITECTURE,
+        gemma3.ARCHITECTURE,
+        gemma3.MULTIMODAL_ARCHITECTURE,
+    )
+}
 
 
 def architecture_for(hf_config: dict, path: Path) -> Architecture:
     model_type = hf_config.get("model_type")
     if model_type not in MODELS:
-        raise KilnError(
-            f"unknown model_type {model_type!r} (supported: {', '.join(sorted(MODELS))})", path
-        )
+        raise KilnError(f"unknown model_type {model_type!r} (supported: {', '.join(sorted(MODELS))})", path)
     return MODELS[model_type]
 
 
-__all__ = ["MODELS", "Architecture", "DecoderConfig", "DecoderModel", "GGUFMapping", "GGUFTensors",
-           "architecture_for", "export_spec"]
+__all__ = [
+    "MODELS",
+    "Architecture",
+    "DecoderConfig",
+    "DecoderModel",
+    "GGUFMapping",
+    "GGUFTensors",
+    "architecture_for",
+    "export_spec",
+]

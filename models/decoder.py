@@ -30,9 +30,15 @@ SUPPORTED_ROPE_SCALING = ("llama3", "yarn", "longrope", "gptj")
 # Far above the largest published models (Llama 3.1 405B: hidden 16384, 126 layers; vocabularies
 # of 256k): a larger value is a corrupt or hostile config.json, refused before anything is sized by it.
 SIZE_LIMITS = {
-    "hidden_size": 1 << 17, "intermediate_size": 1 << 19, "num_hidden_layers": 1 << 10,
-    "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "head_dim": 1 << 12,
-    "vocab_size": 1 << 22, "max_position_embeddings": 1 << 27, "original_max_position_embeddings": 1 << 27,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 10,
+    "num_key_value_heads": 1 << 10,
+    "head_dim": 1 << 12,
+    "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 27,
+    "original_max_position_embeddings": 1 << 27,
     "sliding_window": 1 << 27,
 }
 
@@ -87,8 +93,9 @@ class ConfigReader:
         if kind in (int, float) and not 0 < value < math.inf:
             raise KilnError(f"config.json field '{key}' should be positive, got {value!r}", self.path)
         if key in SIZE_LIMITS and value > SIZE_LIMITS[key]:
-            raise KilnError(f"config.json field '{key}' is {value}, beyond any real model's "
-                            f"(at most {SIZE_LIMITS[key]})", self.path)
+            raise KilnError(
+                f"config.json field '{key}' is {value}, beyond any real model's (at most {SIZE_LIMITS[key]})", self.path
+            )
         return value
 
     def rope(self) -> tuple[float, dict[str, Any] | None]:
@@ -101,13 +108,17 @@ class ConfigReader:
             if rope_type == "default":
                 return theta, None
             if rope_type not in SUPPORTED_ROPE_SCALING:
-                raise KilnError(f"config.json rope scaling '{rope_type}' is not supported "
-                                f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})", self.path)
+                raise KilnError(
+                    f"config.json rope scaling '{rope_type}' is not supported "
+                    f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})",
+                    self.path,
+                )
             scaling = {**scaling, "rope_type": rope_type}
         return theta, scaling
 
-    def decoder_fields(self, overrides: dict[str, int], max_context: int = 4096,
-                       partial_rotary: bool = False) -> dict[str, Any]:
+    def decoder_fields(
+        self, overrides: dict[str, int], max_context: int = 4096, partial_rotary: bool = False
+    ) -> dict[str, Any]:
         """The `DecoderConfig` fields, read the way every Hugging Face decoder stores them; the
         context window defaults to the model's, at most `max_context`. RoPE over part of each head
         (`partial_rotary_factor`) is refused unless the family reads it itself."""
@@ -118,11 +129,14 @@ class ConfigReader:
         num_heads = self.get("num_attention_heads", int)
         num_kv_heads = self.get("num_key_value_heads", int, num_heads)
         if self.hf_config.get("head_dim") is None and hidden_size % num_heads:
-            raise KilnError(f"config.json num_attention_heads {num_heads} does not divide hidden_size {hidden_size}",
-                            self.path)
+            raise KilnError(
+                f"config.json num_attention_heads {num_heads} does not divide hidden_size {hidden_size}", self.path
+            )
         if num_heads % num_kv_heads:
-            raise KilnError(f"config.json num_key_value_heads {num_kv_heads} does not divide num_attention_heads "
-                            f"{num_heads}", self.path)
+            raise KilnError(
+                f"config.json num_key_value_heads {num_kv_heads} does not divide num_attention_heads {num_heads}",
+                self.path,
+            )
         rope_theta, rope_scaling = self.rope()
         trained_context = self.get("max_position_embeddings", int, 4096)
         context = overrides.get("context_window_size") or min(trained_context, max_context)
@@ -147,8 +161,11 @@ class ConfigReader:
         window = self.get(key, int, None)
         if window is None or fields["context_window_size"] <= window:
             return fields
-        return {**fields, "sliding_window_size": window,
-                "prefill_chunk_size": min(fields["prefill_chunk_size"], window - 1)}
+        return {
+            **fields,
+            "sliding_window_size": window,
+            "prefill_chunk_size": min(fields["prefill_chunk_size"], window - 1),
+        }
 
     def expect(self, key: str, allowed: tuple, default: Any) -> Any:
         """A field whose other values would change the math in ways the family does not compute."""
@@ -157,8 +174,11 @@ class ConfigReader:
         if value is None:
             value = default
         if value not in allowed:
-            raise KilnError(f"config.json field '{key}' is {value!r}; Kiln's {self.hf_config.get('model_type')} "
-                            f"supports {' or '.join(repr(a) for a in allowed)}", self.path)
+            raise KilnError(
+                f"config.json field '{key}' is {value!r}; Kiln's {self.hf_config.get('model_type')} "
+                f"supports {' or '.join(repr(a) for a in allowed)}",
+                self.path,
+            )
         return value
 
     def unused(self) -> dict[str, Any]:
@@ -281,7 +301,8 @@ def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
     inv_freq = rope_inv_freq(config.rope_theta, rotary_dim) / np.array(scaling["short_factor"], np.float64)
     original, longest = scaling["original_max_position_embeddings"], scaling["max_position_embeddings"]
     factor = scaling.get("attention_factor") or (
-        math.sqrt(1 + math.log(longest / original) / math.log(original)) if longest > original else 1.0)
+        math.sqrt(1 + math.log(longest / original) / math.log(original)) if longest > original else 1.0
+    )
     return inv_freq.astype(np.float32), float(factor)
 
 
@@ -293,8 +314,9 @@ def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) ->
     return rotate_qkv(qkv, kv_cache, config, *longrope_inv_freq(config))
 
 
-def rotate_qkv(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig, inv_freq: np.ndarray,
-               attention_factor: float = 1.0) -> nn.Tensor:
+def rotate_qkv(
+    qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig, inv_freq: np.ndarray, attention_factor: float = 1.0
+) -> nn.Tensor:
     """RoPE ("rotate half") of frequencies `inv_freq` on the q and k heads of a fused qkv (batch, seq,
     heads, head_dim), at the positions the KV cache gives this step."""
     batch, seq_len, _, _ = qkv.shape

@@ -44,9 +44,20 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_f
 # transformers' Gemma3TextConfig defaults: configs leave out what equals them (google/gemma-3-4b-it's
 # text_config names only its sizes, window and rope scaling).
 TEXT_DEFAULTS = dict(
-    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-    rope_local_base_freq=10_000.0, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    sliding_window_pattern=6,
     tie_word_embeddings=True,
 )
 
@@ -65,8 +76,9 @@ def rope_of(params: dict[str, Any], path: Path) -> tuple[float, float]:
     """(base, linear factor) of one kind of layer's RoPE parameters."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "linear"):
-        raise KilnError(f"config.json rope scaling '{rope_type}' is not supported for Gemma 3 "
-                        "(supported: default, linear)", path)
+        raise KilnError(
+            f"config.json rope scaling '{rope_type}' is not supported for Gemma 3 (supported: default, linear)", path
+        )
     theta, factor = params.get("rope_theta"), params.get("factor", 1.0) if rope_type == "linear" else 1.0
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in (theta, factor)):
         raise KilnError(f"config.json RoPE parameters {params!r} need a positive rope_theta and factor", path)
@@ -82,8 +94,10 @@ def ropes_by_kind(hf_config: dict, path: Path) -> dict[str, tuple[float, float]]
     scaling = hf_config.get("rope_scaling") or {}
     if not isinstance(scaling, dict):
         raise KilnError(f"config.json rope_scaling should be an object, got {scaling!r}", path)
-    return {"full_attention": rope_of({**scaling, "rope_theta": hf_config.get("rope_theta", 1_000_000.0)}, path),
-            "sliding_attention": rope_of({"rope_theta": hf_config.get("rope_local_base_freq", 10_000.0)}, path)}
+    return {
+        "full_attention": rope_of({**scaling, "rope_theta": hf_config.get("rope_theta", 1_000_000.0)}, path),
+        "sliding_attention": rope_of({"rope_theta": hf_config.get("rope_local_base_freq", 10_000.0)}, path),
+    }
 
 
 def layer_kinds(read: ConfigReader, num_layers: int) -> list[str]:
@@ -92,8 +106,9 @@ def layer_kinds(read: ConfigReader, num_layers: int) -> list[str]:
         pattern = read.get("sliding_window_pattern", int, 6)
         return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if len(kinds) != num_layers or not set(kinds) <= set(LAYER_KINDS):
-        raise KilnError(f"config.json layer_types should name {num_layers} layers, each one of "
-                        f"{', '.join(LAYER_KINDS)}", read.path)
+        raise KilnError(
+            f"config.json layer_types should name {num_layers} layers, each one of {', '.join(LAYER_KINDS)}", read.path
+        )
     return kinds
 
 
@@ -122,8 +137,12 @@ def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) ->
     if binds:
         fields["prefill_chunk_size"] = min(fields["prefill_chunk_size"], window - 1)
     return Gemma3Config(
-        **{**fields, "rope_theta": ropes["full_attention"][0], "rope_scaling": None,
-           "tie_word_embeddings": read.get("tie_word_embeddings", bool, True)},
+        **{
+            **fields,
+            "rope_theta": ropes["full_attention"][0],
+            "rope_scaling": None,
+            "tie_word_embeddings": read.get("tie_word_embeddings", bool, True),
+        },
         windowed_layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention") if binds else (),
         layer_window_size=window if binds else None,
         family_applies_rope=True,
@@ -168,10 +187,10 @@ class Gemma3Attention(nn.Module):
         batch, seq_len, _ = x.shape
         qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))
         q, k, v = nn.op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
-        qkv = rotate_qkv(nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), kv_cache, self.config,
-                         self.inv_freq)
-        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads,
-                                                     sm_scale=self.config.query_pre_attn_scalar**-0.5)
+        qkv = rotate_qkv(nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), kv_cache, self.config, self.inv_freq)
+        attended = kv_cache.attention_with_fused_qkv(
+            layer_id, qkv, self.num_heads, sm_scale=self.config.query_pre_attn_scalar**-0.5
+        )
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
 
 
@@ -187,13 +206,13 @@ class GemmaMLP(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Gemma3Config, dtype: str, layer_id: int):
-        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)  # noqa: E731
-        self.input_layernorm = norm()
+        width, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(width, eps, dtype)
         self.self_attn = Gemma3Attention(config, dtype, layer_id)
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm()
+        self.post_attention_layernorm = GemmaRMSNorm(width, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(width, eps, dtype)
         self.mlp = GemmaMLP(config, dtype)
-        self.post_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = GemmaRMSNorm(width, eps, dtype)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         """`x`: the residual stream, in float32 whatever the model's dtype (see Gemma3ForCausalLM)."""
@@ -246,12 +265,15 @@ def swa_layers(metadata: Metadata, num_layers: int) -> list[bool]:
     pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):
         if len(pattern) != num_layers or not all(isinstance(flag, bool) for flag in pattern):
-            raise KilnError(f"GGUF metadata gemma3.attention.sliding_window_pattern should hold one flag per "
-                            f"layer ({num_layers})", metadata.path)
+            raise KilnError(
+                f"GGUF metadata gemma3.attention.sliding_window_pattern should hold one flag per layer ({num_layers})",
+                metadata.path,
+            )
         return pattern
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
-        raise KilnError(f"GGUF metadata gemma3.attention.sliding_window_pattern should be a count, got {pattern!r}",
-                        metadata.path)
+        raise KilnError(
+            f"GGUF metadata gemma3.attention.sliding_window_pattern should be a count, got {pattern!r}", metadata.path
+        )
     return [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
 
 
@@ -270,7 +292,8 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
         "rope_local_base_freq": metadata.get("gemma3.rope.freq_base_swa", 10000.0, float),
         "sliding_window": window or config["max_position_embeddings"],
         "layer_types": ["sliding_attention" if flag else "full_attention" for flag in windowed],
-        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if layers == 62
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
+        if layers == 62
         else config["head_dim"],
         "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping", None, float),
     }

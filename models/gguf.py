@@ -65,25 +65,32 @@ class GGUFMapping:
     restore_values: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
-def decoder_hparams(metadata: Metadata, tensors: GGUFTensors, model_type: str, architectures: list[str],
-                    partial_rotary: bool = False) -> dict:
+def decoder_hparams(
+    metadata: Metadata, tensors: GGUFTensors, model_type: str, architectures: list[str], partial_rotary: bool = False
+) -> dict:
     """The config.json fields every llama.cpp decoder stores the same way; RoPE over part of each
     head (`partial_rotary_factor`) only for a family that computes it."""
     arch = metadata.require("general.architecture", str)
     hidden_size = metadata.size(f"{arch}.embedding_length")
     num_heads = metadata.size(f"{arch}.attention.head_count")
     if f"{arch}.attention.key_length" not in metadata and hidden_size % num_heads:
-        raise KilnError(f"{arch}.attention.head_count {num_heads} does not divide {arch}.embedding_length "
-                        f"{hidden_size}", metadata.path)
+        raise KilnError(
+            f"{arch}.attention.head_count {num_heads} does not divide {arch}.embedding_length {hidden_size}",
+            metadata.path,
+        )
     head_dim = metadata.size(f"{arch}.attention.key_length", hidden_size // num_heads)
     rope_dims = metadata.size(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim and not partial_rotary:
-        raise KilnError(f"RoPE over {rope_dims} of {head_dim} head dimensions ({arch}.rope.dimension_count) "
-                        f"is not supported for {arch}", metadata.path)
+        raise KilnError(
+            f"RoPE over {rope_dims} of {head_dim} head dimensions ({arch}.rope.dimension_count) "
+            f"is not supported for {arch}",
+            metadata.path,
+        )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none", str)
     if scaling not in ("none", "linear"):
-        raise KilnError(f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type "
-                        "(supported: none, linear)", metadata.path)
+        raise KilnError(
+            f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type (supported: none, linear)", metadata.path
+        )
     config = {
         "model_type": model_type,
         "architectures": architectures,

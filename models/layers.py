@@ -14,9 +14,7 @@ def matmul_transposed(x: te.Tensor, weight: te.Tensor, out_dtype: str) -> te.Ten
     k = te.reduce_axis((0, in_features), name="k")
     return te.compute(
         (*batch, out_features),
-        lambda *idx: te.sum(
-            x[(*idx[:-1], k)].astype(out_dtype) * weight[idx[-1], k].astype(out_dtype), axis=k
-        ),
+        lambda *idx: te.sum(x[(*idx[:-1], k)].astype(out_dtype) * weight[idx[-1], k].astype(out_dtype), axis=k),
         name="matmul",
     )
 
@@ -53,9 +51,7 @@ class Embedding(nn.Module):
         return nn.op.take(self.weight, token_ids, axis=0)
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
-        return nn.op.tensor_expr_op(
-            lambda x, w: matmul_transposed(x, w, "float32"), "lm_head", [x, self.weight]
-        )
+        return nn.op.tensor_expr_op(lambda x, w: matmul_transposed(x, w, "float32"), "lm_head", [x, self.weight])
 
 
 class RMSNorm(nn.Module):

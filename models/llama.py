@@ -45,8 +45,13 @@ def llama_layers_config(read: ConfigReader, fields: dict[str, Any], **family_fie
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
     read = ConfigReader(hf_config, path)
     attention_bias = read.get("attention_bias", bool, False)
-    return llama_layers_config(read, read.decoder_fields(overrides), qkv_bias=attention_bias,
-                               o_proj_bias=attention_bias, mlp_bias=read.get("mlp_bias", bool, False))
+    return llama_layers_config(
+        read,
+        read.decoder_fields(overrides),
+        qkv_bias=attention_bias,
+        o_proj_bias=attention_bias,
+        mlp_bias=read.get("mlp_bias", bool, False),
+    )
 
 
 class LlamaAttention(nn.Module):
@@ -62,9 +67,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         batch, seq_len, _ = x.shape
         qkv = apply_rope(nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim)), kv_cache, self.config)
-        attended = kv_cache.attention_with_fused_qkv(
-            layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
-        )
+        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5)
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
 
 
@@ -93,8 +96,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, dtype: str, attention: type[LlamaAttention]):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, dtype, attention)
-                                     for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, dtype, attention) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -147,9 +151,13 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
         # no attention factor (max = original positions) give exactly llama3's RoPE.
         factors = tensors.read("rope_freqs.weight").astype(np.float64).tolist()
         positions = config["max_position_embeddings"]
-        config["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors, "short_factor": factors,
-                                  "original_max_position_embeddings": positions,
-                                  "max_position_embeddings": positions}
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": factors,
+            "short_factor": factors,
+            "original_max_position_embeddings": positions,
+            "max_position_embeddings": positions,
+        }
     return config
 
 

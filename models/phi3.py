@@ -41,34 +41,49 @@ def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Llam
     read.expect("hidden_act", ("silu",), "silu")
     _, scaling = read.rope()
     if scaling and scaling["rope_type"] != "longrope":
-        raise KilnError(f"config.json rope scaling '{scaling['rope_type']}' is not Phi-3's; "
-                        "Kiln's phi3 supports longrope", path)
+        raise KilnError(
+            f"config.json rope scaling '{scaling['rope_type']}' is not Phi-3's; Kiln's phi3 supports longrope", path
+        )
     longest = read.get("max_position_embeddings", int, 4096)
-    original = read.get("original_max_position_embeddings", int,
-                        (scaling or {}).get("original_max_position_embeddings", longest))
-    fields = read.sliding_window(read.decoder_fields(overrides, max_context=min(4096, original) if scaling else 4096,
-                                                     partial_rotary=True))
+    original = read.get(
+        "original_max_position_embeddings", int, (scaling or {}).get("original_max_position_embeddings", longest)
+    )
+    fields = read.sliding_window(
+        read.decoder_fields(overrides, max_context=min(4096, original) if scaling else 4096, partial_rotary=True)
+    )
     context = fields["context_window_size"]
     if scaling and context > original:
-        raise KilnError(f"a context window of {context} is longer than config.json's "
-                        f"original_max_position_embeddings ({original}): beyond it Phi-3 switches to the "
-                        f"long RoPE factors, which Kiln does not apply; build with --context-window-size {original} "
-                        "or less", path)
+        raise KilnError(
+            f"a context window of {context} is longer than config.json's "
+            f"original_max_position_embeddings ({original}): beyond it Phi-3 switches to the "
+            f"long RoPE factors, which Kiln does not apply; build with --context-window-size {original} "
+            "or less",
+            path,
+        )
 
     # transformers 5 keeps partial_rotary_factor in rope_parameters, earlier versions at the top level
     rope_parameters = hf_config.get("rope_parameters") or {}
     partial = read.get("partial_rotary_factor", float, rope_parameters.get("partial_rotary_factor", 1.0))
     rotary_dim = int(fields["head_dim"] * partial)
     if partial > 1 or rotary_dim % 2:
-        raise KilnError(f"config.json partial_rotary_factor {partial} should rotate an even number (at most "
-                        f"all) of the {fields['head_dim']} head dimensions", path)
+        raise KilnError(
+            f"config.json partial_rotary_factor {partial} should rotate an even number (at most "
+            f"all) of the {fields['head_dim']} head dimensions",
+            path,
+        )
     if scaling:
         if len(scaling.get("short_factor") or ()) != rotary_dim // 2:
-            raise KilnError(f"config.json rope scaling short_factor should hold {rotary_dim // 2} factors "
-                            "(one per rotated pair of head dimensions)", path)
+            raise KilnError(
+                f"config.json rope scaling short_factor should hold {rotary_dim // 2} factors "
+                "(one per rotated pair of head dimensions)",
+                path,
+            )
         # `factor`, when given, is transformers' name for max / original positions.
-        scaling = {**scaling, "original_max_position_embeddings": original,
-                   "max_position_embeddings": original * scaling["factor"] if "factor" in scaling else longest}
+        scaling = {
+            **scaling,
+            "original_max_position_embeddings": original,
+            "max_position_embeddings": original * scaling["factor"] if "factor" in scaling else longest,
+        }
     return LlamaConfig(
         **{**fields, "rope_scaling": scaling},
         rotary_dim=rotary_dim,
@@ -82,8 +97,9 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
     """llama.cpp's Phi3MiniModel converter keeps the original context as rope metadata, LongRoPE's
     factors as two tensors with the attention factor beside them, and 0 for no sliding window."""
     config = decoder_hparams(metadata, tensors, "phi3", ["Phi3ForCausalLM"], partial_rotary=True)
-    config["original_max_position_embeddings"] = metadata.get("phi3.rope.scaling.original_context_length",
-                                                              config["max_position_embeddings"])
+    config["original_max_position_embeddings"] = metadata.get(
+        "phi3.rope.scaling.original_context_length", config["max_position_embeddings"]
+    )
     config["sliding_window"] = metadata.get("phi3.attention.sliding_window") or None
     if "rope_factors_short.weight" in tensors.names:
         config["rope_scaling"] = {

@@ -20,8 +20,14 @@ MODEL_DEFAULTS = ("temperature", "top_p", "repetition_penalty")
 class ApiError(Exception):
     """An error answered as OpenAI's JSON error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        error_type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.error_type, self.code = status, message, param, error_type, code
 
@@ -62,8 +68,9 @@ class Number:
     def read(self, name: str, value) -> float:
         typed(name, value, (int, float))
         if not (self.low < value <= self.high if self.low_open else self.low <= value <= self.high):
-            raise ApiError(400, f"{name!r} must be in {'(' if self.low_open else '['}{self.low}, {self.high}], "
-                                f"got {value}.", name)
+            raise ApiError(
+                400, f"{name!r} must be in {'(' if self.low_open else '['}{self.low}, {self.high}], got {value}.", name
+            )
         return float(value)
 
 
@@ -98,8 +105,15 @@ SAMPLING_FIELDS = {
 }
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")  # the second wins (OpenAI's newer name)
 # OpenAI features Kiln does not implement: accepted only at the value that means "off".
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "logit_bias": {},
-               "suffix": ""}
+UNSUPPORTED = {
+    "n": 1,
+    "best_of": 1,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "echo": False,
+    "logit_bias": {},
+    "suffix": "",
+}
 # Fields only a chat request may have.
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -195,16 +209,29 @@ def tool_calls(calls, index: int) -> list[dict]:
     checked = []
     for call in typed(name, calls, (list,)):
         function = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(function, dict) and isinstance(call.get("id"), str) and call.get("type") == "function"
-                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)):
-            raise ApiError(400, f"{name} must be a list of {{'id', 'type': 'function', 'function': {{'name', "
-                                "'arguments'}}}.", name)
+        if not (
+            isinstance(function, dict)
+            and isinstance(call.get("id"), str)
+            and call.get("type") == "function"
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        ):
+            raise ApiError(
+                400,
+                f"{name} must be a list of {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}}}.",
+                name,
+            )
         try:
             json.loads(function["arguments"])
         except ValueError:
             raise ApiError(400, f"{name}: the arguments of {function['name']!r} are not JSON text.", name) from None
-        checked.append({"id": call["id"], "type": "function",
-                        "function": {"name": text(name, function["name"]), "arguments": function["arguments"]}})
+        checked.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": text(name, function["name"]), "arguments": function["arguments"]},
+            }
+        )
     return checked
 
 
@@ -272,6 +299,11 @@ def read_request(chat: bool) -> ApiRequest:
     tools = tool_request(body) if chat else None
     if tools and tools.choice != "none" and chosen.get("response_format"):
         raise ApiError(400, "'response_format' cannot be combined with tools the model may call.", "response_format")
-    return ApiRequest(model=text("model", required(body, "model")),
-                      stream=present(body, "stream") and Flag().read("stream", body["stream"]),
-                      include_usage=include_usage(body), sampling=chosen, tools=tools, **source)
+    return ApiRequest(
+        model=text("model", required(body, "model")),
+        stream=present(body, "stream") and Flag().read("stream", body["stream"]),
+        include_usage=include_usage(body),
+        sampling=chosen,
+        tools=tools,
+        **source,
+    )

@@ -25,15 +25,15 @@ NPM_PACKAGES = ("@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers", "@mlc-ai/web-xg
 
 @dataclass(frozen=True)
 class ServerConfig:
-    dist: Path                                  # a folder of compiled model folders
+    dist: Path  # a folder of compiled model folders
     web_dir: Path = field(default_factory=default_web_dir)
-    native_target: str = "cpu"                  # the library the OpenAI API runs
+    native_target: str = "cpu"  # the library the OpenAI API runs
     max_request_bytes: int = 1 << 20
-    queue_timeout_s: float = 600.0              # how long a request waits for its model to be free
-    allowed_hosts: tuple[str, ...] = ()         # Host names accepted besides the bound address
-    cors_origins: tuple[str, ...] = ()          # page origins allowed to call /v1 ("*": any)
-    idle_unload_s: float = 600.0                # release a model's engine unused this long (0: never)
-    max_loaded_models: int = 2                  # release the least recently used past this many (0: no limit)
+    queue_timeout_s: float = 600.0  # how long a request waits for its model to be free
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the bound address
+    cors_origins: tuple[str, ...] = ()  # page origins allowed to call /v1 ("*": any)
+    idle_unload_s: float = 600.0  # release a model's engine unused this long (0: never)
+    max_loaded_models: int = 2  # release the least recently used past this many (0: no limit)
 
 
 def create_app(config: ServerConfig) -> Flask:
@@ -43,8 +43,9 @@ def create_app(config: ServerConfig) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     # A path with `//` is refused like any other odd path rather than redirected to a cleaned one.
     app.url_map.merge_slashes = False
-    engines = NativeEngines(config.dist, config.native_target, config.queue_timeout_s, config.idle_unload_s,
-                            config.max_loaded_models)
+    engines = NativeEngines(
+        config.dist, config.native_target, config.queue_timeout_s, config.idle_unload_s, config.max_loaded_models
+    )
     allowed_names = tuple(name.lower() for name in config.allowed_hosts)
     app.register_blueprint(make_artifacts_blueprint(config))
     app.register_blueprint(make_openai_blueprint(engines))
@@ -52,8 +53,11 @@ def create_app(config: ServerConfig) -> Flask:
     @app.before_request
     def refuse_other_hosts():
         if not host_allowed(request.host, request.environ, allowed_names):
-            abort(403, f"The Host {request.host!r} is not this server (DNS rebinding?): use its address, "
-                       "or allow the name with `kiln serve --allow-host NAME`.")
+            abort(
+                403,
+                f"The Host {request.host!r} is not this server (DNS rebinding?): use its address, "
+                "or allow the name with `kiln serve --allow-host NAME`.",
+            )
 
     @app.after_request
     def api_cors(response: Response) -> Response:
@@ -63,8 +67,13 @@ def create_app(config: ServerConfig) -> Flask:
 
     @app.get("/health")
     def health():
-        return jsonify({"status": "ok", "models": [m.model_id for m in compiled_models(config.dist)],
-                        "engines_loaded": engines.loaded()})
+        return jsonify(
+            {
+                "status": "ok",
+                "models": [m.model_id for m in compiled_models(config.dist)],
+                "engines_loaded": engines.loaded(),
+            }
+        )
 
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException):
@@ -89,10 +98,16 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> No
     app = create_app(config)
     missing = missing_npm_packages(config.web_dir)
     if missing:
-        print(f"kiln: warning: the chat harness needs npm packages ({', '.join(missing)}): "
-              f"run `npm ci` in {config.web_dir}", file=sys.stderr)
+        print(
+            f"kiln: warning: the chat harness needs npm packages ({', '.join(missing)}): "
+            f"run `npm ci` in {config.web_dir}",
+            file=sys.stderr,
+        )
     server = make_server(host, port, app, threaded=True)
     models = compiled_models(config.dist)
-    print(f"kiln: serving {len(models)} model(s) from {config.dist} at http://{host}:{server.server_port}/",
-          file=sys.stderr, flush=True)
+    print(
+        f"kiln: serving {len(models)} model(s) from {config.dist} at http://{host}:{server.server_port}/",
+        file=sys.stderr,
+        flush=True,
+    )
     server.serve_forever()

@@ -18,9 +18,15 @@ from kiln.app_config import app_config, compiled_models
 from .files import CORS_HEADERS, send_inside
 
 # The only parts of web/ the page loads; node_modules holds much else that is not for serving.
-WEB_PREFIXES = ("src/", "harness/", "node_modules/@mlc-ai/web-runtime/lib/",
-                "node_modules/@mlc-ai/web-tokenizers/lib/", "node_modules/@mlc-ai/web-xgrammar/lib/",
-                "node_modules/@huggingface/jinja/dist/", "node_modules/@mlc-ai/web-llm/lib/")
+WEB_PREFIXES = (
+    "src/",
+    "harness/",
+    "node_modules/@mlc-ai/web-runtime/lib/",
+    "node_modules/@mlc-ai/web-tokenizers/lib/",
+    "node_modules/@mlc-ai/web-xgrammar/lib/",
+    "node_modules/@huggingface/jinja/dist/",
+    "node_modules/@mlc-ai/web-llm/lib/",
+)
 WEBLLM_PREFIX = "resolve/"
 
 
@@ -40,7 +46,7 @@ def make_artifacts_blueprint(config) -> Blueprint:
     @artifacts.get("/models/<model_id>/<path:relative>")
     def model_file(model_id: str, relative: str):
         if relative.startswith(WEBLLM_PREFIX):
-            _, _, relative = relative[len(WEBLLM_PREFIX):].partition("/")
+            _, _, relative = relative[len(WEBLLM_PREFIX) :].partition("/")
         return send_inside(config.dist, f"{model_id}/{relative}", cors=True)
 
     @artifacts.get("/api/app-config.json")

@@ -26,8 +26,8 @@ class Slot:
     """A model's place in the pool: its load lock and, once loaded, its engine."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while loading or releasing
-    engine: object | None = None      # a kiln.engine.Engine
-    requested_at: float = 0.0         # time.monotonic() of the last request for it
+    engine: object | None = None  # a kiln.engine.Engine
+    requested_at: float = 0.0  # time.monotonic() of the last request for it
 
     def last_used(self) -> float:
         return max(self.requested_at, self.engine.last_active)
@@ -51,8 +51,9 @@ class NativeEngines:
     `idle_unload_s` (0: never) releases an engine unused that long; `max_loaded` (0: no limit)
     releases the least recently used ones past that many."""
 
-    def __init__(self, dist: Path, target: str, queue_timeout_s: float, idle_unload_s: float = 0.0,
-                 max_loaded: int = 0):
+    def __init__(
+        self, dist: Path, target: str, queue_timeout_s: float, idle_unload_s: float = 0.0, max_loaded: int = 0
+    ):
         self.dist = dist
         self.target = target
         self.queue_timeout_s = queue_timeout_s
@@ -89,8 +90,14 @@ class NativeEngines:
         """Release the engines idle past `idle_unload_s`, then the least recently used past `max_loaded`."""
         now = time.monotonic()
         with self.lock:
-            loaded = sorted(((model_id, slot) for model_id, slot in self.slots.items()
-                             if slot.engine is not None and model_id != keep), key=lambda item: item[1].last_used())
+            loaded = sorted(
+                (
+                    (model_id, slot)
+                    for model_id, slot in self.slots.items()
+                    if slot.engine is not None and model_id != keep
+                ),
+                key=lambda item: item[1].last_used(),
+            )
             excess = len(loaded) + (keep is not None) - self.max_loaded if self.max_loaded else 0
             for _, slot in loaded:
                 idle = self.idle_unload_s and now - slot.last_used() >= self.idle_unload_s
@@ -103,8 +110,13 @@ class NativeEngines:
                 return self.slots[model_id]
         ids = self.model_ids()
         if model_id not in ids:
-            raise ApiError(404, f"The model {model_id!r} does not exist here (models with a {self.target} "
-                                f"library: {', '.join(ids) or 'none'})", "model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model {model_id!r} does not exist here (models with a {self.target} "
+                f"library: {', '.join(ids) or 'none'})",
+                "model",
+                code="model_not_found",
+            )
         with self.lock:
             return self.slots.setdefault(model_id, Slot())
 

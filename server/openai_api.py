@@ -64,8 +64,9 @@ def interrupted_if_client_leaves(connection: socket.socket | None, engine) -> It
         yield
         return
     done = threading.Event()
-    watcher = threading.Thread(target=watch_connection, args=(connection, done, engine.interrupt),
-                               name="kiln-client-watch", daemon=True)
+    watcher = threading.Thread(
+        target=watch_connection, args=(connection, done, engine.interrupt), name="kiln-client-watch", daemon=True
+    )
     watcher.start()
     try:
         yield
@@ -81,16 +82,20 @@ def log_if_abandoned(finish_reason: str | None, generated: int) -> None:
 
 
 def usage_json(usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 def sse(payload) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def event_stream(deltas: Iterator, chunk, opening: dict | None, include_usage: bool, watch,
-                 calls: ContentBeforeCalls | None) -> Iterator[str]:
+def event_stream(
+    deltas: Iterator, chunk, opening: dict | None, include_usage: bool, watch, calls: ContentBeforeCalls | None
+) -> Iterator[str]:
     """Server-sent events for an engine stream; `chunk(...)` shapes one event, `opening` is the
     first (chat streams announce the assistant's role), `watch` interrupts the engine if the client
     leaves, `calls` (when the model may call tools) holds back the text of calls and reads them at the end.
@@ -192,21 +197,41 @@ def respond(asked: ApiRequest, engine, deltas: Iterator, calls: ContentBeforeCal
     created = int(time.time())
     watch = interrupted_if_client_leaves(request.environ.get("werkzeug.socket"), engine)
     if asked.stream:
+
         def chunk(text, finish_reason, usage=None, choice=None, tool_calls=()):
-            choices = [] if usage else [choice or (chat_choice if chat else completion_choice)(text, finish_reason,
-                                                                                                 tool_calls)]
-            out = {"id": completion_id, "object": f"{object_name}.chunk" if chat else object_name,
-                   "created": created, "model": asked.model, "choices": choices}
+            choices = (
+                []
+                if usage
+                else [choice or (chat_choice if chat else completion_choice)(text, finish_reason, tool_calls)]
+            )
+            out = {
+                "id": completion_id,
+                "object": f"{object_name}.chunk" if chat else object_name,
+                "created": created,
+                "model": asked.model,
+                "choices": choices,
+            }
             if usage:
                 out["usage"] = usage
             return out
 
         opening = None
         if chat:
-            opening = chunk(None, None, choice={"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None, "logprobs": None})
-        return Response(event_stream(deltas, chunk, opening, asked.include_usage, watch, calls),
-                        mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            opening = chunk(
+                None,
+                None,
+                choice={
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None,
+                    "logprobs": None,
+                },
+            )
+        return Response(
+            event_stream(deltas, chunk, opening, asked.include_usage, watch, calls),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     text, last = collect_reply(deltas, watch)
     if chat:
         message, called = chat_message(text, calls)
@@ -214,8 +239,16 @@ def respond(asked: ApiRequest, engine, deltas: Iterator, calls: ContentBeforeCal
     else:
         choice, called = {"index": 0, "text": text}, False
     choice.update(finish_reason="tool_calls" if called else last.finish_reason, logprobs=None)
-    return jsonify({"id": completion_id, "object": object_name, "created": created, "model": asked.model,
-                    "choices": [choice], "usage": usage_json(last.usage)})
+    return jsonify(
+        {
+            "id": completion_id,
+            "object": object_name,
+            "created": created,
+            "model": asked.model,
+            "choices": [choice],
+            "usage": usage_json(last.usage),
+        }
+    )
 
 
 def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
@@ -227,25 +260,41 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
 
     @api.get("/models")
     def list_models():
-        return jsonify({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": 0, "owned_by": "kiln"} for model_id in engines.model_ids()]})
+        return jsonify(
+            {
+                "object": "list",
+                "data": [
+                    {"id": model_id, "object": "model", "created": 0, "owned_by": "kiln"}
+                    for model_id in engines.model_ids()
+                ],
+            }
+        )
 
     @api.post("/chat/completions")
     def chat_completions():
         asked = read_request(chat=True)
         engine = engines.get(asked.model)
         if engine.chat_template is None:
-            raise ApiError(400, f"The model {asked.model!r} has no chat template (it is a base model): it completes "
-                                "raw text at /v1/completions, it does not chat.", "model", code="model_cannot_chat")
+            raise ApiError(
+                400,
+                f"The model {asked.model!r} has no chat template (it is a base model): it completes "
+                "raw text at /v1/completions, it does not chat.",
+                "model",
+                code="model_cannot_chat",
+            )
         config = asked.generation_config(engine.chat_config)
         tools = asked.tools if asked.tools and asked.tools.choice != "none" else None
         if tools is None:
             return respond(asked, engine, start_stream(lambda: engine.stream_chat(asked.messages, config)))
         call_format = engine.tool_call_format
         if call_format is None:
-            raise ApiError(400, f"The model {asked.model!r} cannot call tools: its chat template does not render "
-                                "them (or writes calls in a way Kiln does not read).", "tools",
-                           code="model_cannot_call_tools")
+            raise ApiError(
+                400,
+                f"The model {asked.model!r} cannot call tools: its chat template does not render "
+                "them (or writes calls in a way Kiln does not read).",
+                "tools",
+                code="model_cannot_call_tools",
+            )
         config.response_format = tools.response_format(call_format)
         opening = tools.reply_opening(call_format)
         deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening), "tools")

@@ -70,4 +70,5 @@ def allow_cors(response: Response, origins: tuple[str, ...]) -> None:
     if request.method == "OPTIONS":
         response.headers.update(CORS_PREFLIGHT_HEADERS)
         response.headers["Access-Control-Allow-Headers"] = request.headers.get(
-            "Access-Control-Request-Headers", "Authorization, Content-Type")
+            "Access-Control-Request-Headers", "Authorization, Content-Type"
+        )

@@ -30,8 +30,11 @@ def served_folders(web_dir: Path) -> list[str]:
     """The served folders of web/, leaving out the dev packages' (WebLLM's, for the tests)."""
     runtime = json.loads((web_dir / "package.json").read_text())["dependencies"]
     # A package's prefix is node_modules/@scope/name/<its dist folder>/.
-    return [prefix for prefix in WEB_PREFIXES
-            if not prefix.startswith("node_modules/") or "/".join(prefix.split("/")[1:3]) in runtime]
+    return [
+        prefix
+        for prefix in WEB_PREFIXES
+        if not prefix.startswith("node_modules/") or "/".join(prefix.split("/")[1:3]) in runtime
+    ]
 
 
 def copy_served_files(web_dir: Path, dest: Path) -> None:

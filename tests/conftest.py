@@ -36,8 +36,11 @@ class SessionBuilds:
         current = previous.get("kiln_code_digest") == kiln_code_digest()
         missing = [t for t in targets if not current or t not in previous.get("targets", {})]
         if missing:
-            build(BuildRequest(source=str(source), quantization=quantization, targets=missing,
-                               output=self.dist, model_id=model_id))
+            build(
+                BuildRequest(
+                    source=str(source), quantization=quantization, targets=missing, output=self.dist, model_id=model_id
+                )
+            )
         return model_dir
 
 
@@ -55,15 +58,15 @@ def tiny_source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_untied_source(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama-untied", seed=1,
-                           tie_word_embeddings=False)
+    return make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama-untied", seed=1, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_build(builds, tiny_source):
     """tiny_build(quantization, targets) → model folder of the tiny Llama."""
-    return lambda quantization, targets=("cpu",): builds.model_dir(tiny_source, "tiny-llama", quantization,
-                                                                   list(targets))
+    return lambda quantization, targets=("cpu",): builds.model_dir(
+        tiny_source, "tiny-llama", quantization, list(targets)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +77,9 @@ def smollm2_source() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_build(builds, smollm2_source):
     """smollm2_build(quantization, targets) → model folder of SmolLM2-135M-Instruct."""
-    return lambda quantization, targets=("cpu",): builds.model_dir(smollm2_source, "SmolLM2-135M-Instruct",
-                                                                   quantization, list(targets))
+    return lambda quantization, targets=("cpu",): builds.model_dir(
+        smollm2_source, "SmolLM2-135M-Instruct", quantization, list(targets)
+    )
 
 
 @pytest.fixture(scope="session")

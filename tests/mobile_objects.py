@@ -26,7 +26,7 @@ def archive_members(data: bytes) -> dict[str, bytes]:
         assert fmag == b"`\n", f"bad member header at byte {offset}"
         offset += AR_HEADER.size
         size = int(size)
-        body = data[offset:offset + size]
+        body = data[offset : offset + size]
         name = name.decode().rstrip()
         if name.startswith("#1/"):  # BSD: the name follows the header, counted in the size
             length = int(name[3:])
@@ -35,7 +35,7 @@ def archive_members(data: bytes) -> dict[str, bytes]:
             long_names = body
         elif name.startswith("/") and name[1:].isdigit():  # GNU: an offset into the name table
             start = int(name[1:])
-            name = long_names[start:long_names.index(b"/\n", start)].decode()
+            name = long_names[start : long_names.index(b"/\n", start)].decode()
         elif name.endswith("/") and name != "/":
             name = name[:-1]
         if name not in SYMBOL_TABLES and name != "//":

@@ -16,41 +16,108 @@ MODEL_ID = "tiny-llama-q4f32_1"
 PATHS = ("/v1/chat/completions", "/v1/completions")
 
 junk = st.one_of(
-    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=6), st.sampled_from(["\ud800", "a\udfffb"]), st.lists(st.integers(-5, 5), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.sampled_from(["\ud800", "a\udfffb"]),
+    st.lists(st.integers(-5, 5), max_size=3),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 words = st.text(max_size=24) | st.sampled_from(["<|im_end|>", "\x00", "é" * 9])
-message = st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant"]),
-    "content": words | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words}), max_size=3),
-})
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"]),
+        "content": words | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words}), max_size=3),
+    }
+)
 # JSON Schemas made of schema keywords and values, most of them nonsense; and EBNF-like text.
-schema_keys = st.sampled_from(["type", "properties", "items", "prefixItems", "enum", "const", "anyOf", "oneOf", "allOf",
-                               "required", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems",
-                               "pattern", "format", "$ref", "$defs", "additionalProperties", "a"])
-schema_leaves = (st.booleans() | st.none() | st.integers(-3, 10**12) | st.floats(-1e9, 1e9)
-                 | st.sampled_from(["string", "object", "integer", "array", "number", "boolean", "null", "^[a-z]{2}$",
-                                    "(", "#/$defs/a", "#", "date", "a"]))
-schemas = st.recursive(schema_leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(schema_keys, inner,
-                                                                                                    max_size=4),
-                       max_leaves=12)
-grammars = st.text(max_size=30) | st.sampled_from(['root ::= "a"', 'root ::= [a-z]+ "."', "root ::= root",
-                                                   'root ::= ""'])
+schema_keys = st.sampled_from(
+    [
+        "type",
+        "properties",
+        "items",
+        "prefixItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "required",
+        "minimum",
+        "maximum",
+        "minLength",
+        "maxLength",
+        "minItems",
+        "maxItems",
+        "pattern",
+        "format",
+        "$ref",
+        "$defs",
+        "additionalProperties",
+        "a",
+    ]
+)
+schema_leaves = (
+    st.booleans()
+    | st.none()
+    | st.integers(-3, 10**12)
+    | st.floats(-1e9, 1e9)
+    | st.sampled_from(
+        [
+            "string",
+            "object",
+            "integer",
+            "array",
+            "number",
+            "boolean",
+            "null",
+            "^[a-z]{2}$",
+            "(",
+            "#/$defs/a",
+            "#",
+            "date",
+            "a",
+        ]
+    )
+)
+schemas = st.recursive(
+    schema_leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(schema_keys, inner, max_size=4),
+    max_leaves=12,
+)
+grammars = st.text(max_size=30) | st.sampled_from(
+    ['root ::= "a"', 'root ::= [a-z]+ "."', "root ::= root", 'root ::= ""']
+)
 response_formats = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "yaml"])}),
     st.fixed_dictionaries({"type": st.just("json_object"), "schema": schemas | st.text(max_size=12)}),
-    st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
-        {"name": st.sampled_from(["answer", "", "a b"]), "schema": schemas}, optional={"strict": junk})}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {"name": st.sampled_from(["answer", "", "a b"]), "schema": schemas}, optional={"strict": junk}
+            ),
+        }
+    ),
     st.fixed_dictionaries({"type": st.just("grammar"), "grammar": grammars | junk}),
 )
 # Valid values of every field (max_tokens kept small so a run stays short); a request then has up
 # to two fields (or its whole body) replaced by junk, so most requests get deep into the server.
 REQUIRED = {
-    "/v1/chat/completions": {"model": st.just(MODEL_ID), "messages": st.lists(message, min_size=1, max_size=4),
-                             "max_tokens": st.integers(1, 4)},
-    "/v1/completions": {"model": st.just(MODEL_ID), "max_tokens": st.integers(1, 4), "prompt": (
-        words | st.lists(words, min_size=1, max_size=1) | st.lists(st.integers(-3, 300), min_size=1, max_size=8))},
+    "/v1/chat/completions": {
+        "model": st.just(MODEL_ID),
+        "messages": st.lists(message, min_size=1, max_size=4),
+        "max_tokens": st.integers(1, 4),
+    },
+    "/v1/completions": {
+        "model": st.just(MODEL_ID),
+        "max_tokens": st.integers(1, 4),
+        "prompt": (
+            words | st.lists(words, min_size=1, max_size=1) | st.lists(st.integers(-3, 300), min_size=1, max_size=8)
+        ),
+    },
 }
 OPTIONAL = {
     "temperature": st.floats(0, 2),

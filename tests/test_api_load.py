@@ -40,8 +40,14 @@ RSS_TOLERANCE_KB = 16 * 1024
 
 def request_body(endpoint: str, prompt: str, stream: bool) -> dict:
     source = {"messages": [{"role": "user", "content": prompt}]} if "chat" in endpoint else {"prompt": prompt}
-    return {"model": MODEL_ID, **source, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
-            **({"stream_options": {"include_usage": True}} if stream else {})}
+    return {
+        "model": MODEL_ID,
+        **source,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
 
 
 def reply_text(endpoint: str, choice: dict) -> str:
@@ -68,8 +74,9 @@ def ask(server: Server, endpoint: str, prompt: str, stream: bool) -> tuple[str, 
     """A whole reply: (text, completion tokens)."""
     connection = server.connection()
     try:
-        connection.request("POST", endpoint, json.dumps(request_body(endpoint, prompt, stream)),
-                           {"Content-Type": "application/json"})
+        connection.request(
+            "POST", endpoint, json.dumps(request_body(endpoint, prompt, stream)), {"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         assert response.status == 200, response.read()[:500]
         if not stream:
@@ -93,8 +100,9 @@ def leave(server: Server, endpoint: str, prompt: str, stream: bool) -> None:
     """Ask, then hang up in the middle of the reply (a streamed one after its first event)."""
     connection = server.connection()
     try:
-        connection.request("POST", endpoint, json.dumps(request_body(endpoint, prompt, stream)),
-                           {"Content-Type": "application/json"})
+        connection.request(
+            "POST", endpoint, json.dumps(request_body(endpoint, prompt, stream)), {"Content-Type": "application/json"}
+        )
         if stream:
             response = connection.getresponse()
             while not response.readline().startswith(b"data:"):
@@ -148,8 +156,10 @@ def client_loop(server: Server, index: int, until: float, references: dict, tall
 def run_clients(server: Server, seconds: float, references: dict) -> tuple[Tally, float]:
     tally = Tally()
     started = time.monotonic()
-    threads = [threading.Thread(target=client_loop, args=(server, i, started + seconds, references, tally))
-               for i in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=client_loop, args=(server, i, started + seconds, references, tally))
+        for i in range(CLIENTS)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -173,8 +183,9 @@ def settled_threads(server: Server, steady_s: float = 2.0, timeout_s: float = 30
 def server(tiny_dir, tmp_path):
     log = tmp_path / "serve.log"
     with log.open("w") as output:
-        process = subprocess.Popen([KILN, "serve", "--dist", str(tiny_dir.parent), "--port", "0"],
-                                   stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [KILN, "serve", "--dist", str(tiny_dir.parent), "--port", "0"], stdout=output, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + 60
         while not (found := re.search(r"at http://127\.0\.0\.1:(\d+)/", log.read_text())):
@@ -187,8 +198,11 @@ def server(tiny_dir, tmp_path):
 
 
 def test_the_api_under_load(server):
-    references = {(endpoint, prompt): ask(server, endpoint, prompt, stream=False)[0]
-                  for endpoint in ENDPOINTS for prompt in PROMPTS}
+    references = {
+        (endpoint, prompt): ask(server, endpoint, prompt, stream=False)[0]
+        for endpoint in ENDPOINTS
+        for prompt in PROMPTS
+    }
     run_clients(server, WARMUP_S, references)
     threads_before = settled_threads(server)
     rss_before = server.proc_status("VmRSS")
@@ -198,14 +212,16 @@ def test_the_api_under_load(server):
     threads_after = settled_threads(server)
     rss_after = server.proc_status("VmRSS")
     latencies = sorted(tally.latencies)
-    print(f"\nload: {CLIENTS} clients ({LEAVERS} hanging up mid-reply) for {elapsed:.1f} s: "
-          f"{tally.sent} requests, {tally.completed} completed, {tally.left} abandoned, "
-          f"{len(tally.failures)} failed\n"
-          f"latency p50 {statistics.median(latencies):.3f} s, p99 {latencies[int(0.99 * (len(latencies) - 1))]:.3f} s, "
-          f"max {latencies[-1]:.3f} s\n"
-          f"throughput {tally.completed / elapsed:.1f} completed requests/s, {tally.tokens / elapsed:.0f} tokens/s\n"
-          f"server threads {threads_before} → {threads_after}, "
-          f"RSS {rss_before / 1024:.1f} → {rss_after / 1024:.1f} MB")
+    print(
+        f"\nload: {CLIENTS} clients ({LEAVERS} hanging up mid-reply) for {elapsed:.1f} s: "
+        f"{tally.sent} requests, {tally.completed} completed, {tally.left} abandoned, "
+        f"{len(tally.failures)} failed\n"
+        f"latency p50 {statistics.median(latencies):.3f} s, p99 {latencies[int(0.99 * (len(latencies) - 1))]:.3f} s, "
+        f"max {latencies[-1]:.3f} s\n"
+        f"throughput {tally.completed / elapsed:.1f} completed requests/s, {tally.tokens / elapsed:.0f} tokens/s\n"
+        f"server threads {threads_before} → {threads_after}, "
+        f"RSS {rss_before / 1024:.1f} → {rss_after / 1024:.1f} MB"
+    )
     assert not tally.failures, tally.failures[:5]
     assert tally.sent == tally.completed + tally.left
     assert not tally.wrong, tally.wrong[:5]

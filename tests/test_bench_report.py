@@ -14,8 +14,20 @@ pytestmark = pytest.mark.browser
 
 def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
     output = tmp_path / "reports" / "tiny"
-    result = run_kiln("bench", "report", str(tiny_dir), "--target", "wasm", "--output", str(output),
-                      "--prompt-tokens", "16", "--decode-tokens", "8", timeout_s=1200)
+    result = run_kiln(
+        "bench",
+        "report",
+        str(tiny_dir),
+        "--target",
+        "wasm",
+        "--output",
+        str(output),
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "8",
+        timeout_s=1200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wasm decode is" in result.stdout and "× native on 1 thread" in result.stdout
 
@@ -37,7 +49,8 @@ def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
 
 
 def test_report_refuses_an_unknown_browser_device(tiny_dir, tmp_path):
-    result = run_kiln("bench", "report", str(tiny_dir), "--target", "vulkan", "--output", str(tmp_path / "r"),
-                      timeout_s=600)
+    result = run_kiln(
+        "bench", "report", str(tiny_dir), "--target", "vulkan", "--output", str(tmp_path / "r"), timeout_s=600
+    )
     assert result.returncode == 1 and "vulkan" in result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -56,8 +56,10 @@ def streamed_text(chunks: list[dict]) -> str:
 
 
 def wait_for_state(page, state: str, timeout_s: float = 300) -> None:
-    page.wait_for_function(f"document.body.dataset.state === {json.dumps(state)} "
-                           "|| document.body.dataset.state === 'error'", timeout=timeout_s * 1000)
+    page.wait_for_function(
+        f"document.body.dataset.state === {json.dumps(state)} || document.body.dataset.state === 'error'",
+        timeout=timeout_s * 1000,
+    )
     if state != "error":
         assert page.evaluate("document.body.dataset.state") == state, page.inner_text("#error")
 
@@ -75,7 +77,7 @@ def check_greedy_parity(engine: PageEngine, model_dir: Path) -> None:
     engine.call("resetChat")
     result = engine.chat({"messages": QUESTION, "stream": True, "temperature": 0, "max_tokens": GREEDY_TOKENS})
     stop_token = json.loads((model_dir / "mlc-chat-config.json").read_text())["conv_template"]["stop_token_ids"][0]
-    replied = expected[:expected.index(stop_token)] if stop_token in expected else expected
+    replied = expected[: expected.index(stop_token)] if stop_token in expected else expected
     assert streamed_text(result["chunks"]) == engine.call("session.decodeText", replied)
     usage = result["chunks"][-1]["usage"]
     assert usage["prompt_tokens"] == len(prompt_ids)
@@ -150,7 +152,8 @@ def test_multi_turn_chat_reuses_the_kv_cache(engine):
 
 
 def test_interrupt_ends_a_generation(engine):
-    result = engine.page.evaluate("""async (messages) => {
+    result = engine.page.evaluate(
+        """async (messages) => {
       const chunks = [];
       const stream = await globalThis.kilnDriven.chat.completions.create(
         { messages, stream: true, temperature: 1, seed: 3, max_tokens: 400 });
@@ -159,14 +162,17 @@ def test_interrupt_ends_a_generation(engine):
         if (chunks.length === 3) await globalThis.kilnDriven.interrupt();
       }
       return chunks;
-    }""", QUESTION)
+    }""",
+        QUESTION,
+    )
     finish = [c["choices"][0]["finish_reason"] for c in result if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finish == ["abort"]
     assert result[-1]["usage"]["completion_tokens"] < 20
 
 
 def test_leaving_a_stream_early_stops_the_generation(engine):
-    result = engine.page.evaluate("""async (messages) => {
+    result = engine.page.evaluate(
+        """async (messages) => {
       const engine = globalThis.kilnDriven;
       const stream = await engine.chat.completions.create({
         messages, stream: true, temperature: 1, seed: 3, max_tokens: 400,
@@ -176,7 +182,9 @@ def test_leaving_a_stream_early_stops_the_generation(engine):
       const stopped = (await engine.stats()).last_request;
       const next = await engine.chat.completions.create({ messages, temperature: 0, max_tokens: 2 });
       return { stopped, next };
-    }""", QUESTION)
+    }""",
+        QUESTION,
+    )
     assert result["stopped"]["finish_reason"] == "abort"
     assert result["stopped"]["completion_tokens"] < 20
     assert result["next"]["usage"]["completion_tokens"] == 2  # not refused as busy
@@ -184,8 +192,9 @@ def test_leaving_a_stream_early_stops_the_generation(engine):
 
 def test_sampling_is_seeded(engine):
     request = {"messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "max_tokens": 12}
-    texts = [engine.chat({**request, "seed": seed})["completion"]["choices"][0]["message"]["content"]
-             for seed in (1, 1, 2)]
+    texts = [
+        engine.chat({**request, "seed": seed})["completion"]["choices"][0]["message"]["content"] for seed in (1, 1, 2)
+    ]
     assert texts[0] == texts[1] != texts[2]
     with pytest.raises(BrowserEngineError) as bad:
         engine.chat({**request, "top_p": 0})
@@ -193,9 +202,14 @@ def test_sampling_is_seeded(engine):
 
 
 def test_the_harness_holds_a_reply_to_a_json_schema_and_pretty_prints_it(driver, tmp_path, url):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                               "founded": {"type": "integer", "minimum": 0, "maximum": 2000}},
-              "required": ["city", "founded"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "founded": {"type": "integer", "minimum": 0, "maximum": 2000},
+        },
+        "required": ["city", "founded"],
+    }
     with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}", webgpu=False) as (_, page):
         page.click("#load-button")
         wait_for_state(page, "ready")
@@ -239,7 +253,7 @@ def test_harness_chats_and_loads_from_cache_on_the_next_visit(driver, tmp_path, 
         assert "tok/s" in page.inner_text("#stats")
 
         # Text is text: markup typed by the user (or produced by the model) is never parsed.
-        markup = "<img src=x onerror=\"document.body.dataset.hacked=1\"><b>bold</b>"
+        markup = '<img src=x onerror="document.body.dataset.hacked=1"><b>bold</b>'
         page.fill("#max-tokens", "2")
         page.fill("#prompt", markup)
         page.click("#send-button")
@@ -315,14 +329,37 @@ def test_no_webgpu_and_no_cpu_library_is_a_clear_error(driver, tmp_path, url):
 
 def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
     kiln = Path(sys.executable).with_name("kiln")
-    result = subprocess.run([str(kiln), "bench", "browser", str(tiny_dir), "--target", "wasm", "--json",
-                             "--prompt-tokens", "16", "--decode-tokens", "8"],
-                            capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [
+            str(kiln),
+            "bench",
+            "browser",
+            str(tiny_dir),
+            "--target",
+            "wasm",
+            "--json",
+            "--prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["device"] == "wasm" and report["bandwidth_fraction"] is None
-    for key in ("load_s", "cold_load_s", "warm_load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s",
-                "peak_rss_mb"):
+    for key in (
+        "load_s",
+        "cold_load_s",
+        "warm_load_s",
+        "ttft_s",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "peak_rss_mb",
+    ):
         assert isinstance(report[key], (int, float)) and report[key] > 0, key  # JSON from JS: 3200.0 → 3200
     assert report["load_s"] == report["warm_load_s"]
 

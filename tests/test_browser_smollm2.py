@@ -41,8 +41,10 @@ def ask(page, screenshot: Path | None = None) -> str:
     page.keyboard.press("Enter")
     reply = page.locator("#transcript .turn.assistant .content").last
     if screenshot is not None:
-        page.wait_for_function("document.querySelector('#transcript .turn.assistant:last-child .content')"
-                               ".textContent.length > 0", timeout=REPLY_TIMEOUT_MS)
+        page.wait_for_function(
+            "document.querySelector('#transcript .turn.assistant:last-child .content').textContent.length > 0",
+            timeout=REPLY_TIMEOUT_MS,
+        )
         if page.evaluate("document.body.dataset.state") == "generating":
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True)

@@ -123,9 +123,11 @@ def group_squared_errors(approximation: np.ndarray, weight: np.ndarray, fmt) -> 
 def test_group_quantizer_error_is_at_most_the_max_scale_error_in_every_group(quantization, distribution):
     fmt = QUANTIZATIONS[quantization].group_format
     rng = np.random.default_rng(11)
-    weight = {"normal": lambda: rng.standard_normal((64, 256)),
-              "student_t": lambda: rng.standard_t(2, (64, 256)),  # heavy tails: a few outliers per group
-              "laplace": lambda: rng.laplace(size=(64, 256)) * 1e-3}[distribution]().astype(np.float32)
+    weight = {
+        "normal": lambda: rng.standard_normal((64, 256)),
+        "student_t": lambda: rng.standard_t(2, (64, 256)),  # heavy tails: a few outliers per group
+        "laplace": lambda: rng.laplace(size=(64, 256)) * 1e-3,
+    }[distribution]().astype(np.float32)
     new = group_squared_errors(dequantize_group(*quantize_group(weight, fmt), fmt), weight, fmt)
     old = group_squared_errors(max_scale_quantized(weight, fmt), weight, fmt)
     assert np.all(new <= old * (1 + 1e-6)), f"{np.sum(new > old * (1 + 1e-6))} groups are worse"
@@ -210,9 +212,11 @@ def test_tensor_cache_reloads_with_tvmjs_to_the_source_weights(tiny_build, tiny_
     expected = {
         "model.embed_tokens.weight": source["model.embed_tokens.weight"],
         f"{layer}.self_attn.qkv_proj.weight": np.concatenate(
-            [source[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]),
+            [source[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]
+        ),
         f"{layer}.mlp.gate_up_proj.weight": np.concatenate(
-            [source[f"{layer}.mlp.gate_proj.weight"], source[f"{layer}.mlp.up_proj.weight"]]),
+            [source[f"{layer}.mlp.gate_proj.weight"], source[f"{layer}.mlp.up_proj.weight"]]
+        ),
         f"{layer}.mlp.down_proj.weight": source[f"{layer}.mlp.down_proj.weight"],
         "model.norm.weight": source["model.norm.weight"],
     }
@@ -236,10 +240,27 @@ def test_every_shard_matches_its_md5_and_size_cap(tiny_build):
 
 def test_chat_config_is_what_webllm_reads(tiny_build):
     config = json.loads((tiny_build("q4f32_1") / "mlc-chat-config.json").read_text())
-    for field in ("model_type", "quantization", "model_config", "vocab_size", "context_window_size",
-                  "prefill_chunk_size", "sliding_window_size", "attention_sink_size", "temperature",
-                  "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                  "tokenizer_files", "conv_template", "bos_token_id", "eos_token_id", "pad_token_id", "version"):
+    for field in (
+        "model_type",
+        "quantization",
+        "model_config",
+        "vocab_size",
+        "context_window_size",
+        "prefill_chunk_size",
+        "sliding_window_size",
+        "attention_sink_size",
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "tokenizer_files",
+        "conv_template",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "version",
+    ):
         assert field in config, field
     assert "tokenizer.json" in config["tokenizer_files"]
     template = config["conv_template"]
@@ -277,8 +298,12 @@ def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
 
 
 def test_errors_exit_non_zero_with_one_line_and_no_traceback(tmp_path, tiny_source):
-    result = subprocess.run([*KILN, "compile", str(tmp_path / "nowhere"), "-q", "q4f32_1", "-o", str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [*KILN, "compile", str(tmp_path / "nowhere"), "-q", "q4f32_1", "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == f"kiln: error: {tmp_path / 'nowhere'}: no such file or folder"
     assert "Traceback" not in result.stderr
@@ -406,8 +431,17 @@ def test_webllm_sampling_functions_compute_what_webllm_expects(tiny_build):
     assert all(sorted(row) == list(range(vocab)) for row in sorted_indices.tolist())
 
     def sample(uniform, rows, top_p):
-        return vm["sample_with_top_p"](tensor(sorted_probs), tensor(sorted_indices, "int32"), tensor(uniform),
-                                       tensor(rows, "int32"), tensor(top_p)).numpy().tolist()
+        return (
+            vm["sample_with_top_p"](
+                tensor(sorted_probs),
+                tensor(sorted_indices, "int32"),
+                tensor(uniform),
+                tensor(rows, "int32"),
+                tensor(top_p),
+            )
+            .numpy()
+            .tolist()
+        )
 
     argmax = probs.argmax(axis=1).tolist()
     assert sample([0.0, 0.5, 0.999], [0, 1, 1], [1e-5, 1e-5]) == [argmax[0], argmax[1], argmax[1]]
@@ -427,8 +461,14 @@ def test_webllm_sampling_functions_compute_what_webllm_expects(tiny_build):
 
     processed = tensor(row)
     # presence 0.5, frequency 0.25, repetition 2.0 on tokens 3 (seen twice) and 7 (once)
-    vm["apply_penalty_inplace"](processed, tensor([0], "int32"), tensor([0, 0], "int32"), tensor([3, 7], "int32"),
-                                tensor([2, 1], "int32"), tensor([[0.5, 0.25, 2.0]]))
+    vm["apply_penalty_inplace"](
+        processed,
+        tensor([0], "int32"),
+        tensor([0, 0], "int32"),
+        tensor([3, 7], "int32"),
+        tensor([2, 1], "int32"),
+        tensor([[0.5, 0.25, 2.0]]),
+    )
     expected = row.copy()
     for token, count in ((3, 2), (7, 1)):
         shifted = row[0, token] - 0.5 - 0.25 * count
@@ -463,8 +503,9 @@ def set_chat_template(source: Path, template: str) -> None:
 
 def test_a_chat_template_that_reaches_for_the_shell_is_stopped(broken_source, tmp_path, run_compile):
     marker = tmp_path / "pwned"
-    set_chat_template(broken_source, "<|im_start|>{{ cycler.__init__.__globals__.os.system('touch "
-                                     + str(marker) + "') }}")
+    set_chat_template(
+        broken_source, "<|im_start|>{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+    )
     result = run_compile(broken_source, tmp_path / "out")
     assert not marker.exists()
     assert_clean_failure(result, tmp_path / "out", "tokenizer_config.json", "unsafe")
@@ -472,5 +513,6 @@ def test_a_chat_template_that_reaches_for_the_shell_is_stopped(broken_source, tm
 
 def test_a_chat_template_that_does_not_render(broken_source, tmp_path, run_compile):
     set_chat_template(broken_source, "<|im_start|>{{ raise_exception('no system role here') }}")
-    assert_clean_failure(run_compile(broken_source, tmp_path / "out"), tmp_path / "out",
-                         "tokenizer_config.json", "no system role here")
+    assert_clean_failure(
+        run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "tokenizer_config.json", "no system role here"
+    )

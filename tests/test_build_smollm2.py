@@ -22,11 +22,31 @@ pytestmark = pytest.mark.slow
 WEB = Path(__file__).parent.parent / "web"
 LOGIT_TOLERANCE = 2e-3
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,")
-EXPORTED = ("_metadata", "embed", "prefill", "decode", "batch_prefill", "batch_decode", "prefill_all_logits",
-            "create_tir_paged_kv_cache", "softmax_with_temperature", "argsort_probs", "sample_with_top_p",
-            "apply_bitmask_inplace", "apply_penalty_inplace", "apply_logit_bias_inplace")
-BUILDS = [("q0f32", "cpu"), ("q0f32", "webgpu"), ("q0f32", "wasm"),
-          ("q4f32_1", "cpu"), ("q4f32_1", "webgpu"), ("q4f32_1", "wasm"), ("q4f16_1", "webgpu")]
+EXPORTED = (
+    "_metadata",
+    "embed",
+    "prefill",
+    "decode",
+    "batch_prefill",
+    "batch_decode",
+    "prefill_all_logits",
+    "create_tir_paged_kv_cache",
+    "softmax_with_temperature",
+    "argsort_probs",
+    "sample_with_top_p",
+    "apply_bitmask_inplace",
+    "apply_penalty_inplace",
+    "apply_logit_bias_inplace",
+)
+BUILDS = [
+    ("q0f32", "cpu"),
+    ("q0f32", "webgpu"),
+    ("q0f32", "wasm"),
+    ("q4f32_1", "cpu"),
+    ("q4f32_1", "webgpu"),
+    ("q4f32_1", "wasm"),
+    ("q4f16_1", "webgpu"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +87,22 @@ def test_library_loads_in_node_and_lists_its_functions(smollm2_build, quantizati
     # so f16 kernels cannot be created here and those libraries are listed without a device.
     f16 = QUANTIZATIONS[quantization].model_dtype == "float16"
     device = "webgpu" if target == "webgpu" and not f16 else "cpu"
-    result = subprocess.run(["node", "tools/list-functions.mjs", str(model_dir / library),
-                             "--expect", ",".join(EXPORTED), "--device", device],
-                            cwd=WEB, capture_output=True, text=True, timeout=600, env=dawn_node_environment())
+    result = subprocess.run(
+        [
+            "node",
+            "tools/list-functions.mjs",
+            str(model_dir / library),
+            "--expect",
+            ",".join(EXPORTED),
+            "--device",
+            device,
+        ],
+        cwd=WEB,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dawn_node_environment(),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     listing = json.loads(result.stdout)
     assert listing["missing"] == [] and set(EXPORTED) <= set(listing["functions"])

@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kiln.chat_template import (ChatTemplate, ConversationRefused, compile_chat_template, render_chat_template,
-                                template_source)
+from kiln.chat_template import (
+    ChatTemplate,
+    ConversationRefused,
+    compile_chat_template,
+    render_chat_template,
+    template_source,
+)
 from kiln.errors import KilnError
 
 PATH = Path("model/tokenizer_config.json")
@@ -17,27 +22,34 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 def render(source: str) -> str:
-    return render_chat_template(compile_chat_template(source, PATH), PATH, messages=MESSAGES,
-                                add_generation_prompt=True)
+    return render_chat_template(
+        compile_chat_template(source, PATH), PATH, messages=MESSAGES, add_generation_prompt=True
+    )
 
 
-@pytest.mark.parametrize("attack", [
-    "{{ cycler.__init__.__globals__.os.system('true') }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ joiner.__init__.__globals__ }}",
-    "{% set x = messages.append({'role': 'user'}) %}",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "{{ cycler.__init__.__globals__.os.system('true') }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ joiner.__init__.__globals__ }}",
+        "{% set x = messages.append({'role': 'user'}) %}",
+    ],
+)
 def test_templates_cannot_reach_python_internals_or_mutate_their_input(attack):
     with pytest.raises(KilnError, match="unsafe") as error:
         render(attack)
     assert error.value.path == PATH
 
 
-@pytest.mark.parametrize("template, problem", [
-    ("{{ raise_exception('no system role') }}", "no system role"),
-    ("{{ 1 // 0 }}", "ZeroDivisionError"),
-    ("{{ messages + 1 }}", "TypeError"),
-])
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("{{ raise_exception('no system role') }}", "no system role"),
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+        ("{{ messages + 1 }}", "TypeError"),
+    ],
+)
 def test_templates_that_fail_are_one_error_naming_the_file(template, problem):
     with pytest.raises(KilnError, match=problem):
         render(template)
@@ -49,8 +61,10 @@ def test_a_template_that_does_not_parse():
 
 
 def test_block_tags_leave_no_whitespace_as_in_transformers():
-    source = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}U:{{ m['content'] }}{% endif %}\n{% endfor %}"
-              "{% if add_generation_prompt %}A:{% endif %}")
+    source = (
+        "{% for m in messages %}\n    {% if m['role'] == 'user' %}U:{{ m['content'] }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}A:{% endif %}"
+    )
     assert render(source) == "U:HiA:"
 
 
@@ -73,8 +87,14 @@ def write_json(path: Path, content) -> None:
 
 
 def test_templates_are_found_where_transformers_looks_first(tmp_path):
-    write_json(tmp_path / "tokenizer_config.json", {"chat_template": "from tokenizer_config", "bos_token": "<s>",
-                                                    "eos_token": {"content": "</s>", "special": True}})
+    write_json(
+        tmp_path / "tokenizer_config.json",
+        {
+            "chat_template": "from tokenizer_config",
+            "bos_token": "<s>",
+            "eos_token": {"content": "</s>", "special": True},
+        },
+    )
     found = ChatTemplate.find(tmp_path)
     assert (found.source, found.path.name) == ("from tokenizer_config", "tokenizer_config.json")
     assert found.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "", "pad_token": ""}

@@ -16,30 +16,49 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tiny_llama import (CHAT_TEMPLATES, GEMMA_TOKENS, LLAMA_2_TOKENS, LLAMA_3_TOKENS, MISTRAL_V3_TOKENS, PHI_3_TOKENS,
-                        QWEN_TOKENS, SMOLLM2_TOKENS, TEKKEN_TOKENS, ChatTokens, write_tokenizer)
+from tiny_llama import (
+    CHAT_TEMPLATES,
+    GEMMA_TOKENS,
+    LLAMA_2_TOKENS,
+    LLAMA_3_TOKENS,
+    MISTRAL_V3_TOKENS,
+    PHI_3_TOKENS,
+    QWEN_TOKENS,
+    SMOLLM2_TOKENS,
+    TEKKEN_TOKENS,
+    ChatTokens,
+    write_tokenizer,
+)
 from web_helpers import run_node_module
 
 import kiln.chat_template
 from kiln.chat_template import ChatTemplate
-from kiln.compile.conv_template import (RAW_COMPLETION, conv_template_pieces, derive_conv_template,
-                                        rendered_or_none)
+from kiln.compile.conv_template import RAW_COMPLETION, conv_template_pieces, derive_conv_template, rendered_or_none
 from kiln.errors import KilnError
 
 CONVERSATIONS = {
     "one user message": [{"role": "user", "content": "What is the capital of France?"}],
     "a system message": [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello!"}],
-    "several turns": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-                      {"role": "user", "content": "Tell me a joke about GPUs 🎮 — ünïcödé, 12345."}],
+    "several turns": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about GPUs 🎮 — ünïcödé, 12345."},
+    ],
     "a system message and several turns": [
-        {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi there"},
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Bonjour ! Comment puis-je aider ?"},
-        {"role": "user", "content": "Count to 3."}],
+        {"role": "user", "content": "Count to 3."},
+    ],
     "an empty system message": [{"role": "system", "content": ""}, {"role": "user", "content": "Hello there"}],
     "a long multi-turn chat": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."},
-        {"role": "assistant", "content": "The Nile."}, {"role": "user", "content": "Another?"},
-        {"role": "assistant", "content": "The Amazon."}, {"role": "user", "content": "And a mountain?"}],
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a river."},
+        {"role": "assistant", "content": "The Nile."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "The Amazon."},
+        {"role": "user", "content": "And a mountain?"},
+    ],
 }
 
 MULTI_TURN_SYSTEM = {"a system message and several turns", "a long multi-turn chat"}
@@ -73,8 +92,12 @@ CASES = [
     Case("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, "mistral-v1", frozenset(SYSTEM_IN_A_USER_TURN)),
     # Mistral's v3 templates fold the system message into the last user turn, a conv_template into the first.
     Case("mistralai-Mistral-Large-Instruct-2407", MISTRAL_V3_TOKENS, "mistral-v3", frozenset(SYSTEM_IN_A_USER_TURN)),
-    Case("mistralai-Mistral-Nemo-Instruct-2407", TEKKEN_TOKENS, "mistral-v3-tekken",
-         frozenset({"an empty system message"} | MULTI_TURN_SYSTEM)),
+    Case(
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        TEKKEN_TOKENS,
+        "mistral-v3-tekken",
+        frozenset({"an empty system message"} | MULTI_TURN_SYSTEM),
+    ),
     # Gemma 3 shows no system block for an empty system message but the blank line after it.
     Case("google-gemma-3-4b-it", GEMMA_TOKENS, "gemma", frozenset({"an empty system message"})),
     Case("google-gemma-2-2b-it", GEMMA_TOKENS, "gemma"),
@@ -103,7 +126,8 @@ def model_folder(folder: Path, case: Case) -> Path:
 
 def browser_prompts(jobs: list[dict]) -> list[list[dict]]:
     """For each {tokenizer, conv, conversations}: the browser engine's prompts ({pieces, ids}), in Node."""
-    return run_node_module("""
+    return run_node_module(
+        """
         import { createRequire } from "node:module";
         import { encodePrompt, formatChat } from "./src/chat-format.js";
         // The tokenizers' UMD bundle expects CommonJS globals when it runs under Node.
@@ -121,18 +145,22 @@ def browser_prompts(jobs: list[dict]) -> list[list[dict]]:
           }));
         }
         console.log(JSON.stringify(results));
-    """, jobs)
+    """,
+        jobs,
+    )
 
 
 def normalized(tokenizer: Tokenizer, texts: list[str]) -> str:
     """The texts as the tokenizer's model gets them, each encoded on its own: the tokenizer's normalizer
     runs on each stretch between special tokens (SentencePiece's prepends "▁")."""
-    specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len,
-                      reverse=True)
+    specials = sorted(
+        (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+    )
     pattern = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
     normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else (lambda text: text)
-    return "".join(part if part in specials else normalize(part) if part else ""
-                   for text in texts for part in pattern.split(text))
+    return "".join(
+        part if part in specials else normalize(part) if part else "" for text in texts for part in pattern.split(text)
+    )
 
 
 def test_browser_prompts_have_the_token_ids_of_the_jinja_templates(tmp_path):
@@ -143,8 +171,9 @@ def test_browser_prompts_have_the_token_ids_of_the_jinja_templates(tmp_path):
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         conv, unexpressed = derive_conv_template(template, tokenizer, [case.tokens.id(case.tokens.eos_token)])
         derived.append((case, template, tokenizer, conv, unexpressed))
-        jobs.append({"tokenizer": str(folder / "tokenizer.json"), "conv": conv,
-                     "conversations": list(CONVERSATIONS.values())})
+        jobs.append(
+            {"tokenizer": str(folder / "tokenizer.json"), "conv": conv, "conversations": list(CONVERSATIONS.values())}
+        )
     browser = browser_prompts(jobs)
 
     for (case, template, tokenizer, conv, unexpressed), prompts in zip(derived, browser):
@@ -175,15 +204,23 @@ def derived_from_file(tmp_path: Path, template: str) -> dict:
     return derive_conv_template(ChatTemplate.find(folder), Tokenizer.from_file(str(folder / "tokenizer.json")), [2])[0]
 
 
-@pytest.mark.parametrize("template, system_prefix_token_ids, system_message", [
-    ("meta-llama-Llama-3.1-8B-Instruct", [0], ""),
-    ("mistralai-Mistral-7B-Instruct-v0.2", [1], ""),
-    # Its bos_token is <|im_start|>, which the template prints first, but as the system turn's opener.
-    ("HuggingFaceTB-SmolLM2-135M-Instruct", [], "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
-    ("Qwen-Qwen2.5-7B-Instruct", [], "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
-])
-def test_a_bos_token_printed_first_becomes_system_prefix_token_ids(tmp_path, template, system_prefix_token_ids,
-                                                                    system_message):
+@pytest.mark.parametrize(
+    "template, system_prefix_token_ids, system_message",
+    [
+        ("meta-llama-Llama-3.1-8B-Instruct", [0], ""),
+        ("mistralai-Mistral-7B-Instruct-v0.2", [1], ""),
+        # Its bos_token is <|im_start|>, which the template prints first, but as the system turn's opener.
+        (
+            "HuggingFaceTB-SmolLM2-135M-Instruct",
+            [],
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        ),
+        ("Qwen-Qwen2.5-7B-Instruct", [], "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    ],
+)
+def test_a_bos_token_printed_first_becomes_system_prefix_token_ids(
+    tmp_path, template, system_prefix_token_ids, system_message
+):
     conv = derived_from_file(tmp_path, template)
     assert conv["system_prefix_token_ids"] == system_prefix_token_ids
     assert conv["system_message"] == system_message
@@ -191,8 +228,10 @@ def test_a_bos_token_printed_first_becomes_system_prefix_token_ids(tmp_path, tem
 
 def test_llama_3_1_system_block_carries_the_template_s_date_lines(tmp_path):
     conv = derived_from_file(tmp_path, "meta-llama-Llama-3.1-8B-Instruct")
-    assert conv["system_template"] == ("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-                                       "December 2023\nToday Date: 26 Jul 2024\n\n{system_message}<|eot_id|>")
+    assert conv["system_template"] == (
+        "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+        "December 2023\nToday Date: 26 Jul 2024\n\n{system_message}<|eot_id|>"
+    )
     assert conv["render_empty_system_message"] is True
 
 
@@ -205,11 +244,13 @@ def derive(tmp_path: Path, source: str, tokens: ChatTokens = QWEN_TOKENS) -> dic
 
 def test_phi_3_is_not_taken_for_zephyr_nor_zephyr_for_phi_3(tmp_path):
     # In the shape of zephyr-7b-beta's: Phi-3's role tags, each turn closed by the EOS token.
-    zephyr = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n"
-              "{{ '<|user|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n"
-              "{{ '<|system|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'assistant' %}\n"
-              "{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n{% endif %}\n"
-              "{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
+    zephyr = (
+        "{% for message in messages %}\n{% if message['role'] == 'user' %}\n"
+        "{{ '<|user|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n"
+        "{{ '<|system|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'assistant' %}\n"
+        "{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n{% endif %}\n"
+        "{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"
+    )
     assert derive(tmp_path, zephyr, LLAMA_2_TOKENS)["name"] == "zephyr"
     phi_3 = (CHAT_TEMPLATES / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()
     assert derive(tmp_path, phi_3, PHI_3_TOKENS)["name"] == "phi-3"
@@ -217,9 +258,11 @@ def test_phi_3_is_not_taken_for_zephyr_nor_zephyr_for_phi_3(tmp_path):
 
 def test_a_template_that_drops_system_messages_gets_no_system_block(tmp_path):
     # Phi-3-mini's first template: system messages vanish.
-    source = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}{{'<|user|>' + '\\n' + "
-              "message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}{% elif (message['role'] == "
-              "'assistant') %}{{message['content'] + '<|end|>' + '\\n'}}{% endif %}{% endfor %}")
+    source = (
+        "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}{{'<|user|>' + '\\n' + "
+        "message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}{% elif (message['role'] == "
+        "'assistant') %}{{message['content'] + '<|end|>' + '\\n'}}{% endif %}{% endfor %}"
+    )
     conv = derive(tmp_path, source, PHI_3_TOKENS)
     assert conv["name"] == "phi-3" and conv["system_template"] == "" and conv["system_prefix_token_ids"] == [1]
 
@@ -229,20 +272,28 @@ def test_a_model_without_a_chat_template_is_for_raw_completion(tmp_path):
     assert conv["name"] == RAW_COMPLETION and conv["stop_token_ids"] == [2]
 
 
-@pytest.mark.parametrize("source, problem", [
-    ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "no family"),
-    # phi-4: ChatML's tags, its own separator.
-    ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '<|im_sep|>' + m['content'] + '<|im_end|>' }}{% endfor %}"
-     "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}", "<|im_sep|>"),
-])
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "no family"),
+        # phi-4: ChatML's tags, its own separator.
+        (
+            "{% for m in messages %}"
+            "{{ '<|im_start|>' + m['role'] + '<|im_sep|>' + m['content'] + '<|im_end|>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}",
+            "<|im_sep|>",
+        ),
+    ],
+)
 def test_templates_no_family_reproduces_are_refused(tmp_path, source, problem):
     with pytest.raises(KilnError, match="family") as error:
         derive(tmp_path, source)
     assert problem in str(error.value)
 
 
-@pytest.mark.parametrize("template, warning", [("Qwen-Qwen2.5-7B-Instruct", None),
-                                               ("Qwen-Qwen3-0.6B", "an empty system message")])
+@pytest.mark.parametrize(
+    "template, warning", [("Qwen-Qwen2.5-7B-Instruct", None), ("Qwen-Qwen3-0.6B", "an empty system message")]
+)
 def test_the_configure_stage_writes_the_template_where_both_engines_find_it(tmp_path, capsys, template, warning):
     from kiln.compile.configure import write_chat_config
     from kiln.models import architecture_for
@@ -250,9 +301,17 @@ def test_the_configure_stage_writes_the_template_where_both_engines_find_it(tmp_
     source = model_folder(tmp_path / "source", case(template))
     out = tmp_path / "out"
     out.mkdir()
-    config = {"model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 512, "eos_token_id": 2}
+    config = {
+        "model_type": "llama",
+        "vocab_size": 400,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "eos_token_id": 2,
+    }
     parsed = architecture_for(config, source / "config.json").parse_config(config, source / "config.json", {})
     chat_config = write_chat_config(out, source, "llama", "q4f32_1", parsed)
     written = json.loads((out / "tokenizer_config.json").read_text())
@@ -261,8 +320,11 @@ def test_the_configure_stage_writes_the_template_where_both_engines_find_it(tmp_
     assert chat_config["conv_template"]["name"] == "chatml"
     assert "tokenizer_config.json" in chat_config["tokenizer_files"]
     stderr = capsys.readouterr().err
-    assert (f"kiln: warning: {source / 'chat_template.jinja'}: " in stderr and warning in stderr) if warning \
+    assert (
+        (f"kiln: warning: {source / 'chat_template.jinja'}: " in stderr and warning in stderr)
+        if warning
         else stderr == ""
+    )
 
 
 def test_kiln_compile_refuses_a_template_of_no_known_family_in_one_line(tmp_path, tiny_source, run_compile):

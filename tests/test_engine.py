@@ -83,7 +83,7 @@ def test_nucleus_equals_a_full_sort():
         weights = exp_nonpositive(scaled - scaled.max())
         top_p = rng.uniform(0.05, 0.999)
         order = np.argsort(-scaled, kind="stable")
-        expected = order[:np.searchsorted(np.cumsum(weights[order]), top_p * np.cumsum(weights)[-1]) + 1]
+        expected = order[: np.searchsorted(np.cumsum(weights[order]), top_p * np.cumsum(weights)[-1]) + 1]
         np.testing.assert_array_equal(nucleus(scaled, weights, top_p), expected)
 
 
@@ -160,12 +160,12 @@ def test_stream_concatenates_to_the_result(fresh):
 def test_stop_string_ends_the_text_before_it(fresh):
     config = GenerationConfig(max_tokens=30, ignore_eos=True)
     full = fresh.generate(PROMPT, config).text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert len(stop.strip()) >= 2, f"pick a stop string from {full!r}"
     fresh.reset()
     deltas = list(fresh.stream(PROMPT, GenerationConfig(max_tokens=30, ignore_eos=True, stop=[stop])))
     text = "".join(d.text for d in deltas)
-    assert text == full[:full.find(stop)]
+    assert text == full[: full.find(stop)]
     assert deltas[-1].finish_reason == "stop"
     assert all(stop not in d.text for d in deltas)
 
@@ -186,7 +186,7 @@ def test_eos_token_ends_generation(tiny_dir, tmp_path, field):
     engine = Engine(model_dir)
     stopped = engine.generate(PROMPT, GenerationConfig(max_tokens=10))
     assert stopped.finish_reason == "stop"
-    assert stopped.tokens == reference.tokens[:first + 1]
+    assert stopped.tokens == reference.tokens[: first + 1]
     assert stopped.text == engine.tokenizer.decode(reference.tokens[:first], skip_special_tokens=False)
     engine.reset()
     assert engine.generate(PROMPT, GenerationConfig(max_tokens=10, ignore_eos=True)).tokens == reference.tokens
@@ -202,7 +202,7 @@ def test_second_chat_turn_prefills_only_new_tokens(fresh):
 
     # The cache holds the first prompt and every reply token but the last (sampled, never run).
     cached = len(first.prompt_tokens) + len(first.tokens) - 1
-    assert second.prompt_tokens[:len(first.prompt_tokens)] == first.prompt_tokens
+    assert second.prompt_tokens[: len(first.prompt_tokens)] == first.prompt_tokens
     assert second.usage.prefilled_tokens == len(second.prompt_tokens) - cached
 
     fresh.reset()
@@ -322,7 +322,7 @@ def test_a_model_without_a_chat_template_completes_but_does_not_chat(tiny_dir, t
 
 def test_generation_stops_at_the_context_window(fresh):
     window = fresh.model.context_window_size
-    prompt = fresh.encode("the river " * window)[:window - 3]
+    prompt = fresh.encode("the river " * window)[: window - 3]
     result = fresh.generate(prompt, GenerationConfig(max_tokens=50, ignore_eos=True))
     assert result.finish_reason == "length" and len(result.tokens) == 4
 
@@ -334,8 +334,22 @@ def test_generate_json_matches_the_engine(engine, tiny_dir):
     config = GenerationConfig(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, logits_top_k=2)
     engine.reset()
     expected = engine.generate(PROMPT, config)
-    run = run_kiln("generate", str(tiny_dir), "--prompt", PROMPT, "--max-tokens", "10", "--temperature", "1",
-                   "--seed", "3", "--ignore-eos", "--logits", "2", "--json")
+    run = run_kiln(
+        "generate",
+        str(tiny_dir),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "10",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--ignore-eos",
+        "--logits",
+        "2",
+        "--json",
+    )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["prompt_tokens"] == expected.prompt_tokens
@@ -345,8 +359,13 @@ def test_generate_json_matches_the_engine(engine, tiny_dir):
 
 
 def test_chat_command_runs_a_conversation(tiny_dir):
-    run = run_kiln("chat", str(tiny_dir), "--max-tokens", "8",
-                   input="Hello there\n/stats\n/system You are terse.\nHi again\n/reset\n/nonsense\n/exit\n")
+    run = run_kiln(
+        "chat",
+        str(tiny_dir),
+        "--max-tokens",
+        "8",
+        input="Hello there\n/stats\n/system You are terse.\nHi again\n/reset\n/nonsense\n/exit\n",
+    )
     assert run.returncode == 0, run.stderr
     assert "prefilled" in run.stdout and "decode" in run.stdout
     assert "unknown command" in run.stdout
@@ -364,15 +383,18 @@ def test_bad_input_gives_one_line_errors(tiny_dir, tmp_path):
     shard.write_bytes(bytes(data))
     cases = {
         "no cpu library": ([str(no_library), "--prompt", PROMPT], "no cpu library"),
-        "corrupt shard": ([str(corrupt), "--prompt", PROMPT],
-                          "params_shard_0.bin: weight shard does not match its md5"),
+        "corrupt shard": (
+            [str(corrupt), "--prompt", PROMPT],
+            "params_shard_0.bin: weight shard does not match its md5",
+        ),
         "empty prompt": ([str(tiny_dir), "--prompt", ""], "the prompt is empty"),
         "too long": ([str(tiny_dir), "--prompt", "the river " * 600], "more than the context window"),
     }
     # Started together: each pays the TVM import once, in parallel.
-    running = {name: subprocess.Popen([KILN, "generate", *args], text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for name, (args, _) in cases.items()}
+    running = {
+        name: subprocess.Popen([KILN, "generate", *args], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, (args, _) in cases.items()
+    }
     for name, process in running.items():
         stdout, stderr = process.communicate(timeout=300)
         expected = cases[name][1]
@@ -387,8 +409,17 @@ def test_bench_native_reports_the_numbers(tiny_dir):
     from kiln.bench.native import bench_native
 
     report = bench_native(tiny_dir, prompt_tokens=32, decode_tokens=16, runs=2, bandwidth_bytes=64 << 20)
-    for key in ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb",
-                "bandwidth_fraction", "bandwidth_gb_per_s", "decode_bytes_per_token", "threads"):
+    for key in (
+        "load_s",
+        "ttft_s",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "peak_rss_mb",
+        "bandwidth_fraction",
+        "bandwidth_gb_per_s",
+        "decode_bytes_per_token",
+        "threads",
+    ):
         assert report[key] > 0, key
     assert report["bandwidth_fraction"] < 1
     assert f"{report['threads']}-thread numpy copy" in report["lines"][-1]
@@ -399,10 +430,23 @@ def test_the_cpu_library_runs_on_the_physical_cores_or_as_asked(tiny_dir):
 
     assert 1 <= default_cpu_threads() <= len(os.sched_getaffinity(0))
     for asked, expected in ((None, default_cpu_threads()), ("1", 1)):
-        arguments = ["bench", "native", str(tiny_dir), "--json", "--runs", "1", "--prompt-tokens", "8",
-                     "--decode-tokens", "4", *(["--threads", asked] if asked else [])]
+        arguments = [
+            "bench",
+            "native",
+            str(tiny_dir),
+            "--json",
+            "--runs",
+            "1",
+            "--prompt-tokens",
+            "8",
+            "--decode-tokens",
+            "4",
+            *(["--threads", asked] if asked else []),
+        ]
         result = run_kiln(*arguments)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["threads"] == expected
-    assert run_kiln("bench", "native", str(tiny_dir), "--threads", "0").stderr.strip() == \
-        "kiln: error: the thread count must be at least 1, got 0"
+    assert (
+        run_kiln("bench", "native", str(tiny_dir), "--threads", "0").stderr.strip()
+        == "kiln: error: the thread count must be at least 1, got 0"
+    )

@@ -14,8 +14,14 @@ import torch
 
 from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
 from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
-from tiny_families import (GEMMA_WINDOW, MISTRAL_WINDOW, PHI3_ORIGINAL_CONTEXT, TINY_FAMILIES, make_tiny_family,
-                           write_family_gguf)
+from tiny_families import (
+    GEMMA_WINDOW,
+    MISTRAL_WINDOW,
+    PHI3_ORIGINAL_CONTEXT,
+    TINY_FAMILIES,
+    make_tiny_family,
+    write_family_gguf,
+)
 
 from kiln.models import MODELS
 from kiln.models.decoder import longrope_inv_freq
@@ -87,10 +93,12 @@ def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, fami
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family, builds, family_build,
-                                                                          family_source, tmp_path_factory):
-    gguf_path = write_family_gguf(family, family_source(family),
-                                  tmp_path_factory.mktemp("family-gguf") / f"tiny-{family}.F32.gguf")
+def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(
+    family, builds, family_build, family_source, tmp_path_factory
+):
+    gguf_path = write_family_gguf(
+        family, family_source(family), tmp_path_factory.mktemp("family-gguf") / f"tiny-{family}.F32.gguf"
+    )
     from_gguf = NativeModel(builds.model_dir(gguf_path, f"tiny-{family}-gguf", "q0f32", ["cpu"]))
     from_hf = NativeModel(family_build(family, "q0f32"))
     positions = TINY_FAMILIES[family].gguf_same_positions
@@ -142,9 +150,9 @@ def float16_matches_float32_arithmetic(model_dir, source) -> None:
     for ids in PROMPTS:
         sequence = greedy(reference, ids, GREEDY_TOKENS)
         with torch.no_grad():
-            expected = reference(torch.tensor([sequence])).logits[0, len(ids) - 1:-1].numpy()
+            expected = reference(torch.tensor([sequence])).logits[0, len(ids) - 1 : -1].numpy()
         native.reset()
-        steps = [native.prefill(ids)] + [native.decode(token) for token in sequence[len(ids):-1]]
+        steps = [native.prefill(ids)] + [native.decode(token) for token in sequence[len(ids) : -1]]
         for step, (ours, theirs) in enumerate(zip(steps, expected)):
             assert np.abs(ours - theirs).max() <= FLOAT16_LOGIT_TOLERANCE, (ids, step)
             runner_up, first = np.argsort(theirs)[-2:]
@@ -175,8 +183,9 @@ def test_gemma3_in_float16_keeps_a_residual_stream_beyond_float16s_range(builds,
     with torch.no_grad():
         residual = reference_model(source)(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states[1]
     assert residual.abs().max() > 65504
-    float16_matches_float32_arithmetic(builds.model_dir(source, "tiny-gemma3-large-residual", "q4f16_1", ["cpu"]),
-                                       source)
+    float16_matches_float32_arithmetic(
+        builds.model_dir(source, "tiny-gemma3-large-residual", "q4f16_1", ["cpu"]), source
+    )
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
@@ -188,16 +197,17 @@ def test_a_chat_past_the_window_matches_transformers(family, family_build, famil
     reference = reference_model(family_source(family))
     first = engine.generate(PROMPTS[2], GenerationConfig(max_tokens=8, ignore_eos=True))
     second = engine.generate(PROMPTS[2][:-3], GenerationConfig(max_tokens=8, ignore_eos=True))
-    assert first.tokens == greedy(reference, PROMPTS[2], 8)[len(PROMPTS[2]):]
-    assert second.tokens == greedy(reference, PROMPTS[2][:-3], 8)[len(PROMPTS[2]) - 3:]
+    assert first.tokens == greedy(reference, PROMPTS[2], 8)[len(PROMPTS[2]) :]
+    assert second.tokens == greedy(reference, PROMPTS[2][:-3], 8)[len(PROMPTS[2]) - 3 :]
 
 
 def test_a_phi3_context_beyond_its_original_positions_is_refused(family_source, tmp_path, run_compile):
     context = str(2 * PHI3_ORIGINAL_CONTEXT)
     result = run_compile(family_source("phi3"), tmp_path / "out", "--context-window-size", context)
     assert result.returncode == 1
-    assert_clean_failure(result, tmp_path / "out", "config.json", "original_max_position_embeddings",
-                         "long RoPE factors")
+    assert_clean_failure(
+        result, tmp_path / "out", "config.json", "original_max_position_embeddings", "long RoPE factors"
+    )
 
 
 def test_qwen3_attention_biases_are_refused(family_source, tmp_path, run_compile):
@@ -210,9 +220,18 @@ def test_qwen3_attention_biases_are_refused(family_source, tmp_path, run_compile
     assert_clean_failure(result, tmp_path / "out", "config.json", "attention_bias")
 
 
-PHI3_MINI = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, hidden_act="silu",
-                 rms_norm_eps=1e-5, rope_theta=10000.0)
+PHI3_MINI = dict(
+    model_type="phi3",
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32064,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
 
 
 def test_phi3_configs_as_released(tmp_path):
@@ -220,28 +239,43 @@ def test_phi3_configs_as_released(tmp_path):
     (binding past 2047 tokens of its 4096)."""
     parse, path = MODELS["phi3"].parse_config, tmp_path / "config.json"
     factors = [1.5] * 48
-    long = parse({**PHI3_MINI, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
-                  "sliding_window": 262144, "rope_scaling": {"type": "su", "short_factor": factors,
-                                                             "long_factor": factors}}, path, {})
+    long = parse(
+        {
+            **PHI3_MINI,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "sliding_window": 262144,
+            "rope_scaling": {"type": "su", "short_factor": factors, "long_factor": factors},
+        },
+        path,
+        {},
+    )
     assert long.rope_scaling["rope_type"] == "longrope" and long.context_window_size == 4096
     assert longrope_inv_freq(long)[1] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
 
-    short = {**PHI3_MINI, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
-             "sliding_window": 2047, "rope_scaling": None}
+    short = {
+        **PHI3_MINI,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "rope_scaling": None,
+    }
     mini_4k = parse(short, path, {})
     assert (mini_4k.context_window_size, mini_4k.sliding_window_size) == (4096, 2047)
     assert parse(short, path, {"context_window_size": 2047}).sliding_window_size is None
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral"])
-def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_compute_it(family, family_source,
-                                                                                     tmp_path, run_compile):
+def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_compute_it(
+    family, family_source, tmp_path, run_compile
+):
     source = tmp_path / f"{family}-partial-rotary"
     shutil.copytree(family_source(family), source)
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.5}))
-    assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", "config.json",
-                         "partial_rotary_factor")
+    assert_clean_failure(
+        run_compile(source, tmp_path / "out"), tmp_path / "out", "config.json", "partial_rotary_factor"
+    )
 
 
 @pytest.mark.browser
@@ -285,8 +319,9 @@ def test_a_checkpoint_tensor_the_family_does_not_use_is_refused(family_source, t
     tensors = load_file(folder / "model.safetensors")
     tensors["model.layers.0.self_attn.sinks"] = np.ones(4, dtype=np.float32)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    assert_clean_failure(run_compile(folder, tmp_path / "out"), tmp_path / "out",
-                         "model.layers.0.self_attn.sinks", "qwen2")
+    assert_clean_failure(
+        run_compile(folder, tmp_path / "out"), tmp_path / "out", "model.layers.0.self_attn.sinks", "qwen2"
+    )
 
 
 def test_the_app_config_sizes_a_sliding_window_models_cache_for_its_context(family_build):
@@ -295,32 +330,48 @@ def test_the_app_config_sizes_a_sliding_window_models_cache_for_its_context(fami
     model = read_compiled_model(family_build("mistral", "q0f32"))
     weights = sum(r["nbytes"] for shard in model.tensor_cache["records"] for r in shard["records"])
     config = model.chat_config["model_config"]
-    kv_cache = 2 * config["num_hidden_layers"] * config["context_window_size"] * config["num_key_value_heads"] \
-        * config["head_dim"] * 4
+    kv_cache = (
+        2
+        * config["num_hidden_layers"]
+        * config["context_window_size"]
+        * config["num_key_value_heads"]
+        * config["head_dim"]
+        * 4
+    )
     assert memory_needs(model)[0] >= weights + kv_cache
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
-def test_the_text_tower_of_a_multimodal_gemma3_checkpoint_builds_as_its_gemma3_text(prefix, builds, family_build,
-                                                                                   family_source, tmp_path):
+def test_the_text_tower_of_a_multimodal_gemma3_checkpoint_builds_as_its_gemma3_text(
+    prefix, builds, family_build, family_source, tmp_path
+):
     """A `gemma3` checkpoint (4B and up) in the tensor layouts of transformers 4.52+ and of earlier
     versions: the text tower builds, the vision tower and projector are left out."""
     from safetensors.numpy import load_file, save_file
 
     folder = tmp_path / "gemma3-multimodal"
     shutil.copytree(family_source("gemma3"), folder)
-    tensors = {prefix + name.removeprefix("model."): values
-               for name, values in load_file(folder / "model.safetensors").items()}
+    tensors = {
+        prefix + name.removeprefix("model."): values for name, values in load_file(folder / "model.safetensors").items()
+    }
     vision = prefix.replace("language_model", "vision_tower").removesuffix("model.") + "vision_model."
     tensors[vision + "embeddings.patch_embedding.weight"] = np.ones((8, 3, 4, 4), np.float32)
-    tensors[vision.split("vision_tower")[0] + "multi_modal_projector.mm_input_projection_weight"] = np.ones((8, 64),
-                                                                                                          np.float32)
+    tensors[vision.split("vision_tower")[0] + "multi_modal_projector.mm_input_projection_weight"] = np.ones(
+        (8, 64), np.float32
+    )
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     text_config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_config,
-        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "model_type": "gemma3",
+                "text_config": text_config,
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8},
+            }
+        )
+    )
 
     multimodal = NativeModel(builds.model_dir(folder, f"tiny-gemma3-multimodal-{prefix[:5]}", "q0f32", ["cpu"]))
     text = NativeModel(family_build("gemma3", "q0f32"))
@@ -332,12 +383,23 @@ def test_the_text_tower_of_a_multimodal_gemma3_checkpoint_builds_as_its_gemma3_t
 
 def test_gemma3_4b_config_as_released_takes_transformers_defaults(tmp_path):
     """google/gemma-3-4b-it's config.json names only what differs from transformers' defaults."""
-    config = MODELS["gemma3"].parse_config({
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                        "sliding_window": 1024},
-        "vision_config": {"model_type": "siglip_vision_model"}}, tmp_path / "config.json", {})
+    config = MODELS["gemma3"].parse_config(
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "model_type": "gemma3_text",
+                "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+            "vision_config": {"model_type": "siglip_vision_model"},
+        },
+        tmp_path / "config.json",
+        {},
+    )
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
     assert (config.vocab_size, config.query_pre_attn_scalar, config.tie_word_embeddings) == (262208, 256, True)
     assert config.windowed_layers == tuple(i for i in range(34) if (i + 1) % 6)

@@ -33,15 +33,29 @@ QUANTIZED_BY_GGUF = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0
 # Awkward IEEE halves for the float16 fields: the smallest and largest subnormals and some between,
 # both zeros, the smallest and largest normals, and ordinary values of both signs. (Subnormal
 # halves caught 2^-24 written into WGSL as 5.960464e-08, one float32 ulp short.)
-SPECIAL_HALVES = np.array([0x0001, 0x03FF, 0x0155, 0x8001, 0x83FF, 0x0000, 0x8000, 0x0400, 0x8400,
-                           0x7BFF, 0xFBFF, 0x3C00, 0xB555, 0x2E66], dtype="<u2")
+SPECIAL_HALVES = np.array(
+    [0x0001, 0x03FF, 0x0155, 0x8001, 0x83FF, 0x0000, 0x8000, 0x0400, 0x8400, 0x7BFF, 0xFBFF, 0x3C00, 0xB555, 0x2E66],
+    dtype="<u2",
+)
 # F16 weights are read without arithmetic, so infinities and NaN must come through too.
 SPECIAL_F16 = np.concatenate([SPECIAL_HALVES, np.array([0x7C00, 0xFC00, 0x7E00], dtype="<u2")])
 # The same for BF16 and F32: subnormals, zeros, the smallest and largest normals.
-SPECIAL_BF16 = np.array([0x0001, 0x007F, 0x8001, 0x0000, 0x8000, 0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBE4D],
-                        dtype="<u2")
-SPECIAL_F32 = np.array([0x00000001, 0x007FFFFF, 0x80000001, 0x00000000, 0x80000000, 0x00800000, 0x7F7FFFFF,
-                        0xFF7FFFFF, 0x3F800000, 0xBE4CCCCD], dtype="<u4")
+SPECIAL_BF16 = np.array([0x0001, 0x007F, 0x8001, 0x0000, 0x8000, 0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBE4D], dtype="<u2")
+SPECIAL_F32 = np.array(
+    [
+        0x00000001,
+        0x007FFFFF,
+        0x80000001,
+        0x00000000,
+        0x80000000,
+        0x00800000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+        0x3F800000,
+        0xBE4CCCCD,
+    ],
+    dtype="<u4",
+)
 
 
 def special_row(name: str, rng: np.random.Generator) -> np.ndarray:
@@ -51,7 +65,7 @@ def special_row(name: str, rng: np.random.Generator) -> np.ndarray:
         return np.resize(values, COLS).view(np.uint8).reshape(1, -1)
     block_type = BLOCK_TYPES[name]
     blocks = random_blocks(name, 1, COLS, rng).reshape(-1, block_type.bytes)
-    fields = blocks[:, HALF_FIELDS[name][0]:HALF_FIELDS[name][-1] + 2].view("<u2")
+    fields = blocks[:, HALF_FIELDS[name][0] : HALF_FIELDS[name][-1] + 2].view("<u2")
     fields[:] = np.resize(SPECIAL_HALVES, fields.size).reshape(fields.shape)
     return blocks.reshape(1, -1)
 
@@ -82,9 +96,13 @@ def dequantize_module(shapes: dict[str, int], target: tvm.target.Target) -> tvm.
         with builder.function(function_name(name), [words]):
             with builder.dataflow():
                 stored = words if reads_words(target) else builder.emit(as_bytes(words, rows, row_words))
-                weights = builder.emit_output(builder.call_te(
-                    lambda w, t=block_type, n=rows: t.dequantize_te(w, n, COLS, "float32"),
-                    stored, primfunc_name_hint=function_name(name)))
+                weights = builder.emit_output(
+                    builder.call_te(
+                        lambda w, t=block_type, n=rows: t.dequantize_te(w, n, COLS, "float32"),
+                        stored,
+                        primfunc_name_hint=function_name(name),
+                    )
+                )
             builder.emit_func_output(weights)
     return builder.get()
 
@@ -103,10 +121,15 @@ def assert_same_bits(name: str, where: str, got: np.ndarray, want: np.ndarray) -
     differ = got.view(np.uint32) != want.view(np.uint32)
     if differ.any():
         first = [(int(r), int(c)) for r, c in np.argwhere(differ)[:6]]
-        examples = ", ".join(f"[{r},{c}] {got[r, c]!r} (0x{got.view(np.uint32)[r, c]:08x}) "
-                             f"vs {want[r, c]!r} (0x{want.view(np.uint32)[r, c]:08x})" for r, c in first)
-        pytest.fail(f"{name} on {where}: {differ.sum()} of {differ.size} weights differ from gguf-py "
-                    f"(rows {sorted(set(np.nonzero(differ)[0].tolist()))}): {examples}")
+        examples = ", ".join(
+            f"[{r},{c}] {got[r, c]!r} (0x{got.view(np.uint32)[r, c]:08x}) "
+            f"vs {want[r, c]!r} (0x{want.view(np.uint32)[r, c]:08x})"
+            for r, c in first
+        )
+        pytest.fail(
+            f"{name} on {where}: {differ.sum()} of {differ.size} weights differ from gguf-py "
+            f"(rows {sorted(set(np.nonzero(differ)[0].tolist()))}): {examples}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -218,30 +241,41 @@ def browser_libraries(cases, tmp_path_factory) -> Path:
 def browser_weights(driver, browser_libraries, cases, tmp_path_factory) -> dict[str, dict]:
     """target → what RUN_LIBRARY_JS answered, with the outputs as float32 arrays and the page's
     console lines; one Chromium runs both libraries, one after the other."""
-    calls = [{"name": function_name(name), "shape": list(words.shape),
-              "words": base64.b64encode(words.tobytes()).decode()} for name, (words, _) in cases.items()]
+    calls = [
+        {"name": function_name(name), "shape": list(words.shape), "words": base64.b64encode(words.tobytes()).decode()}
+        for name, (words, _) in cases.items()
+    ]
     answers = {}
-    with served(browser_libraries) as url, \
-            browser_page(driver, tmp_path_factory.mktemp("profile"), url) as (_, page):
+    with served(browser_libraries) as url, browser_page(driver, tmp_path_factory.mktemp("profile"), url) as (_, page):
         console: list[str] = []
         page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
         page.on("pageerror", lambda error: console.append(f"page error: {error}"))
         for target_name in BROWSER_TARGETS:
             console.clear()
-            answer = page.evaluate(RUN_LIBRARY_JS, {
-                "library": f"/models/ggml-blocks/dequantize-{target_name}.wasm",
-                "webgpu": target_name == "webgpu", "calls": calls})
+            answer = page.evaluate(
+                RUN_LIBRARY_JS,
+                {
+                    "library": f"/models/ggml-blocks/dequantize-{target_name}.wasm",
+                    "webgpu": target_name == "webgpu",
+                    "calls": calls,
+                },
+            )
             answer["console"] = list(console)
-            answer["outputs"] = {name: np.frombuffer(base64.b64decode(data), dtype=np.float32)
-                                 for name, data in answer.get("outputs", {}).items()}
+            answer["outputs"] = {
+                name: np.frombuffer(base64.b64decode(data), dtype=np.float32)
+                for name, data in answer.get("outputs", {}).items()
+            }
             answers[target_name] = answer
     return answers
 
 
 def page_problems(answer: dict) -> dict:
     """What went wrong in the page: a thrown error, WGSL compile errors, WebGPU device errors."""
-    problems = {"error": answer.get("error"), "deviceErrors": answer.get("deviceErrors"),
-                "shaderErrors": [m for m in answer.get("shaderMessages", []) if m["type"] == "error"]}
+    problems = {
+        "error": answer.get("error"),
+        "deviceErrors": answer.get("deviceErrors"),
+        "shaderErrors": [m for m in answer.get("shaderMessages", []) if m["type"] == "error"],
+    }
     return {key: value for key, value in problems.items() if value}
 
 

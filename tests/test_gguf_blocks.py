@@ -34,8 +34,9 @@ def mixed_gguf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed_build(builds, mixed_gguf):
     """mixed_build(quantization, targets) → model folder of the mixed-blocks GGUF."""
-    return lambda quantization, targets=("cpu",): builds.model_dir(mixed_gguf, "tiny-mixed", quantization,
-                                                                   list(targets))
+    return lambda quantization, targets=("cpu",): builds.model_dir(
+        mixed_gguf, "tiny-mixed", quantization, list(targets)
+    )
 
 
 def greedy(model: NativeModel, ids: list[int], steps: int = GREEDY_TOKENS) -> tuple[list[int], list[float]]:
@@ -56,7 +57,7 @@ def assert_same_greedy_tokens(model: NativeModel, reference: NativeModel, tolera
     for ids in PROMPTS:
         (tokens, _), (expected, gaps) = greedy(model, ids), greedy(reference, ids)
         close = next((step for step, gap in enumerate(gaps) if gap <= 2 * tolerance), len(gaps))
-        assert tokens[:close + 1] == expected[:close + 1], (ids, tokens, expected)
+        assert tokens[: close + 1] == expected[: close + 1], (ids, tokens, expected)
 
 
 def max_logit_difference(model: NativeModel, reference: NativeModel) -> float:
@@ -75,8 +76,9 @@ def test_the_mixed_gguf_is_a_model_worth_comparing(mixed_build, mixed_gguf):
     from transformers import AutoModelForCausalLM
 
     native = NativeModel(mixed_build("q0f32"))
-    reference = AutoModelForCausalLM.from_pretrained(mixed_gguf.parent, gguf_file=mixed_gguf.name,
-                                                     dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        mixed_gguf.parent, gguf_file=mixed_gguf.name, dtype=torch.float32
+    ).eval()
     all_gaps = []
     for ids in PROMPTS:
         native.reset()
@@ -131,7 +133,9 @@ def test_the_tensor_cache_holds_the_ggufs_blocks(mixed_build, mixed_gguf):
     assert all(("gguf_type" in r) == name.endswith(".blocks") for name, r in cache.items())
     assert all(r["dtype"] == "uint32" for name, r in cache.items() if name.endswith(".blocks"))
     assert (cache["model.embed_tokens.blocks"]["gguf_type"], cache["model.embed_tokens.blocks"]["gguf_shape"]) == (
-        "Q8_0", [384, 256])
+        "Q8_0",
+        [384, 256],
+    )
     assert stored_parts(cache, "lm_head") == [("Q6_K", [384, 256])]
 
     # A run of parts of one type is one matmul; parts of different types are separate ones.
@@ -139,7 +143,10 @@ def test_the_tensor_cache_holds_the_ggufs_blocks(mixed_build, mixed_gguf):
     assert stored_parts(cache, layer.format(0, "self_attn.qkv_proj")) == [("Q4_K", [384, 256]), ("Q6_K", [128, 256])]
     assert stored_parts(cache, layer.format(0, "mlp.gate_up_proj")) == [("Q4_K", [1024, 256])]
     assert stored_parts(cache, layer.format(1, "self_attn.qkv_proj")) == [
-        ("Q4_0", [256, 256]), ("Q4_1", [128, 256]), ("Q5_1", [128, 256])]
+        ("Q4_0", [256, 256]),
+        ("Q4_1", [128, 256]),
+        ("Q5_1", [128, 256]),
+    ]
     assert stored_parts(cache, layer.format(1, "mlp.gate_up_proj")) == [("F16", [512, 256]), ("BF16", [512, 256])]
     assert stored_parts(cache, layer.format(2, "self_attn.qkv_proj")) == [("Q5_K", [512, 256])]
     assert stored_parts(cache, layer.format(1, "mlp.down_proj")) == [("F32", [256, 512])]
@@ -147,8 +154,9 @@ def test_the_tensor_cache_holds_the_ggufs_blocks(mixed_build, mixed_gguf):
     reader = gguf.GGUFReader(mixed_gguf)
     gguf_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     shard_bytes = sum(shard["nbytes"] for shard in index["records"])
-    print(f"weight shards {shard_bytes} bytes, GGUF tensor data {gguf_bytes} bytes "
-          f"({shard_bytes / gguf_bytes - 1:+.2%})")
+    print(
+        f"weight shards {shard_bytes} bytes, GGUF tensor data {gguf_bytes} bytes ({shard_bytes / gguf_bytes - 1:+.2%})"
+    )
     assert abs(shard_bytes / gguf_bytes - 1) <= 0.05
 
 
@@ -179,8 +187,12 @@ def test_the_blocks_are_the_files_bytes_with_q_and_k_rows_put_back(mixed_build, 
 
     output = hf_rows("output.weight")  # Q6_K: rows of 210 bytes, stored in 53 words
     np.testing.assert_array_equal(stored_rows("lm_head.parts.0.blocks", output.shape[1]), output)
-    qk = np.concatenate([hf_rows("blk.0.attn_q.weight", config.num_attention_heads),
-                         hf_rows("blk.0.attn_k.weight", config.num_key_value_heads)])
+    qk = np.concatenate(
+        [
+            hf_rows("blk.0.attn_q.weight", config.num_attention_heads),
+            hf_rows("blk.0.attn_k.weight", config.num_key_value_heads),
+        ]
+    )
     np.testing.assert_array_equal(stored_rows("model.layers.0.self_attn.qkv_proj.parts.0.blocks", qk.shape[1]), qk)
 
 
@@ -189,10 +201,16 @@ def test_gguf_f32_on_a_hugging_face_folder_is_refused(tiny_source, tmp_path, run
     assert_clean_failure(result, tmp_path / "out", str(tiny_source), "gguf_f32", ".gguf")
 
 
-@pytest.mark.parametrize("tensor, hf_name, kind", [("blk.1.ffn_down", "model.layers.1.mlp.down_proj", "Q2_K"),
-                                                   ("blk.0.attn_v", "model.layers.0.self_attn.v_proj", "Q3_K")])
-def test_a_block_type_gguf_f32_does_not_compile_is_refused_naming_the_tensor(tensor, hf_name, kind, tmp_path,
-                                                                             run_compile):
+@pytest.mark.parametrize(
+    "tensor, hf_name, kind",
+    [
+        ("blk.1.ffn_down", "model.layers.1.mlp.down_proj", "Q2_K"),
+        ("blk.0.attn_v", "model.layers.0.self_attn.v_proj", "Q3_K"),
+    ],
+)
+def test_a_block_type_gguf_f32_does_not_compile_is_refused_naming_the_tensor(
+    tensor, hf_name, kind, tmp_path, run_compile
+):
     path = write_mixed_blocks_gguf(tmp_path / f"with-{kind}.gguf", {**MIXED_BLOCK_TYPES, tensor: kind})
     # The schemes that dequantize read it; gguf_f32 has no kernel for it.
     assert np.all(GGUFModel(path).load(f"{hf_name}.weight") == 0)
@@ -203,7 +221,7 @@ def test_a_block_type_gguf_f32_does_not_compile_is_refused_naming_the_tensor(ten
 def test_a_gguf_cut_in_the_middle_of_a_block_is_refused(mixed_gguf, tmp_path, run_compile):
     last = gguf.GGUFReader(mixed_gguf).tensors[-1]  # output.weight: Q6_K blocks of 210 bytes
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(mixed_gguf.read_bytes()[:last.data_offset + 192 * 210 + 7])
+    cut.write_bytes(mixed_gguf.read_bytes()[: last.data_offset + 192 * 210 + 7])
     result = run_compile(cut, tmp_path / "out", "-q", "gguf_f32")
     assert_clean_failure(result, tmp_path / "out", "cut.gguf", "not a readable GGUF file")
 
@@ -217,8 +235,10 @@ def mixed_browser_dir(mixed_build):
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
 def test_browser_parity_on_the_mixed_blocks(backend, mixed_browser_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The history of the city is long and full of stories about the river\n"
-                       "In the morning the people of the town walk to the harbour\n")
+    prompts.write_text(
+        "The history of the city is long and full of stories about the river\n"
+        "In the morning the people of the town walk to the harbour\n"
+    )
     code, report = parity(mixed_browser_dir, "--prompts", str(prompts), "--max-tokens", "8", "--target", backend)
     print({k: v for k, v in report.items() if k != "prompts"})
     assert report["browser"] == backend

@@ -130,14 +130,25 @@ def write_tiny_gguf(
     add("token_embd.weight", "model.embed_tokens.weight", (vocab_size, hidden), GGMLType.Q8_0)
     for layer in range(TINY["layers"]):
         shapes = {
-            "attn_norm": (hidden,), "attn_q": (hidden, hidden), "attn_k": (kv_width, hidden),
-            "attn_v": (kv_width, hidden), "attn_output": (hidden, hidden), "ffn_norm": (hidden,),
-            "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate),
+            "attn_norm": (hidden,),
+            "attn_q": (hidden, hidden),
+            "attn_k": (kv_width, hidden),
+            "attn_v": (kv_width, hidden),
+            "attn_output": (hidden, hidden),
+            "ffn_norm": (hidden,),
+            "ffn_gate": (intermediate, hidden),
+            "ffn_up": (intermediate, hidden),
+            "ffn_down": (hidden, intermediate),
         }
         permuted = {"attn_q": TINY["heads"], "attn_k": TINY["kv_heads"]}
         for part, (hf_part, kind) in TINY_LAYER_TENSORS.items():
-            add(f"blk.{layer}.{part}.weight", f"model.layers.{layer}.{hf_part}.weight", shapes[part], kind,
-                permuted.get(part, 0))
+            add(
+                f"blk.{layer}.{part}.weight",
+                f"model.layers.{layer}.{hf_part}.weight",
+                shapes[part],
+                kind,
+                permuted.get(part, 0),
+            )
     add("output_norm.weight", "model.norm.weight", (hidden,), GGMLType.F32)
     add("output.weight", "lm_head.weight", (vocab_size, hidden), GGMLType.BF16)
     for name, data, kind in extra_tensors:
@@ -513,13 +524,22 @@ def oversized_header(path: Path) -> None:
         (lambda folder: cut_in_half(folder / "model.safetensors"), "model.safetensors", "truncated safetensors file"),
         (lambda folder: oversized_header(folder / "model.safetensors"), "model.safetensors", "does not fit"),
         (lambda folder: (folder / "tokenizer.json").unlink(), "", "no tokenizer (tokenizer.json)"),
-        (lambda folder: (folder / "tokenizer.json").rename(folder / "tokenizer.model"), "tokenizer.model",
-         "a SentencePiece model without tokenizer.json"),
+        (
+            lambda folder: (folder / "tokenizer.json").rename(folder / "tokenizer.model"),
+            "tokenizer.model",
+            "a SentencePiece model without tokenizer.json",
+        ),
         (lambda folder: (folder / "model.safetensors").unlink(), "", "no weights"),
     ],
     ids=[
-        "no-config", "malformed-config", "no-model-type", "truncated-weights", "corrupt-header", "no-tokenizer",
-        "sentencepiece-only", "no-weights",
+        "no-config",
+        "malformed-config",
+        "no-model-type",
+        "truncated-weights",
+        "corrupt-header",
+        "no-tokenizer",
+        "sentencepiece-only",
+        "no-weights",
     ],
 )
 def test_hf_folder_errors_name_the_file_and_the_problem(hf_folder_copy, tmp_path, break_folder, named_file, problem):
@@ -584,8 +604,12 @@ def fake_hub(repositories: dict[str, dict[str, Path]]):
     def file_tree(org: str, name: str, revision: str):
         return jsonify(
             [
-                {"type": "file", "path": file, "size": path.stat().st_size,
-                 "oid": hashlib.sha1(path.read_bytes()).hexdigest()}
+                {
+                    "type": "file",
+                    "path": file,
+                    "size": path.stat().st_size,
+                    "oid": hashlib.sha1(path.read_bytes()).hexdigest(),
+                }
                 for file, path in files_of(f"{org}/{name}").items()
             ]
         )
@@ -630,9 +654,7 @@ def hub_endpoint(tiny_hf_folder, tmp_path):
 
 def ingest_in_subprocess(source: str, tmp_path: Path, **hub_environment: str) -> subprocess.CompletedProcess:
     """The hub client reads HF_* variables when imported, so each setting gets a fresh process."""
-    environment = {
-        key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGINGFACE_"))
-    }
+    environment = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGINGFACE_"))}
     environment.update(HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1", **hub_environment)
     return subprocess.run(
         [sys.executable, "-c", INGEST_IN_SUBPROCESS, source, str(tmp_path / "work"), str(tmp_path / "tensors.npz")],

@@ -70,8 +70,11 @@ def assert_refused(error: BrowserEngineError, *fragments: str) -> None:
 
 def test_the_build_record_holds_the_sha256_of_every_other_file(tiny_build):
     model_dir = tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
-    on_disk = {path.relative_to(model_dir).as_posix(): sha256(path.read_bytes())
-               for path in model_dir.rglob("*") if path.is_file() and path.name != "kiln-build.json"}
+    on_disk = {
+        path.relative_to(model_dir).as_posix(): sha256(path.read_bytes())
+        for path in model_dir.rglob("*")
+        if path.is_file() and path.name != "kiln-build.json"
+    }
     assert recorded_digests(model_dir) == on_disk
     assert {*LOADED_FILES, f"libs/{MODEL_ID}-webgpu.wasm"} <= set(on_disk)
 
@@ -135,12 +138,19 @@ def test_a_poisoned_cache_entry_is_refused_then_downloaded_again(page, tiny_dir,
         build_id = engine.load(MODEL_ID, device="wasm")["stats"]["load"]["build_id"]
         poisoned = bytearray((model_dir / relative).read_bytes())
         poisoned[len(poisoned) // 2] ^= 0x01
-        page.evaluate(PUT_IN_CACHE_JS, {"cacheName": f"kiln-model:{MODEL_ID}:{build_id}", "path": relative,
-                                        "base64": base64.b64encode(poisoned).decode()})
+        page.evaluate(
+            PUT_IN_CACHE_JS,
+            {
+                "cacheName": f"kiln-model:{MODEL_ID}:{build_id}",
+                "path": relative,
+                "base64": base64.b64encode(poisoned).decode(),
+            },
+        )
         with pytest.raises(BrowserEngineError) as refused:
             engine.load(MODEL_ID, device="wasm")
-        assert_refused(refused.value, f"{relative} in the browser cache", sha256(poisoned),
-                       recorded_digests(model_dir)[relative])
+        assert_refused(
+            refused.value, f"{relative} in the browser cache", sha256(poisoned), recorded_digests(model_dir)[relative]
+        )
         healed = engine.load(MODEL_ID, device="wasm")["stats"]["load"]
     assert healed["downloaded_bytes"] == (model_dir / relative).stat().st_size
 

@@ -23,8 +23,25 @@ STAGING_PREFIX = ".kiln-build-"
 
 def compile_until(source: Path, output: Path, stage: str) -> None:
     """Starts `kiln compile` and kills it with SIGKILL once it reports `stage`."""
-    process = subprocess.Popen([sys.executable, "-m", "kiln.cli", "compile", str(source), "-q", "q0f32", "-t", "cpu",
-                                "-o", str(output), "--model-id", "killed"], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "compile",
+            str(source),
+            "-q",
+            "q0f32",
+            "-t",
+            "cpu",
+            "-o",
+            str(output),
+            "--model-id",
+            "killed",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     for line in process.stderr:
         seen.append(line)
@@ -47,8 +64,16 @@ def test_a_killed_build_leaves_no_model_folder_and_the_next_build_cleans_up(tiny
     assert len(leftovers[0]) == len(leftovers[1]) == 1 and leftovers[0] != leftovers[1]
     assert (leftovers[1][0] / "model" / "tensor-cache.json").exists()
 
-    result = build(BuildRequest(source=str(tiny_source), quantization="q0f32", targets=["cpu"], output=output,
-                                model_id="killed", cpu_tuning="host"))
+    result = build(
+        BuildRequest(
+            source=str(tiny_source),
+            quantization="q0f32",
+            targets=["cpu"],
+            output=output,
+            model_id="killed",
+            cpu_tuning="host",
+        )
+    )
     assert sorted(p.name for p in output.iterdir()) == ["killed"]
     record = json.loads((result.model_dir / "kiln-build.json").read_text())
     assert record["targets"]["cpu"]["mcpu"] == tvm.target.codegen.llvm_get_system_cpu()
@@ -78,8 +103,11 @@ def test_the_cpu_library_is_portable_by_default_and_the_record_names_no_local_fo
 def test_a_library_for_a_cpu_this_machine_does_not_have_is_refused_with_one_line(tiny_build, tmp_path):
     import shutil
 
-    richer = next(cpu for cpu in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm"}))
-                  if missing_cpu_features(str(cpu)))
+    richer = next(
+        cpu
+        for cpu in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm"}))
+        if missing_cpu_features(str(cpu))
+    )
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_build("q4f32_1", ["cpu"]), model_dir)
     record = json.loads((model_dir / "kiln-build.json").read_text())

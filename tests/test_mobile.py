@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from mobile_objects import (CPU_TYPE_ARM64, EM_AARCH64, PLATFORM_IOS, PLATFORM_MACOS, ObjectHeader,
-                            archive_members, object_header)
+from mobile_objects import (
+    CPU_TYPE_ARM64,
+    EM_AARCH64,
+    PLATFORM_IOS,
+    PLATFORM_MACOS,
+    ObjectHeader,
+    archive_members,
+    object_header,
+)
 
 from kiln.compile.system_lib import LIBRARY_BIN_SYMBOL, defined_globals, system_lib_prefix
 

@@ -42,23 +42,42 @@ def test_greedy_tokens_match_transformers(model_dir, reference, mode, prompt):
     import torch
 
     model, tokenizer = reference
-    run = subprocess.run([KILN, "generate", str(model_dir), "--prompt", prompt, "--max-tokens", str(NEW_TOKENS),
-                          "--json", *(["--chat"] if mode == "chat" else [])],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            KILN,
+            "generate",
+            str(model_dir),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(NEW_TOKENS),
+            "--json",
+            *(["--chat"] if mode == "chat" else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
 
     if mode == "chat":
-        expected_prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                        add_generation_prompt=True, tokenize=True)["input_ids"]
+        expected_prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
     else:
         expected_prompt = tokenizer(prompt).input_ids
     assert out["prompt_tokens"] == expected_prompt
 
     with torch.no_grad():
-        generated = model.generate(torch.tensor([out["prompt_tokens"]]), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, eos_token_id=2, pad_token_id=2)
-    expected = generated[0, len(out["prompt_tokens"]):].tolist()
+        generated = model.generate(
+            torch.tensor([out["prompt_tokens"]]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    expected = generated[0, len(out["prompt_tokens"]) :].tolist()
     assert len(expected) == NEW_TOKENS, "pick a prompt whose reply is at least 32 tokens long"
     assert out["tokens"] == expected
     assert out["text"] == tokenizer.decode(expected)

@@ -31,8 +31,9 @@ INDEX_HTML = """<!doctype html>
 
 
 def run(command: list, cwd: Path) -> str:
-    result = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run(
+        [str(part) for part in command], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 0, f"{command} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -56,8 +57,12 @@ def test_the_tarball_holds_the_engine_and_declares_what_it_needs(project):
     installed = json.loads((project / "node_modules" / "kiln-web" / "package.json").read_text())
     assert "private" not in installed
     assert installed["exports"] == {".": "./src/index.js", "./worker": "./src/bundle-worker.js"}
-    assert set(installed["dependencies"]) == {"@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers",
-                                              "@mlc-ai/web-xgrammar", "@huggingface/jinja"}
+    assert set(installed["dependencies"]) == {
+        "@mlc-ai/web-runtime",
+        "@mlc-ai/web-tokenizers",
+        "@mlc-ai/web-xgrammar",
+        "@huggingface/jinja",
+    }
     assert (project / "node_modules" / "kiln-web" / "README.md").is_file()
 
 
@@ -68,17 +73,31 @@ def test_a_bundled_page_chats_with_a_served_model(project, tiny_dir, driver, tmp
             f'const engine = await createEngine(await (await fetch("{models}api/app-config.json")).json(), '
             f'"{tiny_dir.name}", {{ device: "wasm" }});\n'
             f"globalThis.reply = await engine.chat.completions.create({{ messages: {json.dumps(MESSAGES)}, "
-            f"max_tokens: {MAX_TOKENS}, temperature: 0 }});\n")
+            f"max_tokens: {MAX_TOKENS}, temperature: 0 }});\n"
+        )
         (project / "worker.js").write_text('import "kiln-web/worker";\n')
-        run([WEB_DIR / "node_modules" / ".bin" / "esbuild", "page.js", "worker.js", "--bundle", "--format=esm",
-             "--outdir=public", *[f"--external:{name}" for name in NODE_ONLY]], cwd=project)
+        run(
+            [
+                WEB_DIR / "node_modules" / ".bin" / "esbuild",
+                "page.js",
+                "worker.js",
+                "--bundle",
+                "--format=esm",
+                "--outdir=public",
+                *[f"--external:{name}" for name in NODE_ONLY],
+            ],
+            cwd=project,
+        )
         (project / "public" / "index.html").write_text(INDEX_HTML)
         site = SharedDataMiddleware(NotFound(), {"/": str(project / "public")})
-        with serving(site) as page_url, browser_page(driver, tmp_path / "profile", "about:blank",
-                                                     webgpu=False) as (_, page):
+        with (
+            serving(site) as page_url,
+            browser_page(driver, tmp_path / "profile", "about:blank", webgpu=False) as (_, page),
+        ):
             page.goto(f"{page_url}index.html")
-            page.wait_for_function("() => globalThis.reply !== undefined || globalThis.failure !== undefined",
-                                   timeout=300_000)
+            page.wait_for_function(
+                "() => globalThis.reply !== undefined || globalThis.failure !== undefined", timeout=300_000
+            )
             failure, reply = page.evaluate("() => [globalThis.failure ?? null, globalThis.reply ?? null]")
     assert failure is None
     expected = Engine(tiny_dir).generate_chat(MESSAGES, GenerationConfig(max_tokens=MAX_TOKENS))

@@ -17,8 +17,7 @@ from tvm.runtime.vm import VMInstrumentReturnKind
 
 from kiln.compile.ingest import ingest
 from kiln.compile.library import library_metadata, param_specs, scheduled_module
-from kiln.compile.opencl_check import (check_opencl_c, check_opencl_kernels, kernel_programs, pocl_context,
-                                       run_on_opencl)
+from kiln.compile.opencl_check import check_opencl_c, check_opencl_kernels, kernel_programs, pocl_context, run_on_opencl
 from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
 from kiln.compile.targets import TARGETS
@@ -122,7 +121,7 @@ def layer_calls(calls: list[KernelCall]) -> list[KernelCall]:
     """The calls from the first to the last one that reads the layer's weights: the layer's
     kernels (norms, projections, residual adds, the MLP; attention runs inside the KV cache)."""
     touching = [i for i, call in enumerate(calls) if call.reads_layer]
-    return calls[touching[0]:touching[-1] + 1]
+    return calls[touching[0] : touching[-1] + 1]
 
 
 def android_module(source_dir: Path, quantization: str, work: Path) -> tvm.IRModule:
@@ -151,12 +150,16 @@ def test_one_layer_on_pocl_matches_the_cpu_build(tiny_build, tiny_source, pocl, 
         if "tirx.is_host_func" in android[call.name].attrs:
             continue  # shape arithmetic for the VM, which runs on the phone's CPU
         on_pocl = run_on_opencl(android[call.name], target, call.before, pocl)
-        arrays = [(cpu, cl, before) for cpu, cl, before in zip(call.after, on_pocl, call.before)
-                  if isinstance(cpu, np.ndarray)]
+        arrays = [
+            (cpu, cl, before)
+            for cpu, cl, before in zip(call.after, on_pocl, call.before)
+            if isinstance(cpu, np.ndarray)
+        ]
         assert any(not np.array_equal(cpu, before) for cpu, _, before in arrays), f"{call.name} wrote nothing"
         # Inputs too: a kernel that wrote where it should not is as wrong as a wrong output.
-        worst[f"{len(worst)}:{call.name}"] = max(float(np.abs(cl.astype(np.float64) - cpu).max())
-                                                 for cpu, cl, _ in arrays)
+        worst[f"{len(worst)}:{call.name}"] = max(
+            float(np.abs(cl.astype(np.float64) - cpu).max()) for cpu, cl, _ in arrays
+        )
     print(f"layer 0: {len(worst)} kernels on PoCL, max |Δ| per kernel vs the CPU build:", worst)
     assert len(worst) >= 5
     assert max(worst.values()) <= LAYER_TOLERANCE, worst

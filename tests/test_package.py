@@ -30,11 +30,20 @@ def write_config(folder: Path, config: dict) -> Path:
 
 
 def two_model_config(models: list[Path], **changes) -> dict:
-    return {"platforms": PLATFORMS, **changes, "model_list": [
-        {"model": str(models[0]), "model_id": "tiny-f16", "bundle_weight": True},
-        {"model": str(models[1]), "model_id": "tiny-f32", "bundle_weight": False,
-         "model_url": "https://example.com/tiny-f32", "estimated_vram_bytes": 1 << 20},
-    ]}
+    return {
+        "platforms": PLATFORMS,
+        **changes,
+        "model_list": [
+            {"model": str(models[0]), "model_id": "tiny-f16", "bundle_weight": True},
+            {
+                "model": str(models[1]),
+                "model_id": "tiny-f32",
+                "bundle_weight": False,
+                "model_url": "https://example.com/tiny-f32",
+                "estimated_vram_bytes": 1 << 20,
+            },
+        ],
+    }
 
 
 def test_two_models_two_bundles(two_models, tmp_path):
@@ -44,10 +53,18 @@ def test_two_models_two_bundles(two_models, tmp_path):
     for platform, bundle in bundles.items():
         app_config = json.loads((bundle / "mlc-app-config.json").read_text())
         assert app_config["model_list"] == [
-            {"model_id": "tiny-f16", "model_lib": prefixes[0][:-1], "model_path": "tiny-f16",
-             "estimated_vram_bytes": app_config["model_list"][0]["estimated_vram_bytes"]},
-            {"model_id": "tiny-f32", "model_lib": prefixes[1][:-1], "model_url": "https://example.com/tiny-f32",
-             "estimated_vram_bytes": 1 << 20},
+            {
+                "model_id": "tiny-f16",
+                "model_lib": prefixes[0][:-1],
+                "model_path": "tiny-f16",
+                "estimated_vram_bytes": app_config["model_list"][0]["estimated_vram_bytes"],
+            },
+            {
+                "model_id": "tiny-f32",
+                "model_lib": prefixes[1][:-1],
+                "model_url": "https://example.com/tiny-f32",
+                "estimated_vram_bytes": 1 << 20,
+            },
         ]
         assert app_config["model_list"][0]["estimated_vram_bytes"] > 0
         for name in ("tensor-cache.json", "params_shard_0.bin", "mlc-chat-config.json", "tokenizer.json"):
@@ -63,8 +80,12 @@ def test_two_models_two_bundles(two_models, tmp_path):
     archive = bundles["android"] / "lib" / "libmodel_android.a"
     linked = tmp_path / "linked.o"
     subprocess.run([llvm_tool("ld.lld", "lld"), "-r", "--whole-archive", str(archive), "-o", str(linked)], check=True)
-    symbols = subprocess.run([llvm_tool("llvm-nm"), "--defined-only", "--extern-only", "--format=just-symbols",
-                              str(linked)], capture_output=True, text=True, check=True).stdout.split()
+    symbols = subprocess.run(
+        [llvm_tool("llvm-nm"), "--defined-only", "--extern-only", "--format=just-symbols", str(linked)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert {p + LIBRARY_BIN_SYMBOL for p in prefixes} <= set(symbols)
 
 
@@ -101,8 +122,18 @@ def bad_configs(models: list[Path], tmp_path: Path) -> dict[str, tuple[dict, str
     }
 
 
-@pytest.mark.parametrize("case", ["missing model", "duplicate model id", "same model twice", "unknown platform",
-                                  "platform not built", "no weights for the app", "unknown key"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing model",
+        "duplicate model id",
+        "same model twice",
+        "unknown platform",
+        "platform not built",
+        "no weights for the app",
+        "unknown key",
+    ],
+)
 def test_bad_config_is_one_line_and_writes_nothing(two_models, tmp_path, capsys, case):
     config, message = bad_configs(two_models, tmp_path)[case]
     path = write_config(tmp_path, config)

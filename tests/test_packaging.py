@@ -23,15 +23,26 @@ pytestmark = pytest.mark.slow
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 CHECKOUT_SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])
-NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "node_modules", "build", "dist", "test-artifacts", "__pycache__",
-                                     ".pytest_cache", ".hypothesis", "*.egg-info")
+NOT_SOURCES = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "node_modules",
+    "build",
+    "dist",
+    "test-artifacts",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    "*.egg-info",
+)
 # Outside the checkout, and without the variables that would lead Python back into it.
 ENV = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
 def run(command: list, cwd: Path, timeout: float = 600) -> str:
-    result = subprocess.run([str(part) for part in command], cwd=cwd, env=ENV, capture_output=True, text=True,
-                            timeout=timeout, check=False)
+    result = subprocess.run(
+        [str(part) for part in command], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout, check=False
+    )
     assert result.returncode == 0, f"{command} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -44,8 +55,10 @@ def installed(tmp_path_factory) -> Path:
     shutil.copytree(CHECKOUT, source, ignore=NOT_SOURCES)
     shutil.rmtree(source / "kiln" / "data" / "web", ignore_errors=True)
     copy_served_files(CHECKOUT / "web", source / "kiln" / "data" / "web")
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "wheel", source],
-        cwd=tmp)
+    run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "wheel", source],
+        cwd=tmp,
+    )
     [wheel] = (tmp / "wheel").glob("kiln_llm-*.whl")
     venv = tmp / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
@@ -53,8 +66,9 @@ def installed(tmp_path_factory) -> Path:
     run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel], cwd=tmp)
     # A path in a .pth file joins sys.path without its own .pth files running, so the editable
     # install's finder (which maps `kiln` to the checkout) stays out.
-    site_packages = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp)
-                         .strip())
+    site_packages = Path(
+        run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).strip()
+    )
     (site_packages / "checkout-dependencies.pth").write_text(f"{CHECKOUT_SITE_PACKAGES}\n")
     return venv / "bin"
 
@@ -65,11 +79,19 @@ def elsewhere(tmp_path) -> Path:
 
 
 def test_the_installed_kiln_is_the_wheel_not_the_checkout(installed, elsewhere):
-    report = json.loads(run([installed / "python", "-c",
-                             "import json, sys, kiln, kiln.server, kiln.compile, kiln.models; "
-                             "print(json.dumps({'files': [m.__file__ for m in (kiln, kiln.server, kiln.compile, "
-                             "kiln.models)], 'path': sys.path, 'finders': [repr(f) for f in sys.meta_path], "
-                             "'version': kiln.__version__}))"], cwd=elsewhere))
+    report = json.loads(
+        run(
+            [
+                installed / "python",
+                "-c",
+                "import json, sys, kiln, kiln.server, kiln.compile, kiln.models; "
+                "print(json.dumps({'files': [m.__file__ for m in (kiln, kiln.server, kiln.compile, "
+                "kiln.models)], 'path': sys.path, 'finders': [repr(f) for f in sys.meta_path], "
+                "'version': kiln.__version__}))",
+            ],
+            cwd=elsewhere,
+        )
+    )
     venv = installed.parent
     assert all(Path(file).is_relative_to(venv) for file in report["files"]), report["files"]
     inside_checkout = [p for p in report["path"] if (elsewhere / p).resolve().is_relative_to(CHECKOUT)]
@@ -94,14 +116,33 @@ def fetch(url: str) -> bytes:
 
 
 def test_compile_then_serve_the_harness_engine_and_model(installed, elsewhere, tiny_source):
-    run([installed / "kiln", "compile", tiny_source, "-q", "q4f32_1", "-t", "cpu", "-o", "dist",
-         "--model-id", "tiny-wheel"], cwd=elsewhere)
+    run(
+        [
+            installed / "kiln",
+            "compile",
+            tiny_source,
+            "-q",
+            "q4f32_1",
+            "-t",
+            "cpu",
+            "-o",
+            "dist",
+            "--model-id",
+            "tiny-wheel",
+        ],
+        cwd=elsewhere,
+    )
     record = json.loads((elsewhere / "dist" / "tiny-wheel" / "kiln-build.json").read_text())
     assert record["kiln_version"] == kiln.__version__
 
     port = free_port()
-    server = subprocess.Popen([installed / "kiln", "serve", "--dist", "dist", "--port", str(port)], cwd=elsewhere,
-                              env=ENV, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [installed / "kiln", "serve", "--dist", "dist", "--port", str(port)],
+        cwd=elsewhere,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -131,8 +172,9 @@ def test_bench_compile_reads_its_text_from_the_package(installed, elsewhere, tin
     # The bundled text is some 2,150 tokens of the tiny tokenizer: a window longer than its 512.
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    report = json.loads(run([installed / "kiln", "bench", "compile", source, "-q", "q4f32_1", "-t", "cpu", "--json"],
-                            cwd=elsewhere))
+    report = json.loads(
+        run([installed / "kiln", "bench", "compile", source, "-q", "q4f32_1", "-t", "cpu", "--json"], cwd=elsewhere)
+    )
     assert Path(report["text"]).is_relative_to(installed.parent)
     assert report["tokens"] > 2000
     assert set(report["perplexity"]) == {"q0f32", "q4f32_1"}

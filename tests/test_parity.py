@@ -77,14 +77,31 @@ def test_parity_fails_when_the_browser_copy_has_a_corrupted_weight(tiny_dir, tmp
     assert any("last-token logits differ" in failure for failure in report["failures"])
     # The same copy uncorrupted passes: the failure is the weight's.
     shutil.copytree(tiny_dir, tmp_path / "clean" / tiny_dir.name)
-    code, report = parity(tiny_dir, "--browser-model-dir", str(tmp_path / "clean" / tiny_dir.name),
-                          "--target", "wasm", "--max-tokens", "8")
+    code, report = parity(
+        tiny_dir,
+        "--browser-model-dir",
+        str(tmp_path / "clean" / tiny_dir.name),
+        "--target",
+        "wasm",
+        "--max-tokens",
+        "8",
+    )
     assert code == 0, report["failures"]
 
 
 def test_generate_in_the_browser_prints_the_native_json(tiny_dir):
-    common = ("generate", str(tiny_dir), "--prompt", "The history of the city", "--max-tokens", "12",
-              "--ignore-eos", "--json", "--logits", "2")
+    common = (
+        "generate",
+        str(tiny_dir),
+        "--prompt",
+        "The history of the city",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+        "--logits",
+        "2",
+    )
     native = json.loads(run_kiln(*common).stdout)
     result = run_kiln(*common, "--device", "browser", "--target", "webgpu")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,10 +120,13 @@ def test_generate_in_the_browser_prints_the_native_json(tiny_dir):
 def test_parity_holds_on_smollm2_on_webgpu(smollm2_build, tmp_path):
     model_dir = smollm2_build("q4f32_1", ["cpu", "webgpu", "wasm"])
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The capital of France is a city with a long history, and its most famous landmark is\n"
-                       "Write a short poem about the sea, the wind and the boats that sail home at night.\n")
-    code, report = parity(model_dir, "--prompts", str(prompts), "--max-tokens", "8", "--forced-positions", "16",
-                          "--target", "webgpu")
+    prompts.write_text(
+        "The capital of France is a city with a long history, and its most famous landmark is\n"
+        "Write a short poem about the sea, the wind and the boats that sail home at night.\n"
+    )
+    code, report = parity(
+        model_dir, "--prompts", str(prompts), "--max-tokens", "8", "--forced-positions", "16", "--target", "webgpu"
+    )
     print(json.dumps({k: v for k, v in report.items() if k != "prompts"}, indent=2))
     assert report["browser"] == "webgpu"
     assert_contract_holds(code, report, prompts=2, max_tokens=8)

@@ -44,8 +44,16 @@ class Runs:
         self.browser_rows[self.row_of_step(k)] = logits
 
     def judge(self, forced_positions: int | None = None):
-        return judge_prompt("prompt", PROMPT_IDS, self.browser_prompt_ids, self.native_steps, self.browser_steps,
-                            self.native_rows, self.browser_rows, forced_positions)
+        return judge_prompt(
+            "prompt",
+            PROMPT_IDS,
+            self.browser_prompt_ids,
+            self.native_steps,
+            self.browser_steps,
+            self.native_rows,
+            self.browser_rows,
+            forced_positions,
+        )
 
 
 def test_identical_runs_pass_and_compare_every_forced_position():
@@ -82,8 +90,9 @@ def test_a_real_divergence_fails():
     runs = Runs()
     runs.diverge(3, step(2))  # the native gap there is 1.0
     failures = runs.judge().failures(CONTRACT)
-    assert any("greedy tokens diverge at step 3 without a near tie: native 0 (top-2 gap 1.00e+00" in f
-               for f in failures)
+    assert any(
+        "greedy tokens diverge at step 3 without a near tie: native 0 (top-2 gap 1.00e+00" in f for f in failures
+    )
 
 
 def test_one_forced_flip_fails_a_prompt_and_a_near_tie_flip_does_not():

@@ -60,7 +60,7 @@ def random_row(rng: np.random.Generator, kind: str, vocab: int) -> np.ndarray:
         row = row.astype(np.float32)
         tied = rng.integers(0, vocab, size=max(1, vocab // 3))
         row[tied] = row.max()
-        nudged = tied[:len(tied) // 2]
+        nudged = tied[: len(tied) // 2]
         row[nudged] = np.nextafter(row[nudged], np.float32(np.inf))
     elif kind == "peaked":
         row[rng.integers(0, vocab, size=3)] += 15
@@ -75,12 +75,14 @@ def cases(count: int) -> list[dict]:
         vocab = REAL_VOCAB if i % 40 == 0 else int(rng.choice([2, 5, 17, 300, 2000, 5000]))
         row = random_row(rng, kinds[i % len(kinds)], vocab)
         likely = np.argsort(-row, kind="stable")[:10]
-        out.append({
-            "row": row,
-            "prompt": [int(t) for t in rng.choice(likely, size=int(rng.integers(1, 8)))],
-            "history": [int(t) for t in rng.choice(likely, size=int(rng.integers(0, 6)))],
-            "config": random_config(rng, row.size),
-        })
+        out.append(
+            {
+                "row": row,
+                "prompt": [int(t) for t in rng.choice(likely, size=int(rng.integers(1, 8)))],
+                "history": [int(t) for t in rng.choice(likely, size=int(rng.integers(0, 6)))],
+                "config": random_config(rng, row.size),
+            }
+        )
     return out
 
 
@@ -99,13 +101,28 @@ def python_tokens(case: dict) -> list[list[int]]:
 
 
 def node_tokens(all_cases: list[dict]) -> list[list[list[int]]]:
-    camel = {"temperature": "temperature", "top_p": "topP", "top_k": "topK", "repetition_penalty": "repetitionPenalty",
-             "presence_penalty": "presencePenalty", "frequency_penalty": "frequencyPenalty"}
-    return run_node_module(NODE_SAMPLER_JS, [
-        {"logits": base64.b64encode(case["row"].tobytes()).decode(), "prompt": case["prompt"],
-         "history": case["history"], "config": {camel[k]: v for k, v in case["config"].items()},
-         "seeds": SEEDS, "steps": STEPS}
-        for case in all_cases])
+    camel = {
+        "temperature": "temperature",
+        "top_p": "topP",
+        "top_k": "topK",
+        "repetition_penalty": "repetitionPenalty",
+        "presence_penalty": "presencePenalty",
+        "frequency_penalty": "frequencyPenalty",
+    }
+    return run_node_module(
+        NODE_SAMPLER_JS,
+        [
+            {
+                "logits": base64.b64encode(case["row"].tobytes()).decode(),
+                "prompt": case["prompt"],
+                "history": case["history"],
+                "config": {camel[k]: v for k, v in case["config"].items()},
+                "seeds": SEEDS,
+                "steps": STEPS,
+            }
+            for case in all_cases
+        ],
+    )
 
 
 def test_python_and_node_pick_the_same_tokens():
@@ -115,8 +132,11 @@ def test_python_and_node_pick_the_same_tokens():
     differing = [(i, case["config"]) for i, (case, a, b) in enumerate(zip(all_cases, ours, theirs)) if a != b]
     assert differing == [], f"{len(differing)} of {len(all_cases)} rows differ, e.g. {differing[:3]}"
     # The draws are real draws: seeds disagree on most sampled rows.
-    sampled = [tokens for case, tokens in zip(all_cases, ours)
-               if case["config"]["temperature"] > 0 and case["config"]["top_k"] != 1]
+    sampled = [
+        tokens
+        for case, tokens in zip(all_cases, ours)
+        if case["config"]["temperature"] > 0 and case["config"]["top_k"] != 1
+    ]
     assert sum(len({tuple(t) for t in tokens}) > 1 for tokens in sampled) > 0.6 * len(sampled)
 
 
@@ -125,21 +145,31 @@ def first_floats(generator: Mulberry32, count: int) -> list[float]:
 
 
 def test_the_generator_and_the_weights_are_equal_bit_for_bit():
-    x = np.concatenate([[0.0, -1e-300, -707.9, -708.0, -708.1, -np.inf],
-                        -np.random.default_rng(3).exponential(20, 20000)])
+    x = np.concatenate(
+        [[0.0, -1e-300, -707.9, -708.0, -708.1, -np.inf], -np.random.default_rng(3).exponential(20, 20000)]
+    )
     python = {"streams": [first_floats(Mulberry32(seed), 5) for seed in SEEDS], "exp": exp_nonpositive(x).tolist()}
-    node = run_node_module("""
+    node = run_node_module(
+        """
         import { expNonPositive, seededRandom } from "./src/sampler.js";
         const firstFloats = (random) => [0, 1, 2, 3, 4].map(() => random());
         const streams = input.seeds.map((seed) => firstFloats(seededRandom(seed)));
         console.log(JSON.stringify({ streams, exp: input.x.map((v) => expNonPositive(v ?? -Infinity)) }));
-    """, {"seeds": SEEDS, "x": [None if v == -np.inf else v for v in x.tolist()]})
+    """,
+        {"seeds": SEEDS, "x": [None if v == -np.inf else v for v in x.tolist()]},
+    )
     assert node == python
     np.testing.assert_allclose(python["exp"], np.exp(x), rtol=3e-16, atol=1e-300)  # and e^x, within an ulp
 
 
-SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.2, "presence_penalty": 0.3,
-            "frequency_penalty": 0.2}
+SAMPLING = {
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 20,
+    "repetition_penalty": 1.2,
+    "presence_penalty": 0.3,
+    "frequency_penalty": 0.2,
+}
 PROMPT = "The history of the city"
 MESSAGES = [{"role": "user", "content": "Tell me about the history of the city"}]
 MAX_TOKENS = 24
@@ -189,7 +219,9 @@ def test_the_browser_engine_samples_the_native_tokens_for_every_seed(tiny_dir, b
             expected = native.generate_chat(MESSAGES, GenerationConfig(max_tokens=MAX_TOKENS, seed=seed, **SAMPLING))
             reply = model.engine.chat({"messages": MESSAGES, "max_tokens": MAX_TOKENS, "seed": seed, **SAMPLING})
             chats.append(reply["completion"]["choices"][0])
-            assert (chats[-1]["message"]["content"], chats[-1]["finish_reason"]) == (expected.text,
-                                                                                   expected.finish_reason)
+            assert (chats[-1]["message"]["content"], chats[-1]["finish_reason"]) == (
+                expected.text,
+                expected.finish_reason,
+            )
     assert len({tuple(tokens) for tokens in natives}) == len(BROWSER_SEEDS)
     assert len({chat["message"]["content"] for chat in chats}) > 1

@@ -48,8 +48,9 @@ def test_app_config_lists_the_browser_builds(url, tiny_dir):
     (record,) = [r for r in config["model_list"] if r["model_id"] == MODEL_ID]
     assert record["model"] == f"{url}models/{MODEL_ID}/"
     assert record["model_lib"] == f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-webgpu.wasm"
-    assert record["kiln"]["libraries"] == {t: f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-{t}.wasm"
-                                           for t in ("webgpu", "wasm")}
+    assert record["kiln"]["libraries"] == {
+        t: f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-{t}.wasm" for t in ("webgpu", "wasm")
+    }
     assert record["required_features"] == []  # f32: no shader-f16 needed
     weights = sum(s["nbytes"] for s in json.loads((tiny_dir / "tensor-cache.json").read_text())["records"])
     assert record["vram_required_MB"] * 2**20 > weights
@@ -86,10 +87,16 @@ def test_model_files_have_mime_types_ranges_and_etags(url, tiny_dir):
 def test_harness_and_engine_modules_are_served(url):
     page = requests.get(url)
     assert page.status_code == 200 and "text/html" in page.headers["Content-Type"]
-    for path in ("web/harness/harness.js", "web/src/engine.js", "web/src/worker.js",
-                 "web/node_modules/@mlc-ai/web-runtime/lib/index.js",
-                 "web/node_modules/@mlc-ai/web-tokenizers/lib/index.js",
-                 "web/node_modules/@huggingface/jinja/dist/index.js", "web/src/tools.js", "web/src/chat-template.js"):
+    for path in (
+        "web/harness/harness.js",
+        "web/src/engine.js",
+        "web/src/worker.js",
+        "web/node_modules/@mlc-ai/web-runtime/lib/index.js",
+        "web/node_modules/@mlc-ai/web-tokenizers/lib/index.js",
+        "web/node_modules/@huggingface/jinja/dist/index.js",
+        "web/src/tools.js",
+        "web/src/chat-template.js",
+    ):
         response = requests.get(url + path)
         assert response.status_code == 200, path
         assert response.headers["Content-Type"].startswith("text/javascript"), path
@@ -166,52 +173,67 @@ def test_path_traversal_never_reads_outside_the_served_roots(traversal_dist):
 # OpenAI API
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ("not json", 400, None),
-    ([1, 2], 400, None),
-    ({"messages": QUESTION}, 400, "model"),
-    ({"model": MODEL_ID}, 400, "messages"),
-    ({"model": MODEL_ID, "messages": []}, 400, "messages"),
-    ({"model": MODEL_ID, "messages": "hello"}, 400, "messages"),
-    ({"model": MODEL_ID, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": 42}]}, 400, "messages[0].content"),
-    ({"model": MODEL_ID, "messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL_ID, "messages": QUESTION, "temperature": 7}, 400, "temperature"),
-    ({"model": MODEL_ID, "messages": QUESTION, "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL_ID, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL_ID, "messages": QUESTION, "max_tokens": True}, 400, "max_tokens"),
-    ({"model": MODEL_ID, "messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": MODEL_ID, "messages": QUESTION, "n": 2}, 400, "n"),
-    ({"model": MODEL_ID, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
-    ({"model": "no-such-model", "messages": QUESTION}, 404, "model"),
-    ({"model": MODEL_ID, "messages": QUESTION, "seed": -1}, 400, "seed"),
-    ({"model": MODEL_ID, "messages": QUESTION, "seed": 2**64}, 400, "seed"),
-    ({"model": MODEL_ID, "messages": QUESTION, "seed": 1.5}, 400, "seed"),
-    (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "temperature": NaN}}', 400, "temperature"),
-    (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "top_p": Infinity}}', 400, "top_p"),
-    (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "presence_penalty": 1e999}}', 400,
-     "presence_penalty"),
-    ({"model": MODEL_ID, "messages": QUESTION, "top_k": True}, 400, "top_k"),
-    ({"model": MODEL_ID, "messages": QUESTION, "n": True}, 400, "n"),
-    ({"model": MODEL_ID, "messages": QUESTION, "ignore_eos": 1}, 400, "ignore_eos"),
-    ({"model": MODEL_ID, "messages": QUESTION, "stop": [1]}, 400, "stop"),
-    ({"model": MODEL_ID, "messages": QUESTION, "stop": {"a": 1}}, 400, "stop"),
-    ({"model": MODEL_ID, "messages": QUESTION, "max_completion_tokens": -3}, 400, "max_completion_tokens"),
-    ({"model": MODEL_ID, "messages": QUESTION, "stream": True, "stream_options": []}, 400, "stream_options"),
-    ({"model": MODEL_ID, "messages": QUESTION, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
-     "stream_options.include_usage"),
-    ({"model": MODEL_ID, "messages": QUESTION, "logprobs": True}, 400, "logprobs"),
-    ({"model": MODEL_ID, "messages": QUESTION, "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, 400,
-     "messages[0].content"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content"),
-    ({"model": MODEL_ID, "messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role"),
-    ({"model": MODEL_ID, "messages": ["hello"]}, 400, "messages[0].role"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
-    ({"model": 7, "messages": QUESTION}, 400, "model"),
-    ("[" * 100_000, 400, None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ("not json", 400, None),
+        ([1, 2], 400, None),
+        ({"messages": QUESTION}, 400, "model"),
+        ({"model": MODEL_ID}, 400, "messages"),
+        ({"model": MODEL_ID, "messages": []}, 400, "messages"),
+        ({"model": MODEL_ID, "messages": "hello"}, 400, "messages"),
+        ({"model": MODEL_ID, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+        ({"model": MODEL_ID, "messages": [{"role": "user", "content": 42}]}, 400, "messages[0].content"),
+        ({"model": MODEL_ID, "messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL_ID, "messages": QUESTION, "temperature": 7}, 400, "temperature"),
+        ({"model": MODEL_ID, "messages": QUESTION, "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL_ID, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL_ID, "messages": QUESTION, "max_tokens": True}, 400, "max_tokens"),
+        ({"model": MODEL_ID, "messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": MODEL_ID, "messages": QUESTION, "n": 2}, 400, "n"),
+        ({"model": MODEL_ID, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
+        ({"model": "no-such-model", "messages": QUESTION}, 404, "model"),
+        ({"model": MODEL_ID, "messages": QUESTION, "seed": -1}, 400, "seed"),
+        ({"model": MODEL_ID, "messages": QUESTION, "seed": 2**64}, 400, "seed"),
+        ({"model": MODEL_ID, "messages": QUESTION, "seed": 1.5}, 400, "seed"),
+        (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "temperature": NaN}}', 400, "temperature"),
+        (f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "top_p": Infinity}}', 400, "top_p"),
+        (
+            f'{{"model": "{MODEL_ID}", "messages": {json.dumps(QUESTION)}, "presence_penalty": 1e999}}',
+            400,
+            "presence_penalty",
+        ),
+        ({"model": MODEL_ID, "messages": QUESTION, "top_k": True}, 400, "top_k"),
+        ({"model": MODEL_ID, "messages": QUESTION, "n": True}, 400, "n"),
+        ({"model": MODEL_ID, "messages": QUESTION, "ignore_eos": 1}, 400, "ignore_eos"),
+        ({"model": MODEL_ID, "messages": QUESTION, "stop": [1]}, 400, "stop"),
+        ({"model": MODEL_ID, "messages": QUESTION, "stop": {"a": 1}}, 400, "stop"),
+        ({"model": MODEL_ID, "messages": QUESTION, "max_completion_tokens": -3}, 400, "max_completion_tokens"),
+        ({"model": MODEL_ID, "messages": QUESTION, "stream": True, "stream_options": []}, 400, "stream_options"),
+        (
+            {"model": MODEL_ID, "messages": QUESTION, "stream": True, "stream_options": {"include_usage": "yes"}},
+            400,
+            "stream_options.include_usage",
+        ),
+        ({"model": MODEL_ID, "messages": QUESTION, "logprobs": True}, 400, "logprobs"),
+        ({"model": MODEL_ID, "messages": QUESTION, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            400,
+            "messages[0].content",
+        ),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "messages[0].content",
+        ),
+        ({"model": MODEL_ID, "messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role"),
+        ({"model": MODEL_ID, "messages": ["hello"]}, 400, "messages[0].role"),
+        ({"model": MODEL_ID, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
+        ({"model": 7, "messages": QUESTION}, 400, "model"),
+        ("[" * 100_000, 400, None),
+    ],
+)
 def test_malformed_chat_requests_get_json_errors(url, body, status, param):
     data = body if isinstance(body, str) else json.dumps(body)
     response = requests.post(f"{url}v1/chat/completions", data=data, headers={"Content-Type": "application/json"})
@@ -230,8 +252,9 @@ def test_a_model_without_a_chat_template_completes_but_does_not_chat(tiny_build,
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     with served(model_dir.parent) as base:
         chat = requests.post(f"{base}v1/chat/completions", json={"model": source.name, "messages": QUESTION})
-        completion = requests.post(f"{base}v1/completions",
-                                   json={"model": source.name, "prompt": "The river", "max_tokens": 2})
+        completion = requests.post(
+            f"{base}v1/completions", json={"model": source.name, "prompt": "The river", "max_tokens": 2}
+        )
     assert chat.status_code == 400
     error = chat.json()["error"]
     assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
@@ -258,10 +281,25 @@ def free_port() -> int:
 def kiln_serve(tiny_dir):
     """`kiln serve` itself, as a user starts it."""
     port = free_port()
-    process = subprocess.Popen([KILN, "serve", "--dist", str(tiny_dir.parent), "--port", str(port),
-                                "--cors-origin", ALLOWED_ORIGIN, "--cors-origin", "http://other.example",
-                                "--allow-host", ALLOWED_HOST],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            KILN,
+            "serve",
+            "--dist",
+            str(tiny_dir.parent),
+            "--port",
+            str(port),
+            "--cors-origin",
+            ALLOWED_ORIGIN,
+            "--cors-origin",
+            "http://other.example",
+            "--allow-host",
+            ALLOWED_HOST,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + 60
     while True:
@@ -301,8 +339,9 @@ def test_openai_client_completes_a_prompt(kiln_serve):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{kiln_serve}v1", api_key="not-needed")
-    streamed = list(client.completions.create(model=MODEL_ID, prompt="The history of", max_tokens=8, temperature=0,
-                                              stream=True))
+    streamed = list(
+        client.completions.create(model=MODEL_ID, prompt="The history of", max_tokens=8, temperature=0, stream=True)
+    )
     whole = client.completions.create(model=MODEL_ID, prompt="The history of", max_tokens=8, temperature=0)
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
     assert whole.usage.completion_tokens == 8 or whole.choices[0].finish_reason == "stop"
@@ -330,8 +369,10 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     parts = urlsplit(url)
     data = json.dumps(body).encode()
     client = socket.create_connection((parts.hostname, parts.port), timeout=60)
-    client.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n%s" % (path.encode(), parts.netloc.encode(), len(data), data))
+    client.sendall(
+        b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), parts.netloc.encode(), len(data), data)
+    )
     return client
 
 
@@ -349,16 +390,23 @@ def went_away_records(caplog, deadline_s: float = 30) -> list[logging.LogRecord]
 
 def test_a_client_that_disconnects_stops_its_generation(url, caplog):
     caplog.set_level(logging.INFO, logger="kiln.server.openai_api")
-    body = {"model": MODEL_ID, "prompt": "The history of", "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_ID,
+        "prompt": "The history of",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with raw_post(url, "/v1/completions", body) as client:
         received = b""
         while b"data:" not in received:
             received += client.recv(4096)
         assert received.startswith(b"HTTP/1.1 200")
     # The model is taken until the server notices; then a new request gets it at once.
-    follow_up = requests.post(f"{url}v1/completions", timeout=300,
-                              json={"model": MODEL_ID, "prompt": "The history of", "max_tokens": 1})
+    follow_up = requests.post(
+        f"{url}v1/completions", timeout=300, json={"model": MODEL_ID, "prompt": "The history of", "max_tokens": 1}
+    )
     assert follow_up.status_code == 200
     (stopped,) = went_away_records(caplog)
     assert stopped.args[0] < 400, "the generation ran to its end although nobody was reading"
@@ -368,8 +416,9 @@ def test_a_client_that_disconnects_stops_its_non_streamed_generation(url, caplog
     caplog.set_level(logging.INFO, logger="kiln.server.openai_api")
     body = {"model": MODEL_ID, "prompt": "The history of", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     raw_post(url, "/v1/completions", body).close()  # gone before any reply
-    follow_up = requests.post(f"{url}v1/completions", timeout=300,
-                              json={"model": MODEL_ID, "prompt": "The history of", "max_tokens": 1})
+    follow_up = requests.post(
+        f"{url}v1/completions", timeout=300, json={"model": MODEL_ID, "prompt": "The history of", "max_tokens": 1}
+    )
     assert follow_up.status_code == 200
     records = went_away_records(caplog)
     assert records, "the generation ran to its end although nobody was waiting"
@@ -383,8 +432,9 @@ def test_max_tokens_defaults_to_512_and_stops_at_the_context_window(url):
     config = asked.generation_config({"temperature": 0.5})
     assert (config.max_tokens, config.temperature) == (DEFAULT_MAX_TOKENS, 0.5) == (512, 0.5)
     # The tiny model's window is 512 tokens: a reply without max_tokens ends where the window does.
-    reply = requests.post(f"{url}v1/completions", timeout=300,
-                          json={"model": MODEL_ID, "prompt": "The history of", "ignore_eos": True}).json()
+    reply = requests.post(
+        f"{url}v1/completions", timeout=300, json={"model": MODEL_ID, "prompt": "The history of", "ignore_eos": True}
+    ).json()
     assert reply["choices"][0]["finish_reason"] == "length"
     # The last token comes from the logits of the full window; it never enters it.
     assert reply["usage"]["total_tokens"] == 512 + 1
@@ -401,8 +451,15 @@ def test_requests_naming_another_host_are_refused(url):
     port = urlsplit(url).port
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"LOCALHOST:{port}"):
         assert host_status(url, host).status_code == 200, host
-    for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1:{port + 1}", "127.0.0.1",
-                 f"localhost.attacker.example:{port}", f"10.0.0.1:{port}", ""):
+    for host in (
+        f"attacker.example:{port}",
+        "attacker.example",
+        f"127.0.0.1:{port + 1}",
+        "127.0.0.1",
+        f"localhost.attacker.example:{port}",
+        f"10.0.0.1:{port}",
+        "",
+    ):
         api = host_status(url, host)
         assert api.status_code == 403, host
         assert "DNS rebinding" in api.json()["error"]["message"]
@@ -422,8 +479,9 @@ def test_the_api_has_no_cors_by_default_and_model_files_do(url):
     origin = {"Origin": "http://page.example"}
     api = requests.get(f"{url}v1/models", headers=origin)
     assert api.status_code == 200 and "Access-Control-Allow-Origin" not in api.headers
-    preflight = requests.options(f"{url}v1/chat/completions",
-                                 headers={**origin, "Access-Control-Request-Method": "POST"})
+    preflight = requests.options(
+        f"{url}v1/chat/completions", headers={**origin, "Access-Control-Request-Method": "POST"}
+    )
     assert "Access-Control-Allow-Origin" not in preflight.headers
     weights = requests.get(f"{url}models/{MODEL_ID}/tensor-cache.json", headers=origin)
     assert weights.headers["Access-Control-Allow-Origin"] == "*"
@@ -431,9 +489,14 @@ def test_the_api_has_no_cors_by_default_and_model_files_do(url):
 
 def test_allowed_origins_may_call_the_api(kiln_serve):
     allowed, other = {"Origin": ALLOWED_ORIGIN}, {"Origin": "http://elsewhere.example"}
-    preflight = requests.options(f"{kiln_serve}v1/chat/completions", headers={
-        **allowed, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "content-type,authorization"})
+    preflight = requests.options(
+        f"{kiln_serve}v1/chat/completions",
+        headers={
+            **allowed,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,authorization",
+        },
+    )
     assert preflight.status_code == 200
     assert preflight.headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
     assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
@@ -487,8 +550,10 @@ def test_loading_one_model_does_not_hold_up_another(two_models):
 
 
 def completion(client, model_id: str, **extra):
-    return client.post("/v1/completions", json={"model": model_id, "prompt": "The history of", "max_tokens": 2,
-                                                "temperature": 0, **extra})
+    return client.post(
+        "/v1/completions",
+        json={"model": model_id, "prompt": "The history of", "max_tokens": 2, "temperature": 0, **extra},
+    )
 
 
 def loaded(client) -> list[str]:
@@ -524,18 +589,21 @@ def test_idle_engines_are_released(two_models):
     assert completion(client, first).status_code == 200 and loaded(client) == [first]
 
 
-@pytest.mark.parametrize("bound, host, allowed", [
-    ("127.0.0.1", "localhost:8000", True),
-    ("127.0.0.1", "localhost:8001", False),
-    ("::1", "[::1]:8000", True),
-    ("::1", "127.0.0.1:8000", True),
-    ("192.168.1.5", "192.168.1.5:8000", True),
-    ("192.168.1.5", "localhost:8000", False),
-    ("0.0.0.0", "192.168.1.5:8000", True),
-    ("0.0.0.0", "[fe80::1]:8000", True),
-    ("0.0.0.0", "rebound.example:8000", False),
-    ("0.0.0.0", "localhost:8000", False),
-])
+@pytest.mark.parametrize(
+    "bound, host, allowed",
+    [
+        ("127.0.0.1", "localhost:8000", True),
+        ("127.0.0.1", "localhost:8001", False),
+        ("::1", "[::1]:8000", True),
+        ("::1", "127.0.0.1:8000", True),
+        ("192.168.1.5", "192.168.1.5:8000", True),
+        ("192.168.1.5", "localhost:8000", False),
+        ("0.0.0.0", "192.168.1.5:8000", True),
+        ("0.0.0.0", "[fe80::1]:8000", True),
+        ("0.0.0.0", "rebound.example:8000", False),
+        ("0.0.0.0", "localhost:8000", False),
+    ],
+)
 def test_which_hosts_name_the_server(bound, host, allowed):
     from kiln.server.origins import host_allowed
 

@@ -69,11 +69,16 @@ def write_valid_gguf(path: Path, alignment: int | None = None) -> None:
     writer.add_eos_token_id(1)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     shapes = {
-        "token_embd.weight": (len(tokens), HIDDEN), "blk.0.attn_norm.weight": (HIDDEN,),
-        "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (KV_WIDTH, HIDDEN),
-        "blk.0.attn_v.weight": (KV_WIDTH, HIDDEN), "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
-        "blk.0.ffn_norm.weight": (HIDDEN,), "blk.0.ffn_gate.weight": (INTERMEDIATE, HIDDEN),
-        "blk.0.ffn_up.weight": (INTERMEDIATE, HIDDEN), "blk.0.ffn_down.weight": (HIDDEN, INTERMEDIATE),
+        "token_embd.weight": (len(tokens), HIDDEN),
+        "blk.0.attn_norm.weight": (HIDDEN,),
+        "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
+        "blk.0.attn_k.weight": (KV_WIDTH, HIDDEN),
+        "blk.0.attn_v.weight": (KV_WIDTH, HIDDEN),
+        "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
+        "blk.0.ffn_norm.weight": (HIDDEN,),
+        "blk.0.ffn_gate.weight": (INTERMEDIATE, HIDDEN),
+        "blk.0.ffn_up.weight": (INTERMEDIATE, HIDDEN),
+        "blk.0.ffn_down.weight": (HIDDEN, INTERMEDIATE),
         "output_norm.weight": (HIDDEN,),
     }
     for name, shape in shapes.items():
@@ -111,11 +116,22 @@ def gguf_layout() -> tuple[bytes, dict[str, int], list[int]]:
         tensor_names = {tensor.name: field_starts(tensor.field)[1] for tensor in tensors}
         header_end = field_starts(tensors[-1].field)[-1]
         offsets = {
-            "tensor count": 8, "kv count": 16, "key length": arch[0], "string length": arch[3],
-            "value type": arch[2], "string array count": tokens[4], "string array item length": tokens[5],
-            "int array count": types[4], "ndim": first[2], "dim": first[3], "type": first[4], "offset": first[5],
-            "second tensor offset": second[5], "ffn_down name": tensor_names["blk.0.ffn_down.weight"],
-            "merges key": field_starts(fields["tokenizer.ggml.merges"])[1], "header end": header_end,
+            "tensor count": 8,
+            "kv count": 16,
+            "key length": arch[0],
+            "string length": arch[3],
+            "value type": arch[2],
+            "string array count": tokens[4],
+            "string array item length": tokens[5],
+            "int array count": types[4],
+            "ndim": first[2],
+            "dim": first[3],
+            "type": first[4],
+            "offset": first[5],
+            "second tensor offset": second[5],
+            "ffn_down name": tensor_names["blk.0.ffn_down.weight"],
+            "merges key": field_starts(fields["tokenizer.ggml.merges"])[1],
+            "header end": header_end,
         }
         cuts = {0, 2, 4, 6, 8, 12, 16, 20}
         for field in list(fields.values())[3:] + [tensor.field for tensor in tensors]:
@@ -126,8 +142,9 @@ def gguf_layout() -> tuple[bytes, dict[str, int], list[int]]:
         assert reader.data_offset > header_end + 1  # a cut inside the alignment padding
         cuts.add(header_end + 1)
         for tensor in tensors:
-            cuts.update({tensor.data_offset, tensor.data_offset + tensor.n_bytes // 2,
-                         tensor.data_offset + tensor.n_bytes - 1})
+            cuts.update(
+                {tensor.data_offset, tensor.data_offset + tensor.n_bytes // 2, tensor.data_offset + tensor.n_bytes - 1}
+            )
         return data, offsets, sorted(cuts)
 
 
@@ -136,7 +153,7 @@ VALID_GGUF, GGUF_OFFSETS, GGUF_CUTS = gguf_layout()
 
 def patched(data: bytes, offset: int, fmt: str, value) -> bytes:
     size = struct.calcsize(fmt)
-    return data[:offset] + struct.pack(fmt, value) + data[offset + size:]
+    return data[:offset] + struct.pack(fmt, value) + data[offset + size :]
 
 
 def lie(name: str, value: int = LIE, fmt: str = "<Q") -> bytes:
@@ -144,7 +161,7 @@ def lie(name: str, value: int = LIE, fmt: str = "<Q") -> bytes:
 
 
 def renamed(data: bytes, name_offset: int, new_name: bytes) -> bytes:
-    return data[:name_offset] + new_name + data[name_offset + len(new_name):]
+    return data[:name_offset] + new_name + data[name_offset + len(new_name) :]
 
 
 def write(tmp_path: Path, name: str, data: bytes) -> Path:
@@ -207,10 +224,14 @@ GGUF_LIES = {
     "data past the end": (lie("offset", 2**40), "truncated, tensor token_embd.weight ends at byte"),
     "unaligned offset": (lie("second tensor offset", 4), "is not aligned to 32 bytes"),
     "overlapping tensors": (lie("second tensor offset", 0), "overlap"),
-    "duplicate tensor name": (renamed(VALID_GGUF, GGUF_OFFSETS["ffn_down name"], b"blk.0.ffn_gate.weight"),
-                              "tensor blk.0.ffn_gate.weight appears twice"),
-    "duplicate metadata key": (renamed(VALID_GGUF, GGUF_OFFSETS["merges key"], b"tokenizer.ggml.tokens"),
-                               "metadata key tokenizer.ggml.tokens appears twice"),
+    "duplicate tensor name": (
+        renamed(VALID_GGUF, GGUF_OFFSETS["ffn_down name"], b"blk.0.ffn_gate.weight"),
+        "tensor blk.0.ffn_gate.weight appears twice",
+    ),
+    "duplicate metadata key": (
+        renamed(VALID_GGUF, GGUF_OFFSETS["merges key"], b"tokenizer.ggml.tokens"),
+        "metadata key tokenizer.ggml.tokens appears twice",
+    ),
     "wrong magic": (b"GGML" + VALID_GGUF[4:], "it starts with b'GGML'"),
     "version 1": (patched(VALID_GGUF, 4, "<I", 1), "unsupported GGUF version 1"),
     "big-endian version": (patched(VALID_GGUF, 4, ">I", 3), "unsupported GGUF version 50331648"),
@@ -219,8 +240,8 @@ GGUF_LIES = {
 
 def test_renames_replace_names_of_the_same_length():
     ffn_down, merges = GGUF_OFFSETS["ffn_down name"], GGUF_OFFSETS["merges key"]
-    assert VALID_GGUF[ffn_down:ffn_down + 21] == b"blk.0.ffn_down.weight"
-    assert VALID_GGUF[merges:merges + 21] == b"tokenizer.ggml.merges"
+    assert VALID_GGUF[ffn_down : ffn_down + 21] == b"blk.0.ffn_down.weight"
+    assert VALID_GGUF[merges : merges + 21] == b"tokenizer.ggml.merges"
 
 
 @pytest.mark.parametrize("case", GGUF_LIES)
@@ -230,8 +251,10 @@ def test_gguf_lies_are_refused_without_allocating(tmp_path, case):
     assert_refused(lambda: read_gguf(path), path, problem)
 
 
-@pytest.mark.parametrize("alignment, problem", [(0, "general.alignment 0 is not a power of two"),
-                                                (48, "general.alignment 48 is not a power of two")])
+@pytest.mark.parametrize(
+    "alignment, problem",
+    [(0, "general.alignment 0 is not a power of two"), (48, "general.alignment 48 is not a power of two")],
+)
 def test_gguf_bad_alignment_is_refused(tmp_path, alignment, problem):
     path = tmp_path / "aligned.gguf"
     write_valid_gguf(path, alignment=alignment)
@@ -270,8 +293,9 @@ def test_gguf_metadata_of_the_wrong_kind_is_refused(tmp_path, case):
         if name == key:
             writer.add_key_value(name, value, *value_types(value))
         else:
-            writer.add_key_value(name, field.contents(), field.types[0],
-                                 sub_type=field.types[-1] if len(field.types) > 1 else None)
+            writer.add_key_value(
+                name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
+            )
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
@@ -313,18 +337,21 @@ SAFETENSORS_CASES = {
     "negative shape": (safetensors_bytes({"a": entry(shape=(-2, -2))}), "is not a list of sizes"),
     "float shape": (safetensors_bytes({"a": entry(shape=(2.0, 2))}), "is not a list of sizes"),
     "bool shape": (safetensors_bytes({"a": entry(shape=(True, 4))}), "is not a list of sizes"),
-    "dtype and shape not the byte length": (safetensors_bytes({"a": entry(shape=(3, 2))}),
-                                            "takes 16 bytes, its shape and dtype need 24"),
-    "offsets past the end": (safetensors_bytes({"a": entry(shape=(4, 2), offsets=(0, 32))}),
-                             "tensor a ends at byte"),
+    "dtype and shape not the byte length": (
+        safetensors_bytes({"a": entry(shape=(3, 2))}),
+        "takes 16 bytes, its shape and dtype need 24",
+    ),
+    "offsets past the end": (safetensors_bytes({"a": entry(shape=(4, 2), offsets=(0, 32))}), "tensor a ends at byte"),
     "offsets reversed": (safetensors_bytes({"a": entry(offsets=(16, 0))}), "are not [begin, end]"),
     "negative offsets": (safetensors_bytes({"a": entry(offsets=(-16, 0))}), "are not [begin, end]"),
     "float offsets": (safetensors_bytes({"a": entry(offsets=(0.0, 16.0))}), "are not [begin, end]"),
     "three offsets": (safetensors_bytes({"a": entry(offsets=(0, 8, 16))}), "are not [begin, end]"),
     "huge offsets": (safetensors_bytes({"a": entry(shape=(2**60, 2), offsets=(0, 2**63))}), "ends at byte"),
     "overlapping tensors": (safetensors_bytes({"a": entry(), "b": entry(shape=(2,), offsets=(8, 16))}), "overlap"),
-    "duplicate names": (safetensors_bytes(b'{"a": ' + json.dumps(entry()).encode() + b', "a": '
-                                          + json.dumps(entry()).encode() + b"}"), "'a' appears twice"),
+    "duplicate names": (
+        safetensors_bytes(b'{"a": ' + json.dumps(entry()).encode() + b', "a": ' + json.dumps(entry()).encode() + b"}"),
+        "'a' appears twice",
+    ),
 }
 
 
@@ -343,14 +370,23 @@ def test_a_valid_safetensors_header_reads(tmp_path):
 # ---- Hugging Face folders: config.json, tokenizer files, weight index ----------------------
 
 TINY_CONFIG = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1, "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "vocab_size": 384, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "num_hidden_layers": 1,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "vocab_size": 384,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
 }
 TINY_TENSORS = {
-    "model.embed_tokens.weight": (384, HIDDEN), "model.norm.weight": (HIDDEN,),
-    "model.layers.0.input_layernorm.weight": (HIDDEN,), "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
+    "model.embed_tokens.weight": (384, HIDDEN),
+    "model.norm.weight": (HIDDEN,),
+    "model.layers.0.input_layernorm.weight": (HIDDEN,),
+    "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
     "model.layers.0.self_attn.q_proj.weight": (HIDDEN, HIDDEN),
     "model.layers.0.self_attn.k_proj.weight": (KV_WIDTH, HIDDEN),
     "model.layers.0.self_attn.v_proj.weight": (KV_WIDTH, HIDDEN),
@@ -369,8 +405,10 @@ def write_hf_folder(folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
     write_tokenizer(folder)
     rng = np.random.default_rng(0)
-    save_file({name: rng.standard_normal(shape).astype(np.float32) * 0.1 for name, shape in TINY_TENSORS.items()},
-              str(folder / "model.safetensors"))
+    save_file(
+        {name: rng.standard_normal(shape).astype(np.float32) * 0.1 for name, shape in TINY_TENSORS.items()},
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
@@ -419,45 +457,82 @@ FOLDER_CASES = {
     "hidden_size a list": (with_config(hidden_size=[32]), "config.json", "'hidden_size' should be int, got [32]"),
     "hidden_size zero": (with_config(hidden_size=0), "config.json", "'hidden_size' should be positive, got 0"),
     "layers negative": (with_config(num_hidden_layers=-1), "config.json", "'num_hidden_layers' should be positive"),
-    "rms_norm_eps NaN": (write_file("config.json", json.dumps(TINY_CONFIG).replace("1e-05", "NaN")), "config.json",
-                         "'rms_norm_eps' should be positive, got nan"),
+    "rms_norm_eps NaN": (
+        write_file("config.json", json.dumps(TINY_CONFIG).replace("1e-05", "NaN")),
+        "config.json",
+        "'rms_norm_eps' should be positive, got nan",
+    ),
     "hidden_size 10**9": (with_config(hidden_size=10**9), "config.json", "'hidden_size' is 1000000000, beyond"),
     "vocab_size 10**12": (with_config(vocab_size=10**12), "config.json", "'vocab_size' is 1000000000000, beyond"),
     "layers 10**6": (with_config(num_hidden_layers=10**6), "config.json", "'num_hidden_layers' is 1000000, beyond"),
-    "heads not dividing hidden": (with_config(num_attention_heads=3), "config.json",
-                                  "num_attention_heads 3 does not divide hidden_size 32"),
-    "kv heads not dividing heads": (with_config(num_key_value_heads=3, num_attention_heads=4), "config.json",
-                                    "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    "heads not dividing hidden": (
+        with_config(num_attention_heads=3),
+        "config.json",
+        "num_attention_heads 3 does not divide hidden_size 32",
+    ),
+    "kv heads not dividing heads": (
+        with_config(num_key_value_heads=3, num_attention_heads=4),
+        "config.json",
+        "num_key_value_heads 3 does not divide num_attention_heads 4",
+    ),
     "unknown model_type": (with_config(model_type="gpt-9"), "config.json", "unknown model_type 'gpt-9'"),
     # tokenizer files
     "tokenizer.json missing": (lambda folder: (folder / "tokenizer.json").unlink(), "", "no tokenizer"),
     "tokenizer.json not JSON": (write_file("tokenizer.json", "{"), "tokenizer.json", "cannot read the tokenizer"),
-    "tokenizer.json wrong structure": (write_file("tokenizer.json", '{"model": 5}'), "tokenizer.json",
-                                       "cannot read the tokenizer"),
-    "tokenizer_config not JSON": (write_file("tokenizer_config.json", "{,}"), "tokenizer_config.json",
-                                  "malformed JSON"),
-    "tokenizer_config a list": (write_file("tokenizer_config.json", "[]"), "tokenizer_config.json",
-                                "not a JSON object"),
+    "tokenizer.json wrong structure": (
+        write_file("tokenizer.json", '{"model": 5}'),
+        "tokenizer.json",
+        "cannot read the tokenizer",
+    ),
+    "tokenizer_config not JSON": (
+        write_file("tokenizer_config.json", "{,}"),
+        "tokenizer_config.json",
+        "malformed JSON",
+    ),
+    "tokenizer_config a list": (
+        write_file("tokenizer_config.json", "[]"),
+        "tokenizer_config.json",
+        "not a JSON object",
+    ),
     "eos_token a number": (with_tokenizer_config(eos_token=5), "tokenizer_config.json", "eos_token should be a string"),
-    "bos_token content a list": (with_tokenizer_config(bos_token={"content": ["<s>"]}), "tokenizer_config.json",
-                                 "bos_token should be a string"),
-    "chat_template a number": (with_tokenizer_config(chat_template=5), "tokenizer_config.json",
-                               "chat_template should be a string or named templates, got int"),
-    "chat_template without default": (with_tokenizer_config(chat_template=[{"name": "tool_use", "template": "x"}]),
-                                      "tokenizer_config.json", "none is called 'default'"),
-    "chat_template does not parse": (write_file("chat_template.jinja", "{% for m in messages %}"),
-                                     "chat_template.jinja", "the chat_template does not parse"),
-    "chat_template nested too deeply": (write_file("chat_template.jinja",
-                                                   "{{ " + "(" * 10000 + "1" + ")" * 10000 + " }}"),
-                                        "chat_template.jinja", "the chat_template does not parse"),
+    "bos_token content a list": (
+        with_tokenizer_config(bos_token={"content": ["<s>"]}),
+        "tokenizer_config.json",
+        "bos_token should be a string",
+    ),
+    "chat_template a number": (
+        with_tokenizer_config(chat_template=5),
+        "tokenizer_config.json",
+        "chat_template should be a string or named templates, got int",
+    ),
+    "chat_template without default": (
+        with_tokenizer_config(chat_template=[{"name": "tool_use", "template": "x"}]),
+        "tokenizer_config.json",
+        "none is called 'default'",
+    ),
+    "chat_template does not parse": (
+        write_file("chat_template.jinja", "{% for m in messages %}"),
+        "chat_template.jinja",
+        "the chat_template does not parse",
+    ),
+    "chat_template nested too deeply": (
+        write_file("chat_template.jinja", "{{ " + "(" * 10000 + "1" + ")" * 10000 + " }}"),
+        "chat_template.jinja",
+        "the chat_template does not parse",
+    ),
     # weights
-    "index outside the folder": (sharded({"a": "../../etc/passwd"}), "model.safetensors.index.json",
-                                 "'../../etc/passwd', which is not a file name in its folder"),
+    "index outside the folder": (
+        sharded({"a": "../../etc/passwd"}),
+        "model.safetensors.index.json",
+        "'../../etc/passwd', which is not a file name in its folder",
+    ),
     "index absolute path": (sharded({"a": "/etc/passwd"}), "model.safetensors.index.json", "not a file name"),
     "index not an object": (sharded([1]), "model.safetensors.index.json", "malformed weight index"),
-    "tensor in two shards": (sharded({"a": "model-00001-of-00002.safetensors",
-                                      "b": "model-00002-of-00002.safetensors"}),
-                             "model-00002-of-00002.safetensors", "is also in model-00001-of-00002.safetensors"),
+    "tensor in two shards": (
+        sharded({"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}),
+        "model-00002-of-00002.safetensors",
+        "is also in model-00001-of-00002.safetensors",
+    ),
 }
 
 
@@ -494,10 +569,14 @@ TEMPLATE_CASES = {
     "joiner globals": ("{{ joiner.__init__.__globals__ }}", "tried something unsafe"),
     "mutating messages": ("{{ messages.append({'role': 'x'}) }}", "tried something unsafe"),
     "format attribute": ("{{ '{0.__class__}'.format(messages) }}", "tried something unsafe"),
-    "nested range loops": ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
-                           "ran for over 2 s"),
-    "loop over a long string": ("{% set s = 'a' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
-                                "ran for over 2 s"),
+    "nested range loops": (
+        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+        "ran for over 2 s",
+    ),
+    "loop over a long string": (
+        "{% set s = 'a' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+        "ran for over 2 s",
+    ),
     "string multiplication": ("{{ messages[0].content * 10**9 }}", "'*' would make a value of over"),
     "list multiplication": ("{{ (messages * 10**8)|length }}", "'*' would make a value of over"),
     "huge power": ("{{ 7 ** (10 ** 9) }}", "has over 4096 bits"),
@@ -506,8 +585,10 @@ TEMPLATE_CASES = {
     "format width": ("{{ '{:>999999999}'.format(messages[0].content) }}", "pads beyond any text"),
     "printf width": ("{{ '%999999999s' % messages[0].content }}", "pads beyond any text"),
     "format filter width": ("{{ '%999999999s'|format(messages[0].content) }}", "pads beyond any text"),
-    "namespace doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                           "{% endfor %}", "makes a value of"),
+    "namespace doubling": (
+        "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "makes a value of",
+    ),
     "macro doubling": ("{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('ab') }}", "makes a value of"),
     "output without bound": ("{% for i in range(99999) %}{{ 'a' * 9999 }}{% endfor %}", "output passes"),
     "division by zero": ("{{ messages|length / 0 }}", "ZeroDivisionError"),
@@ -527,9 +608,11 @@ def test_hostile_or_broken_chat_template_is_refused(tmp_path, case):
 
 
 def test_bounds_leave_ordinary_templates_alone(tmp_path):
-    source = ("{{ '%s: %d%%'|format('a', 5) }} {{ '{} {:>4}'.format('b', 'c') }} {{ '%03d' % 7 }} {{ 2 ** 10 }} "
-              "{{ (range(3)|list + [3])|join(',') }} {{ '-' * 3 }}{% set ns = namespace(n=0) %}"
-              "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}")
+    source = (
+        "{{ '%s: %d%%'|format('a', 5) }} {{ '{} {:>4}'.format('b', 'c') }} {{ '%03d' % 7 }} {{ 2 ** 10 }} "
+        "{{ (range(3)|list + [3])|join(',') }} {{ '-' * 3 }}{% set ns = namespace(n=0) %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+    )
     rendered = ChatTemplate(source, tmp_path / "t.jinja", {}).render(MESSAGES * 2)
     assert rendered == "a: 5% b    c 007 1024 0,1,2,3 ---2"
 
@@ -546,7 +629,7 @@ def test_mutated_gguf_parses_or_raises_kiln_error(data):
     for _ in range(data.draw(st.integers(1, 4), label="mutations")):
         position = data.draw(st.integers(0, HEADER_END), label="position")
         content[position] = data.draw(st.integers(0, 255), label="byte")
-    content = content[:data.draw(st.integers(0, len(content)), label="length")]
+    content = content[: data.draw(st.integers(0, len(content)), label="length")]
     with tempfile.TemporaryDirectory() as folder:
         path = write(Path(folder), "mutated.gguf", bytes(content))
         tracemalloc.start()
@@ -560,8 +643,10 @@ def test_mutated_gguf_parses_or_raises_kiln_error(data):
     assert peak < 64 << 20
 
 
-VALID_SAFETENSORS = safetensors_bytes({"a": entry(), "b": entry(shape=(2,), dtype="F64", offsets=(16, 32)),
-                                       "__metadata__": {"format": "pt"}}, data=bytes(32))
+VALID_SAFETENSORS = safetensors_bytes(
+    {"a": entry(), "b": entry(shape=(2,), dtype="F64", offsets=(16, 32)), "__metadata__": {"format": "pt"}},
+    data=bytes(32),
+)
 
 
 @settings(max_examples=250, deadline=None, database=None)
@@ -572,7 +657,7 @@ def test_mutated_safetensors_header_parses_or_raises_kiln_error(data):
     for _ in range(data.draw(st.integers(1, 4), label="mutations")):
         position = data.draw(st.integers(0, header_end - 1), label="position")
         content[position] = data.draw(st.sampled_from(b'{}[]",:0123456789-.eE aFU_'), label="byte")
-    content = content[:data.draw(st.integers(0, len(content)), label="length")]
+    content = content[: data.draw(st.integers(0, len(content)), label="length")]
     with tempfile.TemporaryDirectory() as folder:
         path = write(Path(folder), "model.safetensors", bytes(content))
         try:
@@ -592,8 +677,13 @@ def run_kiln_compile(source: Path, tmp_path: Path) -> tuple[subprocess.Completed
     output.mkdir()
     temp.mkdir()
     environment = {**os.environ, "TMPDIR": str(temp)}
-    result = subprocess.run([Path(sys.executable).parent / "kiln", "compile", str(source), "-q", "q0f32", "-t", "cpu",
-                             "-o", str(output)], capture_output=True, text=True, env=environment, timeout=300)
+    result = subprocess.run(
+        [Path(sys.executable).parent / "kiln", "compile", str(source), "-q", "q0f32", "-t", "cpu", "-o", str(output)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
     return result, output, temp
 
 
@@ -608,10 +698,16 @@ def assert_clean_cli_failure(source: Path, tmp_path: Path, named_file: Path, pro
 
 
 CLI_CASES = {
-    "gguf truncated": (lambda tmp: write(tmp, "cut.gguf", VALID_GGUF[:GGUF_CUTS[len(GGUF_CUTS) // 2]]), "",
-                       "not a readable GGUF file: truncated"),
-    "gguf lying count": (lambda tmp: write(tmp, "lying.gguf", GGUF_LIES["string array count 2**60"][0]), "",
-                         "cannot fit"),
+    "gguf truncated": (
+        lambda tmp: write(tmp, "cut.gguf", VALID_GGUF[: GGUF_CUTS[len(GGUF_CUTS) // 2]]),
+        "",
+        "not a readable GGUF file: truncated",
+    ),
+    "gguf lying count": (
+        lambda tmp: write(tmp, "lying.gguf", GGUF_LIES["string array count 2**60"][0]),
+        "",
+        "cannot fit",
+    ),
 }
 
 

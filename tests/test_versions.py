@@ -24,15 +24,21 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 def test_the_python_package_the_npm_package_and_a_build_carry_one_version(tiny_build):
     pyproject = tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["project"]
     package = json.loads((WEB_DIR / "package.json").read_text())
-    engine = run_node_module("""
+    engine = run_node_module(
+        """
         import { KILN_VERSION, TVM_SERIES } from "./src/version.js";
         console.log(JSON.stringify({ kiln: KILN_VERSION, tvm: TVM_SERIES }));
-    """, None)
+    """,
+        None,
+    )
     build = json.loads((tiny_build("q4f32_1") / "kiln-build.json").read_text())
     assert pyproject["version"] == package["version"] == kiln.__version__ == engine["kiln"] == build["kiln_version"]
     assert build["versions"]["tvm"] == tvm.__version__
-    assert engine["tvm"] == version_series(tvm.__version__) == version_series(
-        package["dependencies"]["@mlc-ai/web-runtime"])
+    assert (
+        engine["tvm"]
+        == version_series(tvm.__version__)
+        == version_series(package["dependencies"]["@mlc-ai/web-runtime"])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +59,18 @@ def test_a_build_of_another_kiln_patch_release_loads(tiny_cpu_dir, tmp_path):
     assert NativeModel(folder).vocab_size > 0
 
 
-@pytest.mark.parametrize("name, change, built", [
-    ("another-minor", lambda r: {**r, "kiln_version": "0.99.0"}, f"Kiln 0.99.0 with TVM {tvm.__version__}"),
-    ("another-tvm", lambda r: {**r, "versions": {**r["versions"], "tvm": "0.27.1"}},
-     f"Kiln {kiln.__version__} with TVM 0.27.1"),
-    ("unrecorded", lambda r: {k: v for k, v in r.items() if k != "kiln_version"}, "Kiln (not recorded)"),
-])
+@pytest.mark.parametrize(
+    "name, change, built",
+    [
+        ("another-minor", lambda r: {**r, "kiln_version": "0.99.0"}, f"Kiln 0.99.0 with TVM {tvm.__version__}"),
+        (
+            "another-tvm",
+            lambda r: {**r, "versions": {**r["versions"], "tvm": "0.27.1"}},
+            f"Kiln {kiln.__version__} with TVM 0.27.1",
+        ),
+        ("unrecorded", lambda r: {k: v for k, v in r.items() if k != "kiln_version"}, "Kiln (not recorded)"),
+    ],
+)
 def test_a_build_of_another_kiln_series_or_tvm_is_refused(tiny_cpu_dir, tmp_path, name, change, built):
     folder = with_record(tiny_cpu_dir, tmp_path / name, change)
     with pytest.raises(KilnError) as refused:

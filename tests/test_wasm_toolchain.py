@@ -42,8 +42,7 @@ def affine_module():
     @tvm.script.ir_module
     class Affine:
         @R.function
-        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 3), "float32"),
-                 b: R.Tensor((3,), "float32")):
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 3), "float32"), b: R.Tensor((3,), "float32")):
             with R.dataflow():
                 y = R.add(R.add(R.matmul(x, w), b), R.const(OFFSET))
                 R.output(y)
@@ -72,9 +71,14 @@ def libraries(tmp_path_factory) -> dict[str, Path]:
 
 
 def node_tool(tool: str, *args: str, expect_status: int = 0) -> dict:
-    result = subprocess.run(["node", str(WEB_DIR / "tools" / tool), *args], capture_output=True,
-                            text=True, env=wasm_toolchain.dawn_node_environment(), timeout=300,
-                            check=False)
+    result = subprocess.run(
+        ["node", str(WEB_DIR / "tools" / tool), *args],
+        capture_output=True,
+        text=True,
+        env=wasm_toolchain.dawn_node_environment(),
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == expect_status, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -83,8 +87,9 @@ def run_affine(library: Path, tmp_path: Path, device: str) -> tuple[dict, np.nda
     rng = np.random.default_rng(7)
     x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((4, 8), (8, 3), (3,)))
     inputs = tmp_path / "inputs.json"
-    inputs.write_text(json.dumps([{"shape": list(a.shape), "dtype": "float32",
-                                   "data": a.ravel().tolist()} for a in (x, w, b)]))
+    inputs.write_text(
+        json.dumps([{"shape": list(a.shape), "dtype": "float32", "data": a.ravel().tolist()} for a in (x, w, b)])
+    )
     result = node_tool("run-function.mjs", str(library), "main", str(inputs), "--device", device)
     (output,) = result["outputs"]
     got = np.array(output["data"], dtype=np.float32).reshape(output["shape"])
@@ -94,11 +99,18 @@ def run_affine(library: Path, tmp_path: Path, device: str) -> tuple[dict, np.nda
 def require_webgpu() -> None:
     helpers = json.dumps(str(WEB_DIR / "tools" / "tvm-node.mjs"))
     probe = subprocess.run(
-        ["node", "--input-type=module", "-e",
-         f"import {{ requestWebGPUDevice }} from {helpers};"
-         "await requestWebGPUDevice(); process.exit(0);"],
-        capture_output=True, text=True, env=wasm_toolchain.dawn_node_environment(), timeout=120,
-        check=False)
+        [
+            "node",
+            "--input-type=module",
+            "-e",
+            f"import {{ requestWebGPUDevice }} from {helpers};await requestWebGPUDevice(); process.exit(0);",
+        ],
+        capture_output=True,
+        text=True,
+        env=wasm_toolchain.dawn_node_environment(),
+        timeout=120,
+        check=False,
+    )
     if probe.returncode != 0:
         pytest.skip(f"no WebGPU adapter for Node: {probe.stderr.strip()[-500:]}")
 
@@ -129,8 +141,9 @@ def test_cache_with_another_fingerprint_is_stale(tmp_path, monkeypatch):
 def test_failed_runtime_build_names_the_source_and_leaves_no_cache(tmp_path, monkeypatch):
     require_tools()
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(wasm_toolchain, "COMPILE_FLAGS",
-                        [*wasm_toolchain.COMPILE_FLAGS, "-include", "kiln_missing_header.h"])
+    monkeypatch.setattr(
+        wasm_toolchain, "COMPILE_FLAGS", [*wasm_toolchain.COMPILE_FLAGS, "-include", "kiln_missing_header.h"]
+    )
     with pytest.raises(KilnError) as failure:
         wasm_toolchain.build_web_runtime(progress=False)
     assert failure.value.path.name == "wasm_runtime.cc"
@@ -158,8 +171,7 @@ def test_libraries_are_wasm_with_object_format_o(libraries):
 
 @pytest.mark.parametrize("target", ["wasm", "webgpu"])
 def test_library_loads_in_node_and_lists_its_functions(libraries, target):
-    report = node_tool("list-functions.mjs", str(libraries[target]), "--device", "cpu",
-                       "--expect", "main,_metadata")
+    report = node_tool("list-functions.mjs", str(libraries[target]), "--device", "cpu", "--expect", "main,_metadata")
     assert sorted(report["functions"]) == ["_metadata", "main"]
     assert report["expected"] == {"main": True, "_metadata": True} and report["missing"] == []
     assert report["metadata"] == METADATA
@@ -167,8 +179,7 @@ def test_library_loads_in_node_and_lists_its_functions(libraries, target):
 
 
 def test_missing_function_is_reported_with_status_1(libraries):
-    report = node_tool("list-functions.mjs", str(libraries["wasm"]), "--expect", "main,decode",
-                       expect_status=1)
+    report = node_tool("list-functions.mjs", str(libraries["wasm"]), "--expect", "main,decode", expect_status=1)
     assert report["missing"] == ["decode"]
 
 
@@ -180,8 +191,7 @@ def test_cpu_wasm_runs_in_node_like_numpy(libraries, tmp_path):
 
 def test_webgpu_library_compiles_its_shaders_in_node(libraries):
     require_webgpu()
-    report = node_tool("list-functions.mjs", str(libraries["webgpu"]), "--device", "webgpu",
-                       "--expect", "main")
+    report = node_tool("list-functions.mjs", str(libraries["webgpu"]), "--device", "webgpu", "--expect", "main")
     assert report["device"] == "webgpu" and report["missing"] == []
     assert report["webgpu"]["pipelines"] == len(report["webgpu_kernels"]) > 0
 

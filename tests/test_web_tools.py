@@ -20,11 +20,17 @@ from kiln.errors import KilnError
 from kiln.browser.driver import page_engine
 from kiln.tools import TOOL_CALL_FORMATS, ContentBeforeCalls, ToolRequest, read_tool_calls
 
-CALL = {"id": "abcdefghi", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Zürich <3", "unit": "celsius"}'}}
-CONVERSATION = [{"role": "system", "content": "Be brief & kind."}, *QUESTION,
-                {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                {"role": "tool", "tool_call_id": "abcdefghi", "content": "21 °C < 25 & sunny ☀"}]
+CALL = {
+    "id": "abcdefghi",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Zürich <3", "unit": "celsius"}'},
+}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief & kind."},
+    *QUESTION,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "abcdefghi", "content": "21 °C < 25 & sunny ☀"},
+]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
@@ -39,25 +45,35 @@ def browser_tool_models(tool_build, tool_models):
 def test_a_tool_conversation_renders_as_natively(tool_models, family):
     dist, _ = tool_models
     model_dir = dist / f"tools-{family}-q4f32_1"
-    browser = run_node_module("""
+    browser = run_node_module(
+        """
         import { Template } from "./node_modules/@huggingface/jinja/dist/index.js";
         import { ChatTemplate } from "./src/chat-template.js";
         import { templateMessages } from "./src/tools.js";
         const template = ChatTemplate.fromTokenizerConfig(readFileSync(input.tokenizerConfig), Template);
         console.log(JSON.stringify(template.render(templateMessages(input.messages), input.tools)));
-    """, {"tokenizerConfig": str(model_dir / "tokenizer_config.json"), "messages": CONVERSATION, "tools": TOOLS})
+    """,
+        {"tokenizerConfig": str(model_dir / "tokenizer_config.json"), "messages": CONVERSATION, "tools": TOOLS},
+    )
     assert browser == Engine(model_dir).render_chat(CONVERSATION, tools=TOOLS)
     assert "Zürich <3" in browser and "< 25 & sunny ☀" in browser
 
 
-DOUBLING = ('{% set ns = namespace(text="x") %}{% for i in range(24) %}{% set ns.text = ns.text + ns.text %}'
-            '{% endfor %}{{ ns.text }}')
-NAMED_TEMPLATES = [{"name": "tool_use", "template": "no"},
-                   {"name": "default", "template": "{{ bos_token }}{{ messages | tojson(indent=2) }}"}]
+DOUBLING = (
+    '{% set ns = namespace(text="x") %}{% for i in range(24) %}{% set ns.text = ns.text + ns.text %}'
+    "{% endfor %}{{ ns.text }}"
+)
+NAMED_TEMPLATES = [
+    {"name": "tool_use", "template": "no"},
+    {"name": "default", "template": "{{ bos_token }}{{ messages | tojson(indent=2) }}"},
+]
 TEMPLATE_CONFIGS = [
     {"chat_template": NAMED_TEMPLATES, "bos_token": {"content": "<s>"}},
     {"chat_template": "{% for m in messages %}{{ raise_exception('no ' + m.role) }}{% endfor %}"},
-    {"chat_template": DOUBLING}, {}, {"chat_template": NAMED_TEMPLATES[:1]}, {"chat_template": 3},
+    {"chat_template": DOUBLING},
+    {},
+    {"chat_template": NAMED_TEMPLATES[:1]},
+    {"chat_template": 3},
     {"chat_template": "{% if %}"},
 ]
 
@@ -65,7 +81,8 @@ TEMPLATE_CONFIGS = [
 def test_templates_are_found_and_their_failures_reported():
     """Named templates (the default one), special tokens, transformers' tojson; a template that
     refuses the messages or makes too much text is a bad request, one that cannot be read a bad model."""
-    browser = run_node_module("""
+    browser = run_node_module(
+        """
         import { Template } from "./node_modules/@huggingface/jinja/dist/index.js";
         import { ChatTemplate } from "./src/chat-template.js";
         console.log(JSON.stringify(input.configs.map((config) => {
@@ -77,7 +94,9 @@ def test_templates_are_found_and_their_failures_reported():
             return `${error.code}: ${error.message}`;
           }
         })));
-    """, {"configs": TEMPLATE_CONFIGS})
+    """,
+        {"configs": TEMPLATE_CONFIGS},
+    )
     assert browser[0] == "<s>" + json.dumps([{"role": "user", "content": "é<&"}], indent=2, ensure_ascii=False)
     assert browser[1] == "bad-request: The chat template refuses or fails on these messages: no user"
     assert browser[2] == "bad-request: The chat template was stopped: its output passes 8388608 characters"
@@ -87,10 +106,16 @@ def test_templates_are_found_and_their_failures_reported():
 
 
 MALFORMED = [
-    ({"a": 1}, None), ([{"type": "function"}], None), ([{"type": "function", "function": {"name": "a b"}}], None),
-    ([WEATHER, WEATHER], None), ([{"type": "function", "function": {"name": "f", "parameters": []}}], None),
-    (TOOLS, "sometimes"), (TOOLS, {"type": "function", "function": {"name": "nope"}}), (TOOLS, {"type": "function"}),
-    (None, "required"), ([], {"type": "function", "function": {"name": "get_time"}}),
+    ({"a": 1}, None),
+    ([{"type": "function"}], None),
+    ([{"type": "function", "function": {"name": "a b"}}], None),
+    ([WEATHER, WEATHER], None),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None),
+    (TOOLS, "sometimes"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}),
+    (TOOLS, {"type": "function"}),
+    (None, "required"),
+    ([], {"type": "function", "function": {"name": "get_time"}}),
 ]
 CHOICES = ["auto", "required", NAMED, "none"]
 
@@ -107,9 +132,14 @@ def test_tools_and_tool_choice_are_read_as_natively():
         for choice in CHOICES:
             request = ToolRequest.from_openai(TOOLS, choice)
             held = request.response_format(call_format)
-            native_formats.append({"format": held and {"kind": held.kind, "text": json.loads(held.text)},
-                                   "opening": request.reply_opening(call_format)})
-    browser = run_node_module("""
+            native_formats.append(
+                {
+                    "format": held and {"kind": held.kind, "text": json.loads(held.text)},
+                    "opening": request.reply_opening(call_format),
+                }
+            )
+    browser = run_node_module(
+        """
         import { TOOL_CALL_FORMATS, toolRequestFrom } from "./src/tools.js";
         const errors = input.malformed.map(([tools, choice]) => {
           try {
@@ -126,16 +156,22 @@ def test_tools_and_tool_choice_are_read_as_natively():
           return { format: held && { kind: held.kind, text: JSON.parse(held.text) }, opening };
         }));
         console.log(JSON.stringify({ errors, formats }));
-    """, {"malformed": MALFORMED, "choices": CHOICES, "tools": TOOLS})
+    """,
+        {"malformed": MALFORMED, "choices": CHOICES, "tools": TOOLS},
+    )
     assert browser == {"errors": native_errors, "formats": native_formats}
 
 
 REPLIES = [
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
     '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>',
-    '<tool_call>\n{"name": "get_time", "arguments": {"zone": -3}}', "Use <tool_call> tags.", "A < B and <tool",
-    '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "get_time"\n</tool_call>',
-    '{"name": "get_time", "parameters": {"zone": -3}}', 'Plain {"name" text  ',
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": -3}}',
+    "Use <tool_call> tags.",
+    "A < B and <tool",
+    '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_time"\n</tool_call>',
+    '{"name": "get_time", "parameters": {"zone": -3}}',
+    'Plain {"name" text  ',
 ]
 
 
@@ -145,10 +181,11 @@ def test_calls_are_read_out_of_replies_as_natively():
     for call_format in TOOL_CALL_FORMATS:
         for reply in REPLIES:
             reader = ContentBeforeCalls(call_format, functions)
-            streamed = "".join(reader.feed(reply[i:i + 3]) for i in range(0, len(reply), 3))
+            streamed = "".join(reader.feed(reply[i : i + 3]) for i in range(0, len(reply), 3))
             rest, calls = reader.finish()
             native.append([streamed, rest, [[c.name, json.loads(c.arguments)] for c in calls]])
-    browser = run_node_module("""
+    browser = run_node_module(
+        """
         import { ContentBeforeCalls, TOOL_CALL_FORMATS, toolRequestFrom } from "./src/tools.js";
         const { functions } = toolRequestFrom(input.tools, "auto");
         console.log(JSON.stringify(TOOL_CALL_FORMATS.flatMap((callFormat) => input.replies.map((reply) => {
@@ -159,17 +196,37 @@ def test_calls_are_read_out_of_replies_as_natively():
           const calls = toolCalls.map((call) => [call.function.name, JSON.parse(call.function.arguments)]);
           return [streamed, content, calls];
         }))));
-    """, {"tools": TOOLS, "replies": REPLIES})
+    """,
+        {"tools": TOOLS, "replies": REPLIES},
+    )
     assert browser == native
     assert sum(len(calls) for _, _, calls in native) >= 4
 
 
 # Parameters without bounds (maxLength, minimum, …), which the two XGrammar builds write as different rules.
 UNBOUNDED_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "integer"}, "dst": {"type": "boolean"}}, "required": ["zone"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "integer"}, "dst": {"type": "boolean"}},
+                "required": ["zone"],
+            },
+        },
+    },
 ]
 
 
@@ -178,9 +235,14 @@ def test_the_formats_holding_calls_compile_to_the_native_grammars(tool_models):
     grammars print the same."""
     dist, _ = tool_models
     native = Engine(dist / "tools-qwen-q4f32_1")
-    formats = [ToolRequest.from_openai(UNBOUNDED_TOOLS, choice).response_format(call_format)
-               for call_format in TOOL_CALL_FORMATS for choice in ("auto", "required")]
-    browser = run_node_module(NODE_PRELUDE + """
+    formats = [
+        ToolRequest.from_openai(UNBOUNDED_TOOLS, choice).response_format(call_format)
+        for call_format in TOOL_CALL_FORMATS
+        for choice in ("auto", "required")
+    ]
+    browser = run_node_module(
+        NODE_PRELUDE
+        + """
         import { Grammars } from "./src/structured.js";
         import { TOOL_CALL_FORMATS, toolRequestFrom } from "./src/tools.js";
         const { bytes, tokenizer } = await loadTokenizer(input.tokenizer);
@@ -194,8 +256,14 @@ def test_the_formats_holding_calls_compile_to_the_native_grammars(tool_models):
           }
         }
         console.log(JSON.stringify(printed));
-    """, {"tokenizer": str(native.model_dir / "tokenizer.json"), "chatConfig": native.chat_config,
-          "stopTokenIds": sorted(native.eos_token_ids), "tools": UNBOUNDED_TOOLS})
+    """,
+        {
+            "tokenizer": str(native.model_dir / "tokenizer.json"),
+            "chatConfig": native.chat_config,
+            "stopTokenIds": sorted(native.eos_token_ids),
+            "tools": UNBOUNDED_TOOLS,
+        },
+    )
     assert browser == [str(native.grammars.compile(f).grammar) for f in formats]
 
 
@@ -230,8 +298,11 @@ def native_reply(engine: Engine, messages: list[dict], choice) -> dict:
     opening = tools.reply_opening(call_format)
     result = engine.generate_chat(messages, config, TOOLS, opening)
     _, calls = read_tool_calls(call_format, tools.functions, opening + result.text)
-    return {"prompt_ids": result.prompt_tokens, "token_ids": result.tokens,
-            "calls": [[c.name, json.loads(c.arguments)] for c in calls]}
+    return {
+        "prompt_ids": result.prompt_tokens,
+        "token_ids": result.tokens,
+        "calls": [[c.name, json.loads(c.arguments)] for c in calls],
+    }
 
 
 def browser_calls(choice: dict) -> list:
@@ -244,11 +315,16 @@ def test_the_browser_calls_tools_as_the_native_engine(browser_tool_models, drive
     """Required, named and auto calls are the native tokens and calls (streamed as one delta); a tool
     result goes back with tool_choice none; a bad tool_choice and a model without tools are clear errors."""
     dist, _ = browser_tool_models
-    after_call = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                  {"role": "tool", "tool_call_id": "abcdefghi", "content": "21 & sunny"}]
+    after_call = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "abcdefghi", "content": "21 & sunny"},
+    ]
     cases = [(QUESTION, "required"), (QUESTION, NAMED), (QUESTION, "auto"), (after_call, "none")]
-    requests = [{"messages": messages, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX_TOKENS,
-                 "temperature": 0} for messages, choice in cases]
+    requests = [
+        {"messages": messages, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX_TOKENS, "temperature": 0}
+        for messages, choice in cases
+    ]
     bad = {**requests[0], "tool_choice": "sometimes"}
     with page_engine(dist, webgpu=False, driver=driver) as page:
         replies, streams = {}, {}
@@ -270,8 +346,10 @@ def test_the_browser_calls_tools_as_the_native_engine(browser_tool_models, drive
             assert browser_calls(reply["choice"]) == expected["calls"], (family, choice)
             if choice in ("required", NAMED):
                 assert reply["choice"]["finish_reason"] == "tool_calls" and len(expected["calls"]) == 1
-                assert all(re.fullmatch("[A-Za-z0-9]{9}", call["id"]) and call["type"] == "function"
-                           for call in reply["choice"]["message"]["tool_calls"])
+                assert all(
+                    re.fullmatch("[A-Za-z0-9]{9}", call["id"]) and call["type"] == "function"
+                    for call in reply["choice"]["message"]["tool_calls"]
+                )
         assert browser_calls(answered[1]["choice"])[0][0] == TIME["function"]["name"]
         deltas = [chunk["choices"][0] for chunk in streams[family] if chunk["choices"]]
         (streamed_calls,) = [choice["delta"]["tool_calls"] for choice in deltas if choice["delta"].get("tool_calls")]
@@ -279,8 +357,10 @@ def test_the_browser_calls_tools_as_the_native_engine(browser_tool_models, drive
         assert browser_calls({"message": {"tool_calls": streamed_calls}}) == browser_calls(answered[1]["choice"])
         assert [choice["finish_reason"] for choice in deltas if choice["finish_reason"]] == ["tool_calls"]
         assert not any(choice["delta"].get("content") for choice in deltas)
-        assert rejected["error"] == ("bad-request: tool_choice must be 'none', 'auto', 'required' or "
-                                     "{'type': 'function', 'function': {'name': ...}}")
+        assert rejected["error"] == (
+            "bad-request: tool_choice must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}"
+        )
     assert without_tools["error"].startswith("no-tool-support: tiny-llama-q4f32_1 cannot call tools")
 
 

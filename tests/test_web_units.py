@@ -20,8 +20,11 @@ from kiln.compile.conv_template import raw_completion_template
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello!"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a joke about GPUs 🎮 — ünïcödé, 12345."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about GPUs 🎮 — ünïcödé, 12345."},
+    ],
     [{"role": "system", "content": ""}, {"role": "user", "content": "  spaced  \n\nlines\n"}],
     [{"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}]}],
 ]
@@ -29,11 +32,14 @@ CONVERSATIONS = [
 
 def test_sha256_hex_matches_hashlib():
     payloads = [b"", b"\x00\x0f", bytes(range(256)) * 4099]
-    result = run_node_module("""
+    result = run_node_module(
+        """
         import { sha256Hex } from "./src/loader.js";
         const bytes = (hex) => Uint8Array.from(hex.match(/../g) ?? [], (pair) => parseInt(pair, 16));
         console.log(JSON.stringify(await Promise.all(input.map((hex) => sha256Hex(bytes(hex))))));
-    """, [p.hex() for p in payloads])
+    """,
+        [p.hex() for p in payloads],
+    )
     assert result == [hashlib.sha256(p).hexdigest() for p in payloads]
 
 
@@ -71,30 +77,37 @@ def test_model_files_are_checked_against_the_build_record_it_pins(tiny_build, tm
         with urllib.request.urlopen(f"{url}api/app-config.json") as response:
             records = {r["model_id"]: r for r in json.load(response)["model_list"]}
         record = records[model_dir.name]
-        outcomes = run_node_module(LOAD_MODEL_FILES_JS, {
-            "unpinned": record,
-            "pinned": {**record, "kiln_build_sha256": record_digest.upper()},
-            "pinned to another build": {**record, "kiln_build_sha256": "0" * 64},
-            "library outside the folder": {**record, "model_lib": f"{url}elsewhere/model.wasm"},
-            "record without digests": records["legacy"],
-        })
+        outcomes = run_node_module(
+            LOAD_MODEL_FILES_JS,
+            {
+                "unpinned": record,
+                "pinned": {**record, "kiln_build_sha256": record_digest.upper()},
+                "pinned to another build": {**record, "kiln_build_sha256": "0" * 64},
+                "library outside the folder": {**record, "model_lib": f"{url}elsewhere/model.wasm"},
+                "record without digests": records["legacy"],
+            },
+        )
     shards = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
     shard_bytes = sum(shard["nbytes"] for shard in shards)
     library_bytes = (model_dir / "libs" / record["model_lib"].rsplit("/", 1)[1]).stat().st_size
     loaded = {"buildId": record_digest, "libraryBytes": library_bytes, "shardBytes": shard_bytes}
     assert outcomes["unpinned"] == outcomes["pinned"] == loaded
     assert outcomes["pinned to another build"] == {
-        "code": "integrity", "message": f"kiln-build.json has SHA-256 {record_digest}, but the app config pins "
-                                        f"{'0' * 64}: the model on the server is not the build this page expects."}
+        "code": "integrity",
+        "message": f"kiln-build.json has SHA-256 {record_digest}, but the app config pins "
+        f"{'0' * 64}: the model on the server is not the build this page expects.",
+    }
     assert outcomes["library outside the folder"]["code"] == "integrity"
     assert outcomes["library outside the folder"]["message"].startswith(
-        f"{url}elsewhere/model.wasm has no SHA-256 in kiln-build.json")
+        f"{url}elsewhere/model.wasm has no SHA-256 in kiln-build.json"
+    )
     assert outcomes["record without digests"]["code"] == "integrity"
     assert "lists no file digests" in outcomes["record without digests"]["message"]
 
 
 def test_token_choice():
-    result = run_node_module("""
+    result = run_node_module(
+        """
         import { Sampler, argmax, topK, seededRandom } from "./src/sampler.js";
         const logits = Float32Array.from([1, 5, 3, 5, -2, 4]);
         const off = { topK: 0, repetitionPenalty: 1, presencePenalty: 0, frequencyPenalty: 0 };
@@ -118,7 +131,9 @@ def test_token_choice():
           sameSeed: JSON.stringify(sequence(42)) === JSON.stringify(sequence(42)),
           otherSeed: JSON.stringify(sequence(42)) !== JSON.stringify(sequence(43)),
         }));
-    """, None)
+    """,
+        None,
+    )
     assert result["argmax"] == 1  # the first of two equal maxima, as numpy's argmax
     assert result["top3"] == {"ids": [1, 3, 5], "logits": [5, 5, 4]}
     assert result["greedy"] == 1
@@ -138,7 +153,8 @@ def reference_ids(model_dir: Path, messages: list[dict]) -> list[int]:
 
 def browser_prompt_ids(model_dir: Path, conversations: list[list[dict]]) -> list[list[int]]:
     chat_config = json.loads((model_dir / "mlc-chat-config.json").read_text())
-    return run_node_module("""
+    return run_node_module(
+        """
         import { createRequire } from "node:module";
         import { encodePrompt, formatChat } from "./src/chat-format.js";
         // The tokenizers' UMD bundle expects CommonJS globals when it runs under Node.
@@ -151,15 +167,21 @@ def browser_prompt_ids(model_dir: Path, conversations: list[list[dict]]) -> list
         const ids = input.conversations.map((messages) =>
           encodePrompt(input.conv, formatChat(input.conv, messages), encode));
         console.log(JSON.stringify(ids));
-    """, {"tokenizer": str(model_dir / "tokenizer.json"), "conv": chat_config["conv_template"],
-          "conversations": conversations})
+    """,
+        {
+            "tokenizer": str(model_dir / "tokenizer.json"),
+            "conv": chat_config["conv_template"],
+            "conversations": conversations,
+        },
+    )
 
 
 def plain(messages: list[dict]) -> list[dict]:
     """The messages with list contents joined, as transformers' templates expect strings."""
-    return [{**m, "content": m["content"] if isinstance(m["content"], str)
-             else "".join(p["text"] for p in m["content"])}
-            for m in messages]
+    return [
+        {**m, "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
+        for m in messages
+    ]
 
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
@@ -174,7 +196,8 @@ def test_chat_prompt_ids_match_the_jinja_template(model, tiny_build, request):
 
 
 def test_bad_messages_are_rejected():
-    result = run_node_module("""
+    result = run_node_module(
+        """
         import { formatChat } from "./src/chat-format.js";
         const conv = { system_template: "{system_message}", system_message: "", roles: { user: "U", assistant: "A" },
                        seps: ["\\n"], role_content_sep: ":", role_empty_sep: ":" };
@@ -182,14 +205,21 @@ def test_bad_messages_are_rejected():
           try { formatChat(conv, messages); return null; } catch (error) { return [error.code, error.message]; }
         });
         console.log(JSON.stringify(errors));
-    """, [[], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 3}],
-          [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]])
+    """,
+        [
+            [],
+            [{"role": "wizard", "content": "x"}],
+            [{"role": "user", "content": 3}],
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
+        ],
+    )
     assert [code for code, _ in result] == ["bad-request"] * 4
     assert "role" in result[1][1] and "content" in result[2][1] and "first" in result[3][1]
 
 
 def test_conv_template_fields_are_honoured_as_webllm_honours_them():
-    result = run_node_module("""
+    result = run_node_module(
+        """
         import { encodePrompt, formatChat, piecesFrom } from "./src/chat-format.js";
         const base = { system_template: "<S>{system_message}</S>", system_message: "default",
                        roles: { user: "U", assistant: "A" }, seps: ["|", "#"] };
@@ -208,7 +238,9 @@ def test_conv_template_fields_are_honoured_as_webllm_honours_them():
           prefix: encodePrompt({ ...base, system_prefix_token_ids: [7] }, ["text", "", "ab"], (text) => [text.length]),
           rest: piecesFrom(["<S>", "U=u1|", "A=a1#", "U=u2|", "A"], 6),
         }));
-    """, None)
+    """,
+        None,
+    )
     # The pieces WebLLM encodes one by one. Without role_content_sep / role_empty_sep WebLLM puts ": ".
     assert result["defaultSeps"] == ["<S>default</S>", "U: u1|", "A: a1#", "U: $& $' u2|", "A: "]
     assert result["seps"] == ["<S>default</S>", "U=u1|", "A=a1#", "U=$& $' u2|", "A"]
@@ -223,7 +255,8 @@ def test_conv_template_fields_are_honoured_as_webllm_honours_them():
 
 
 def test_a_chat_with_a_model_without_a_chat_template_is_an_engine_error():
-    result = run_node_module("""
+    result = run_node_module(
+        """
         import { formatChat } from "./src/chat-format.js";
         const conv = JSON.parse(input);
         try {
@@ -231,14 +264,17 @@ def test_a_chat_with_a_model_without_a_chat_template_is_an_engine_error():
         } catch (error) {
           console.log(JSON.stringify([error.name, error.code, error.message]));
         }
-    """, json.dumps(raw_completion_template([2])))
+    """,
+        json.dumps(raw_completion_template([2])),
+    )
     assert result[:2] == ["EngineError", "no-chat-template"]
     assert "no chat template" in result[2]
 
 
 def test_streamed_text_holds_back_stop_strings_and_split_characters():
     # A fake tokenizer whose tokens are byte strings: decoding an incomplete UTF-8 sequence gives U+FFFD.
-    result = run_node_module("""
+    result = run_node_module(
+        """
         import { TextStream } from "./src/engine.js";
         const pieces = input.pieces.map((hex) => Uint8Array.from(hex.match(/../g), (pair) => parseInt(pair, 16)));
         const bytesOf = (ids) => Uint8Array.from(Array.from(ids).flatMap((id) => [...pieces[id]]));
@@ -251,9 +287,15 @@ def test_streamed_text_holds_back_stop_strings_and_split_characters():
           if (stopped) break;
         }
         console.log(JSON.stringify({ deltas, text: stream.text }));
-    """, {"pieces": [p.encode().hex() if isinstance(p, str) else p.hex() for p in
-                     ["Hello", " wor", "ld <", "EN", "D> never", "é".encode()[:1], "é".encode()[1:]]],
-          "ids": [0, 5, 6, 1, 2, 3, 4]})
+    """,
+        {
+            "pieces": [
+                p.encode().hex() if isinstance(p, str) else p.hex()
+                for p in ["Hello", " wor", "ld <", "EN", "D> never", "é".encode()[:1], "é".encode()[1:]]
+            ],
+            "ids": [0, 5, 6, 1, 2, 3, 4],
+        },
+    )
     # "é" arrives in two tokens: nothing is emitted for the first half. "<", "<EN" could start
     # the stop string, so they wait; the stop string and what follows it are never emitted.
     assert result["deltas"] == ["Hello", "", "é", " wor", "ld ", "", ""]
@@ -262,16 +304,30 @@ def test_streamed_text_holds_back_stop_strings_and_split_characters():
 
 def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_1", libraries=("webgpu", "wasm")):
     """Run chooseBackend against a fake navigator.gpu whose adapter has `adapter`'s features and limits."""
+
     def record(model_id: str, f16: bool, buffer_bytes: int) -> dict:
-        return {"model": f"https://x/{model_id}/", "model_id": model_id, "model_lib": f"https://x/{model_id}.wasm",
-                "required_features": ["shader-f16"] if f16 else [], "buffer_size_required_bytes": buffer_bytes,
-                "kiln": {"family": model_id.split("-")[0],
-                         "libraries": {t: f"https://x/{model_id}-{t}.wasm" for t in libraries}}}
+        return {
+            "model": f"https://x/{model_id}/",
+            "model_id": model_id,
+            "model_lib": f"https://x/{model_id}.wasm",
+            "required_features": ["shader-f16"] if f16 else [],
+            "buffer_size_required_bytes": buffer_bytes,
+            "kiln": {
+                "family": model_id.split("-")[0],
+                "libraries": {t: f"https://x/{model_id}-{t}.wasm" for t in libraries},
+            },
+        }
 
     # Two variants of model "m", and an unrelated model that any GPU could run.
-    config = {"model_list": [record("m-q4f32_1", False, 200 << 20), record("m-q4f16_1", True, 100 << 20),
-                             record("other-q4f32_1", False, 1)]}
-    return run_node_module("""
+    config = {
+        "model_list": [
+            record("m-q4f32_1", False, 200 << 20),
+            record("m-q4f16_1", True, 100 << 20),
+            record("other-q4f32_1", False, 1),
+        ]
+    }
+    return run_node_module(
+        """
         import { chooseBackend } from "./src/loader.js";
         const { adapter, config, modelId, device } = input;
         const fake = adapter && {
@@ -284,12 +340,18 @@ def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_
         } catch (error) {
           console.log(JSON.stringify({ code: error.code, message: error.message }));
         }
-    """, {"adapter": adapter, "config": config, "modelId": model_id, "device": device})
+    """,
+        {"adapter": adapter, "config": config, "modelId": model_id, "device": device},
+    )
 
 
 def test_the_library_is_chosen_by_what_the_gpu_offers():
-    limits = {"maxStorageBufferBindingSize": 1 << 30, "maxStorageBuffersPerShaderStage": 10,
-              "maxComputeInvocationsPerWorkgroup": 256, "maxComputeWorkgroupStorageSize": 32 << 10}
+    limits = {
+        "maxStorageBufferBindingSize": 1 << 30,
+        "maxStorageBuffersPerShaderStage": 10,
+        "maxComputeInvocationsPerWorkgroup": 256,
+        "maxComputeWorkgroupStorageSize": 32 << 10,
+    }
     with_f16 = {"features": ["shader-f16"], "limits": limits}
     without_f16 = {"features": [], "limits": limits}
     assert choose(with_f16, model_id="m-q4f32_1")["model_id"] == "m-q4f16_1"
@@ -342,5 +404,6 @@ def test_builds_of_another_kiln_series_or_tvm_series_are_refused(tiny_build, tmp
     for name in ("another-minor", "another-tvm", "unrecorded"):
         assert outcomes[name]["code"] == "incompatible-model"
     assert outcomes["another-tvm"]["message"].startswith(
-        f"The model was built by Kiln {build['kiln_version']} with TVM 0.99.0, but this engine is Kiln ")
+        f"The model was built by Kiln {build['kiln_version']} with TVM 0.99.0, but this engine is Kiln "
+    )
     assert "(not recorded)" in outcomes["unrecorded"]["message"]

@@ -39,12 +39,25 @@ def webllm_version() -> str:
     return json.loads((WEB_DIR / "node_modules/@mlc-ai/web-llm/package.json").read_text())["version"]
 
 
-def webllm_replies(driver, profile: Path, model_dir: Path, conversations: list[list[dict]],
-                   max_tokens: int = MAX_TOKENS, request: dict | None = None) -> list[dict]:
+def webllm_replies(
+    driver,
+    profile: Path,
+    model_dir: Path,
+    conversations: list[list[dict]],
+    max_tokens: int = MAX_TOKENS,
+    request: dict | None = None,
+) -> list[dict]:
     with served(model_dir.parent) as url, browser_page(driver, profile, url) as (_, page):
         page.set_default_timeout(WEBLLM_TIMEOUT_MS)
-        return page.evaluate(WEBLLM_CHAT_JS, {"modelId": model_dir.name, "conversations": conversations,
-                                              "maxTokens": max_tokens, "request": request or {}})
+        return page.evaluate(
+            WEBLLM_CHAT_JS,
+            {
+                "modelId": model_dir.name,
+                "conversations": conversations,
+                "maxTokens": max_tokens,
+                "request": request or {},
+            },
+        )
 
 
 def assert_kiln_replies_the_same(model_dir: Path, conversations: list[list[dict]], replies: list[dict]) -> None:
@@ -65,9 +78,13 @@ def test_webllm_is_the_pinned_version():
 
 
 def test_webllm_generates_what_kiln_generates_on_the_tiny_model(driver, tmp_path, tiny_dir):
-    conversations = [[{"role": "user", "content": "Tell me about the history of the city"}],
-                     [{"role": "system", "content": "You answer in one line."},
-                      {"role": "user", "content": "What is in the old market?"}]]
+    conversations = [
+        [{"role": "user", "content": "Tell me about the history of the city"}],
+        [
+            {"role": "system", "content": "You answer in one line."},
+            {"role": "user", "content": "What is in the old market?"},
+        ],
+    ]
     replies = webllm_replies(driver, tmp_path / "profile", tiny_dir, conversations)
     assert all(reply["text"] for reply in replies)
     assert_kiln_replies_the_same(tiny_dir, conversations, replies)
@@ -77,9 +94,14 @@ def test_webllm_json_mode_works_on_a_kiln_model(driver, tmp_path, tiny_dir):
     """WebLLM's own grammar mode reads tokenizer_info from mlc-chat-config.json and the library's
     apply_bitmask_inplace; its JSON options differ from Kiln's, so only validity is compared."""
     schema = SCHEMAS["person"]
-    replies = webllm_replies(driver, tmp_path / "profile", tiny_dir, [[{"role": "user", "content": "Who?"}]],
-                             max_tokens=256, request={"response_format": {"type": "json_object",
-                                                                          "schema": json.dumps(schema)}})
+    replies = webllm_replies(
+        driver,
+        tmp_path / "profile",
+        tiny_dir,
+        [[{"role": "user", "content": "Who?"}]],
+        max_tokens=256,
+        request={"response_format": {"type": "json_object", "schema": json.dumps(schema)}},
+    )
     jsonschema.validate(json.loads(replies[0]["text"]), schema)
 
 
@@ -93,26 +115,35 @@ def test_webllm_generates_what_kiln_generates_on_smollm2(driver, tmp_path, smoll
 
 
 ONE_QUESTION = [{"role": "user", "content": "Tell me about the history of the city"}]
-SEVERAL_TURNS = [{"role": "user", "content": "What is in the old market?"},
-                 {"role": "assistant", "content": "Fruit and fish."},
-                 {"role": "user", "content": "And the river?"}]
+SEVERAL_TURNS = [
+    {"role": "user", "content": "What is in the old market?"},
+    {"role": "assistant", "content": "Fruit and fish."},
+    {"role": "user", "content": "And the river?"},
+]
 WITH_A_SYSTEM_MESSAGE = [{"role": "system", "content": "You answer in one line."}, *SEVERAL_TURNS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("template, tokens, conversations", [
-    # a BOS as system_prefix_token_ids, and the template's date lines in the system block
-    ("meta-llama-Llama-3.1-8B-Instruct", LLAMA_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
-    ("microsoft-Phi-3.5-mini-instruct", PHI_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
-    ("Qwen-Qwen2.5-7B-Instruct", QWEN_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),  # a default system message
-    # SentencePiece. WebLLM encodes the system block and the first message apart, and Mistral's
-    # template joins them in one turn: "\n\nWhat" becomes "\n\n▁What" (a known difference, in the README).
-    ("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, [ONE_QUESTION, SEVERAL_TURNS]),
-])
-def test_webllm_lays_out_each_familys_chat_as_kiln_does(driver, tmp_path, builds, tmp_path_factory, template, tokens,
-                                                        conversations):
-    source = make_tiny_llama(tmp_path_factory.mktemp("sources") / template, tokens=tokens,
-                             chat_template=(CHAT_TEMPLATES / f"{template}.jinja").read_text())
+@pytest.mark.parametrize(
+    "template, tokens, conversations",
+    [
+        # a BOS as system_prefix_token_ids, and the template's date lines in the system block
+        ("meta-llama-Llama-3.1-8B-Instruct", LLAMA_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
+        ("microsoft-Phi-3.5-mini-instruct", PHI_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
+        ("Qwen-Qwen2.5-7B-Instruct", QWEN_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),  # a default system message
+        # SentencePiece. WebLLM encodes the system block and the first message apart, and Mistral's
+        # template joins them in one turn: "\n\nWhat" becomes "\n\n▁What" (a known difference, in the README).
+        ("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, [ONE_QUESTION, SEVERAL_TURNS]),
+    ],
+)
+def test_webllm_lays_out_each_familys_chat_as_kiln_does(
+    driver, tmp_path, builds, tmp_path_factory, template, tokens, conversations
+):
+    source = make_tiny_llama(
+        tmp_path_factory.mktemp("sources") / template,
+        tokens=tokens,
+        chat_template=(CHAT_TEMPLATES / f"{template}.jinja").read_text(),
+    )
     model_dir = builds.model_dir(source, f"tiny-{template}", "q4f32_1", ["cpu", "webgpu"])
     replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
     assert_kiln_replies_the_same(model_dir, conversations, replies)

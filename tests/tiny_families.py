@@ -19,9 +19,18 @@ from random_blocks import BLOCK_SHAPES, HALF_FIELDS, random_blocks
 from tiny_llama import VOCAB_SIZE, write_tokenizer
 
 COMMON = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-    rope_theta=10000.0, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
     # Larger than the usual 0.02 so that logits are peaked and greedy choices are clear.
     initializer_range=0.15,
 )
@@ -30,8 +39,10 @@ COMMON = dict(
 def rope_parameters(config) -> dict:
     """rope_theta and the scaling fields (transformers 5 keeps them in `rope_parameters`, Gemma 3's by
     kind of layer: the global layers' here)."""
-    params = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta,
-                                                           **(config.rope_scaling or {})}
+    params = getattr(config, "rope_parameters", None) or {
+        "rope_theta": config.rope_theta,
+        **(config.rope_scaling or {}),
+    }
     return params.get("full_attention", params)
 
 
@@ -52,7 +63,8 @@ def llama3_rope_factors(config) -> np.ndarray:
             factors.append(scaling["factor"])
         else:
             smooth = (old_context / wavelen - scaling["low_freq_factor"]) / (
-                scaling["high_freq_factor"] - scaling["low_freq_factor"])
+                scaling["high_freq_factor"] - scaling["low_freq_factor"]
+            )
             factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
     return np.array(factors, dtype=np.float32)
 
@@ -80,18 +92,34 @@ class TinyFamily:
 
 
 LLAMA_PARTS = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
 def llama3_with_biases():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), LlamaForCausalLM
+    return LlamaConfig(
+        **COMMON,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ), LlamaForCausalLM
 
 
 def add_llama3_rope_freqs(config, writer: gguf.GGUFWriter) -> None:
@@ -112,8 +140,12 @@ def mistral():
 
 MISTRAL_WINDOW = 16  # shorter than the test prompts: the window binds
 PHI3_PARTS = {
-    "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 PHI3_ORIGINAL_CONTEXT = 512
 
@@ -127,11 +159,14 @@ def phi3_longrope():
     partial_rotary_factor = 0.75
     rotary_dim = int(COMMON["hidden_size"] // COMMON["num_attention_heads"] * partial_rotary_factor)
     short_factor, long_factor = np.random.default_rng(3).uniform(1, 4, (2, rotary_dim // 2)).tolist()
-    config = Phi3Config(**{**COMMON, "max_position_embeddings": 4096},
-                        original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
-                        partial_rotary_factor=partial_rotary_factor, sliding_window=2047, tie_word_embeddings=False,
-                        rope_scaling={"rope_type": "longrope", "short_factor": short_factor,
-                                      "long_factor": long_factor})
+    config = Phi3Config(
+        **{**COMMON, "max_position_embeddings": 4096},
+        original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+        partial_rotary_factor=partial_rotary_factor,
+        sliding_window=2047,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "longrope", "short_factor": short_factor, "long_factor": long_factor},
+    )
     return config, Phi3ForCausalLM
 
 
@@ -164,12 +199,18 @@ def gemma3():
     query_pre_attn_scalar = head_dim (llama.cpp assumes it) ≠ hidden_size / heads."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=32,
-                              sliding_window=GEMMA_WINDOW, final_logit_softcapping=15.0,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                              rope_parameters={
-                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                  "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+    config = Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3},
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=GEMMA_WINDOW,
+        final_logit_softcapping=15.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+    )
     return config, Gemma3ForCausalLM
 
 
@@ -184,9 +225,14 @@ def add_gemma3_windows(config, writer: gguf.GGUFWriter) -> None:
     writer.add_rope_scaling_factor(rope_parameters(config)["factor"])
 
 
-GEMMA3_PARTS = {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-                "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA3_PARTS = {
+    **LLAMA_PARTS,
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 TINY_FAMILIES: dict[str, TinyFamily] = {
@@ -195,8 +241,9 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # llama.cpp converts Mistral as a Llama.
     "mistral": TinyFamily(mistral, "llama", LLAMA_PARTS, permute_qk=True, gguf_same_positions=MISTRAL_WINDOW),
     "phi3": TinyFamily(phi3_longrope, "phi3", PHI3_PARTS, extra_gguf=add_phi3_rope),
-    "qwen3": TinyFamily(qwen3, "qwen3",
-                        {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}),
+    "qwen3": TinyFamily(
+        qwen3, "qwen3", {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    ),
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
 }
 
@@ -254,8 +301,11 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
                 values = permute_for_llama_cpp(values, heads[gguf_part])
             writer.add_tensor(f"blk.{layer}.{gguf_part}.{kind}", values)
         else:
-            global_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                            "lm_head.weight": "output.weight"}
+            global_names = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }
             writer.add_tensor(global_names[hf_name], values)
     for extra_name, values in extra_tensors.items():
         writer.add_tensor(extra_name, values)
@@ -272,16 +322,44 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
 # type per fused weight. Every type Kiln keeps as it is (ggml_blocks.BLOCK_TYPES) appears once at least.
 MIXED_BLOCKS_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3)
 MIXED_BLOCK_TYPES = {
-    "token_embd": "Q8_0", "output": "Q6_K",
-    **{f"blk.0.{part}": kind for part, kind in dict(
-        attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_K",
-        ffn_gate="Q4_K", ffn_up="Q4_K", ffn_down="Q6_K").items()},
-    **{f"blk.1.{part}": kind for part, kind in dict(
-        attn_q="Q4_0", attn_k="Q4_1", attn_v="Q5_1", attn_output="Q5_0",
-        ffn_gate="F16", ffn_up="BF16", ffn_down="F32").items()},
-    **{f"blk.2.{part}": kind for part, kind in dict(
-        attn_q="Q5_K", attn_k="Q5_K", attn_v="Q5_K", attn_output="Q8_0",
-        ffn_gate="Q6_K", ffn_up="Q6_K", ffn_down="Q4_0").items()},
+    "token_embd": "Q8_0",
+    "output": "Q6_K",
+    **{
+        f"blk.0.{part}": kind
+        for part, kind in dict(
+            attn_q="Q4_K",
+            attn_k="Q4_K",
+            attn_v="Q6_K",
+            attn_output="Q5_K",
+            ffn_gate="Q4_K",
+            ffn_up="Q4_K",
+            ffn_down="Q6_K",
+        ).items()
+    },
+    **{
+        f"blk.1.{part}": kind
+        for part, kind in dict(
+            attn_q="Q4_0",
+            attn_k="Q4_1",
+            attn_v="Q5_1",
+            attn_output="Q5_0",
+            ffn_gate="F16",
+            ffn_up="BF16",
+            ffn_down="F32",
+        ).items()
+    },
+    **{
+        f"blk.2.{part}": kind
+        for part, kind in dict(
+            attn_q="Q5_K",
+            attn_k="Q5_K",
+            attn_v="Q5_K",
+            attn_output="Q8_0",
+            ffn_gate="Q6_K",
+            ffn_up="Q6_K",
+            ffn_down="Q4_0",
+        ).items()
+    },
 }
 # Every weight spreads like the tiny families' (initializer_range): mean about 0, this std.
 MIXED_WEIGHT_STD = COMMON["initializer_range"]
@@ -297,11 +375,11 @@ def mixed_blocks_config():
 
 def read_halves(blocks: np.ndarray, offset: int) -> np.ndarray:
     """The float16 field at `offset` of every block of a [..., block bytes] array, as float32."""
-    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view("<f2")[..., 0].astype(np.float32)
+    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view("<f2")[..., 0].astype(np.float32)
 
 
 def write_halves(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
-    blocks[..., offset:offset + 2] = values.astype("<f2")[..., None].view(np.uint8)
+    blocks[..., offset : offset + 2] = values.astype("<f2")[..., None].view(np.uint8)
 
 
 def center_minimums(type_name: str, blocks: np.ndarray) -> None:
@@ -352,9 +430,15 @@ def write_mixed_blocks_gguf(path: Path, types: dict[str, str] = MIXED_BLOCK_TYPE
         add_vocabulary(writer, Path(tokenizer_folder))
 
     hidden, kv_rows = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_rows, hidden), "attn_v": (kv_rows, hidden),
-              "attn_output": (hidden, hidden), "ffn_gate": (config.intermediate_size, hidden),
-              "ffn_up": (config.intermediate_size, hidden), "ffn_down": (hidden, config.intermediate_size)}
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_rows, hidden),
+        "attn_v": (kv_rows, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (config.intermediate_size, hidden),
+        "ffn_up": (config.intermediate_size, hidden),
+        "ffn_down": (hidden, config.intermediate_size),
+    }
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
 
     def add_blocks(name: str, rows: int, cols: int, permute_heads: int | None = None) -> None:

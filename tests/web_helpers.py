@@ -33,18 +33,28 @@ def run_node_module(source: str, data) -> object:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as data_file:
         json.dump(data, data_file)
         data_file.flush()
-        script = (f'import {{ readFileSync }} from "node:fs";\n'
-                  f'globalThis.input = JSON.parse(readFileSync({json.dumps(data_file.name)}, "utf8"));\n{source}')
-        result = subprocess.run(["node", "--input-type=module"], input=script, capture_output=True, text=True,
-                                cwd=WEB_DIR, timeout=120, check=False)
+        script = (
+            f'import {{ readFileSync }} from "node:fs";\n'
+            f'globalThis.input = JSON.parse(readFileSync({json.dumps(data_file.name)}, "utf8"));\n{source}'
+        )
+        result = subprocess.run(
+            ["node", "--input-type=module"],
+            input=script,
+            capture_output=True,
+            text=True,
+            cwd=WEB_DIR,
+            timeout=120,
+            check=False,
+        )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
 
 def run_kiln(*args: str, timeout_s: float = 3600) -> subprocess.CompletedProcess:
     """The `kiln` command line in a process of its own (it drives its own Chromium)."""
-    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
 
 
 @contextmanager

@@ -22,8 +22,6 @@ from tvm import te, tirx
 from tvm.ir.expr import ExprWithOp as PrimExpr
 
 
-
-
 def u32(value: int) -> PrimExpr:
     return tirx.const(value, "uint32")
 
@@ -244,13 +242,19 @@ class BlockType:
             return col // self.elements * self.bytes
 
         if not isinstance(self.read, Levels):
-            return te.compute((rows, cols), lambda r, c: self.read(RowBytes(stored, r), block(c), c % self.elements)
-                              .astype(dtype), name="dequantize")
+            return te.compute(
+                (rows, cols),
+                lambda r, c: self.read(RowBytes(stored, r), block(c), c % self.elements).astype(dtype),
+                name="dequantize",
+            )
         levels, size = self.read, self.read.group
 
         def per_group(reader: Reader, name: str) -> te.Tensor:
-            return te.compute((rows, cols // size), lambda r, g: reader(
-                RowBytes(stored, r), block(g * size), (g * size) % self.elements // size), name=name)
+            return te.compute(
+                (rows, cols // size),
+                lambda r, g: reader(RowBytes(stored, r), block(g * size), (g * size) % self.elements // size),
+                name=name,
+            )
 
         scale = per_group(levels.scale, GROUP_STAGES[0])
         offset = per_group(levels.offset, GROUP_STAGES[1]) if levels.offset else None

@@ -64,8 +64,9 @@ class BlockMatrix(nn.Module):
 class GGUFLinear(nn.Module):
     def __init__(self, linear: Linear, runs: list[tuple[BlockType, int]], dtype: str):
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.parts = nn.ModuleList([BlockMatrix(block_type, rows, linear.in_features, dtype)
-                                    for block_type, rows in runs])
+        self.parts = nn.ModuleList(
+            [BlockMatrix(block_type, rows, linear.in_features, dtype) for block_type, rows in runs]
+        )
         self.bias = linear.bias
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
@@ -112,12 +113,18 @@ class GGUFBlocks:
 
     def block_type(self, part: GGUFTensorBlocks, path) -> BlockType:
         if part.type_name not in BLOCK_TYPES:
-            raise KilnError(f"tensor {part.gguf_name} has type {part.type_name}, which {self.name} does not "
-                            f"compile (supported: {', '.join(BLOCK_TYPES)})", path)
+            raise KilnError(
+                f"tensor {part.gguf_name} has type {part.type_name}, which {self.name} does not "
+                f"compile (supported: {', '.join(BLOCK_TYPES)})",
+                path,
+            )
         block_type = BLOCK_TYPES[part.type_name]
         if part.cols % block_type.elements:
-            raise KilnError(f"tensor {part.gguf_name} has rows of {part.cols} values, not whole "
-                            f"{part.type_name} blocks of {block_type.elements}", path)
+            raise KilnError(
+                f"tensor {part.gguf_name} has rows of {part.cols} values, not whole "
+                f"{part.type_name} blocks of {block_type.elements}",
+                path,
+            )
         return block_type
 
     def stored(self, run: list[GGUFTensorBlocks], path) -> Stored:
@@ -125,8 +132,11 @@ class GGUFBlocks:
         block_type = self.block_type(run[0], path)
         rows = np.concatenate([part.read() for part in run]) if len(run) > 1 else run[0].read()
         if rows.shape[1] != block_type.row_bytes(run[0].cols):
-            raise KilnError(f"tensor {run[0].gguf_name} has rows of {rows.shape[1]} bytes, "
-                            f"{block_type.row_bytes(run[0].cols)} for its {block_type.name} shape", path)
+            raise KilnError(
+                f"tensor {run[0].gguf_name} has rows of {rows.shape[1]} bytes, "
+                f"{block_type.row_bytes(run[0].cols)} for its {block_type.name} shape",
+                path,
+            )
         return Stored(block_type.words(rows), {"gguf_type": block_type.name, "gguf_shape": [len(rows), run[0].cols]})
 
     def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
@@ -136,8 +146,10 @@ class GGUFBlocks:
         class Rewriter(nn.Mutator):
             def visit_module(self, name: str, node: nn.Module):
                 if isinstance(node, Linear):
-                    runs = [(scheme.block_type(run[0], path), sum(part.rows for part in run))
-                            for run in runs_of_one_type(weights.gguf_blocks(f"{name}.weight", scheme.name))]
+                    runs = [
+                        (scheme.block_type(run[0], path), sum(part.rows for part in run))
+                        for run in runs_of_one_type(weights.gguf_blocks(f"{name}.weight", scheme.name))
+                    ]
                     return GGUFLinear(node, runs, scheme.model_dtype)
                 if isinstance(node, Embedding):
                     (table,) = weights.gguf_blocks(f"{name}.weight", scheme.name)

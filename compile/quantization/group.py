@@ -39,8 +39,10 @@ class GroupFormat:
 
     def packed_parameters(self, rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:
         """`q_weight` and `q_scale` for a float [rows, cols] weight."""
-        return (nn.Parameter((rows, cols // self.values_per_word), "uint32"),
-                nn.Parameter((rows, cols // self.group_size), self.dtype))
+        return (
+            nn.Parameter((rows, cols // self.values_per_word), "uint32"),
+            nn.Parameter((rows, cols // self.group_size), self.dtype),
+        )
 
     def dequantize_te(self, q_weight: te.Tensor, q_scale: te.Tensor, rows, cols: int) -> te.Tensor:
         mask = tirx.const((1 << self.bits) - 1, "uint32")
@@ -231,6 +233,4 @@ def dequantize_group(q_weight: np.ndarray, q_scale: np.ndarray, fmt: GroupFormat
     return values * np.repeat(q_scale.astype(np.float32), fmt.group_size, axis=1)
 
 
-SCHEMES = tuple(
-    GroupQuantization(f"q{bits}f{width}_1", f"float{width}", bits) for bits in (4, 8) for width in (32, 16)
-)
+SCHEMES = tuple(GroupQuantization(f"q{bits}f{width}_1", f"float{width}", bits) for bits in (4, 8) for width in (32, 16))
