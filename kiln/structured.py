@@ -70,8 +70,9 @@ class ResponseFormat:
             if not isinstance(spec, dict):
                 raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema'")
             if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
-                raise ResponseFormatError("response_format.json_schema.name must be 1 to 64 letters, digits, "
-                                          "'_' or '-'")
+                raise ResponseFormatError(
+                    "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'"
+                )
             if not isinstance(spec.get("strict", False), bool):
                 raise ResponseFormatError("response_format.json_schema.strict must be true or false")
             if "schema" not in spec:
@@ -79,8 +80,9 @@ class ResponseFormat:
             return cls.from_schema(spec["schema"])
         if kind == "grammar":
             return cls.from_grammar(value.get("grammar"))
-        raise ResponseFormatError(f"response_format.type must be text, json_object, json_schema or grammar, "
-                                  f"not {kind!r}")
+        raise ResponseFormatError(
+            f"response_format.type must be text, json_object, json_schema or grammar, not {kind!r}"
+        )
 
     @classmethod
     def from_schema(cls, schema: Any) -> ResponseFormat:
@@ -149,10 +151,24 @@ def token_bytes(token: str, vocab_type: str, byte_decoder: dict[str, int]) -> by
 # Well-formed UTF-8 (Unicode's Table 3-7) as an automaton: per state, (first byte, last byte, next
 # state). State 0 is "between characters"; the others expect continuation bytes.
 UTF8_STEPS = (
-    ((0x00, 0x7F, 0), (0xC2, 0xDF, 1), (0xE0, 0xE0, 3), (0xE1, 0xEC, 2), (0xED, 0xED, 4), (0xEE, 0xEF, 2),
-     (0xF0, 0xF0, 6), (0xF1, 0xF3, 5), (0xF4, 0xF4, 7)),
-    ((0x80, 0xBF, 0),), ((0x80, 0xBF, 1),), ((0xA0, 0xBF, 1),), ((0x80, 0x9F, 1),),
-    ((0x80, 0xBF, 2),), ((0x90, 0xBF, 2),), ((0x80, 0x8F, 2),),
+    (
+        (0x00, 0x7F, 0),
+        (0xC2, 0xDF, 1),
+        (0xE0, 0xE0, 3),
+        (0xE1, 0xEC, 2),
+        (0xED, 0xED, 4),
+        (0xEE, 0xEF, 2),
+        (0xF0, 0xF0, 6),
+        (0xF1, 0xF3, 5),
+        (0xF4, 0xF4, 7),
+    ),
+    ((0x80, 0xBF, 0),),
+    ((0x80, 0xBF, 1),),
+    ((0xA0, 0xBF, 1),),
+    ((0x80, 0x9F, 1),),
+    ((0x80, 0xBF, 2),),
+    ((0x90, 0xBF, 2),),
+    ((0x80, 0x8F, 2),),
 )
 UTF8_STATES = len(UTF8_STEPS)
 UTF8_NEXT = [[next((to for lo, hi, to in steps if lo <= b <= hi), -1) for b in range(256)] for steps in UTF8_STEPS]
@@ -180,8 +196,9 @@ class TokenTable:
 
     def __init__(self, tokenizer, vocab_type: str, vocab_size: int):
         special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
-        self.strings = ["" if i in special else tokenizer.id_to_token(i) or ""
-                        for i in range(tokenizer.get_vocab_size())]
+        self.strings = [
+            "" if i in special else tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())
+        ]
         byte_decoder = gpt2_byte_decoder()
         self.utf8_next = np.full((UTF8_STATES, vocab_size), -1, dtype=np.int8)
         self.utf8_next[0] = 0  # a special token, and ids past the tokenizer's, end no character
@@ -212,14 +229,18 @@ class GrammarCompiler:
                 xgr = xgrammar_module()
                 info = self.chat_config.get("tokenizer_info")
                 if not isinstance(info, dict) or info.get("token_postproc_method") not in VOCAB_TYPES:
-                    raise KilnError("mlc-chat-config.json has no usable tokenizer_info; rebuild the model with "
-                                    "kiln compile")
+                    raise KilnError(
+                        "mlc-chat-config.json has no usable tokenizer_info; rebuild the model with kiln compile"
+                    )
                 vocab_type = info["token_postproc_method"]
                 self.table = TokenTable(self.tokenizer, vocab_type, self.vocab_size)
                 tokenizer_info = xgr.TokenizerInfo(
-                    self.table.strings, vocab_type=xgr.VocabType[VOCAB_TYPES[vocab_type]],
-                    vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids,
-                    add_prefix_space=bool(info.get("prepend_space_in_encode")))
+                    self.table.strings,
+                    vocab_type=xgr.VocabType[VOCAB_TYPES[vocab_type]],
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids,
+                    add_prefix_space=bool(info.get("prepend_space_in_encode")),
+                )
                 self._compiler = xgr.GrammarCompiler(tokenizer_info)
             return self._compiler
 
@@ -237,12 +258,20 @@ class GrammarCompiler:
                 return compiler.compile_structural_tag(tags, spec["triggers"])
             return compiler.compile_grammar(response_format.text)
         except (RuntimeError, ValueError, TypeError) as e:
-            what = "JSON schema" if response_format.kind.startswith("json") else response_format.kind.replace("_", " ")
-            raise ResponseFormatError(f"the {what} cannot be used: {xgrammar_problem(e)}") from None
+            raise ResponseFormatError(
+                f"the {format_name(response_format.kind)} cannot be used: {xgrammar_problem(e)}"
+            ) from None
 
     def constraint(self, response_format: ResponseFormat) -> TokenConstraint:
         compiled = self.compile(response_format)
-        return TokenConstraint(compiled, self.table, json=response_format.kind.startswith("json"))
+        constraint = TokenConstraint(compiled, self.table, json=response_format.kind.startswith("json"))
+        if not constraint.grammar_allows().any():  # e.g. "root ::= root": no text matches it
+            raise ResponseFormatError(f"the {format_name(response_format.kind)} accepts no text")
+        return constraint
+
+
+def format_name(kind: str) -> str:
+    return "JSON schema" if kind.startswith("json") else kind.replace("_", " ")
 
 
 class TokenConstraint:
@@ -260,14 +289,18 @@ class TokenConstraint:
         self.words = self.bitmask.numpy().view(np.uint8)
         self.excluded = table.has_control if json else np.zeros(self.vocab_size, dtype=bool)
         self.utf8_state = 0
-        self.mask_s = 0.0   # time spent computing masks, for the usage numbers
+        self.mask_s = 0.0  # time spent computing masks, for the usage numbers
         self.steps = 0
+
+    def grammar_allows(self) -> np.ndarray:
+        """A boolean per token id: does XGrammar's mask allow it next?"""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        return np.unpackbits(self.words, bitorder="little", count=self.vocab_size).view(bool)
 
     def allowed(self) -> np.ndarray:
         """A boolean per token id: may it come next?"""
         started = time.perf_counter()
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        grammar_allows = np.unpackbits(self.words, bitorder="little", count=self.vocab_size).view(bool)
+        grammar_allows = self.grammar_allows()
         allowed = grammar_allows & (self.table.utf8_next[self.utf8_state] >= 0) & ~self.excluded
         if not allowed.any():  # the grammar can only go on with a broken character: let it
             allowed = grammar_allows

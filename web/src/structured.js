@@ -232,7 +232,7 @@ export class Grammars {
       const reason = printed.find((line) => XGRAMMAR_LOCATION.test(line))?.replace(XGRAMMAR_LOCATION, "") ?? error.message;
       printed = null;
       await this.compilerOnce({ fresh: true });
-      throw problem(`the ${format.kind.startsWith("json") ? "JSON schema" : format.kind.replace("_", " ")} cannot be used: ${reason}`);
+      throw problem(`the ${formatName(format.kind)} cannot be used: ${reason}`);
     } finally {
       printed = null;
     }
@@ -248,9 +248,14 @@ export class Grammars {
   async constraint(format) {
     const compiled = await this.compile(format);
     const matcher = await this.xgrammar.GrammarMatcher.createGrammarMatcher(compiled);
-    return new TokenConstraint(matcher, this.table, format.kind.startsWith("json"));
+    const constraint = new TokenConstraint(matcher, this.table, format.kind.startsWith("json"));
+    // e.g. "root ::= root": no text matches it
+    if (!(await constraint.grammarAllows()).some((bit) => bit)) throw problem(`the ${formatName(format.kind)} accepts no text`);
+    return constraint;
   }
 }
+
+const formatName = (kind) => (kind.startsWith("json") ? "JSON schema" : kind.replace("_", " "));
 
 /**
  * One reply's place in its format, as `TokenConstraint` in kiln/structured.py: a token may come
@@ -267,17 +272,23 @@ export class TokenConstraint {
     this.steps = 0;
   }
 
+  /** A Uint8Array with 1 for each token id XGrammar's mask allows next. */
+  async grammarAllows() {
+    const bitmask = await this.matcher.getNextTokenBitmask();
+    const allows = new Uint8Array(this.table.vocabSize);
+    for (let id = 0; id < allows.length; ++id) allows[id] = (bitmask[id >>> 5] >>> (id & 31)) & 1;
+    return allows;
+  }
+
   /** A Uint8Array with 1 for each token id that may come next. */
   async allowed() {
     const started = performance.now();
-    const bitmask = await this.matcher.getNextTokenBitmask();
+    const grammarAllows = await this.grammarAllows();
     const { vocabSize, utf8Next } = this.table;
     const row = this.utf8State * vocabSize;
-    const grammarAllows = new Uint8Array(vocabSize);
     const allowed = new Uint8Array(vocabSize);
     let any = 0;
     for (let id = 0; id < vocabSize; ++id) {
-      grammarAllows[id] = (bitmask[id >>> 5] >>> (id & 31)) & 1;
       allowed[id] = grammarAllows[id] & (utf8Next[row + id] >= 0) & (this.excluded[id] ^ 1);
       any |= allowed[id];
     }
