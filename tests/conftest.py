@@ -21,6 +21,17 @@ from kiln.cli import main
 from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
 
 
+# A test that uses one of these compiles a model (or runs `kiln compile`): it is slow, whatever its
+# own markers say, so that `make test-fast` runs no compiler.
+COMPILING_FIXTURES = {"builds", "run_compile"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if COMPILING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 class SessionBuilds:
     """Builds (source, quantization) → model folder, adding targets on demand (and rebuilding
     them all when a kept build was made by other Kiln code)."""

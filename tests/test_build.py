@@ -297,6 +297,7 @@ def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
 # ---- bad input ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_errors_exit_non_zero_with_one_line_and_no_traceback(tmp_path, tiny_source):
     result = subprocess.run(
         [*KILN, "compile", str(tmp_path / "nowhere"), "-q", "q4f32_1", "-o", str(tmp_path / "out")],

@@ -672,6 +672,7 @@ def assert_saved_tensors(npz_path: Path, expected: dict[str, np.ndarray]) -> Non
             np.testing.assert_array_equal(tensors[name], values, err_msg=name)
 
 
+@pytest.mark.slow
 def test_hub_id_is_downloaded_then_read_offline_from_the_cache(hub_endpoint, tiny_hf_folder, tmp_path):
     folder, expected = tiny_hf_folder
     hub_home = str(tmp_path / "hf-home")
@@ -694,6 +695,7 @@ def test_hub_id_is_downloaded_then_read_offline_from_the_cache(hub_endpoint, tin
     assert json.loads(offline.stdout.strip().splitlines()[-1]) == summary
 
 
+@pytest.mark.slow
 def test_hub_id_with_pytorch_weights_only(hub_endpoint, tiny_hf_folder, tmp_path):
     _, expected = tiny_hf_folder
     result = ingest_in_subprocess("org/tiny-bin", tmp_path, HF_ENDPOINT=hub_endpoint, HF_HOME=str(tmp_path / "hf"))
@@ -701,6 +703,7 @@ def test_hub_id_with_pytorch_weights_only(hub_endpoint, tiny_hf_folder, tmp_path
     assert_saved_tensors(tmp_path / "tensors.npz", expected)
 
 
+@pytest.mark.slow
 def test_hub_id_offline_with_an_empty_cache_is_an_error(tmp_path):
     result = ingest_in_subprocess(
         "org/tiny", tmp_path, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "empty"), HF_HUB_OFFLINE="1"
@@ -709,6 +712,7 @@ def test_hub_id_offline_with_an_empty_cache_is_an_error(tmp_path):
     assert result.stdout.startswith("org/tiny: cannot get it from the Hugging Face hub")
 
 
+@pytest.mark.slow
 def test_hub_id_unknown_to_the_hub_is_an_error(hub_endpoint, tmp_path):
     result = ingest_in_subprocess("org/missing", tmp_path, HF_ENDPOINT=hub_endpoint, HF_HOME=str(tmp_path / "hf-home"))
     assert result.returncode == 3, result.stdout + result.stderr

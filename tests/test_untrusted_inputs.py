@@ -711,6 +711,7 @@ CLI_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CLI_CASES)
 def test_kiln_compile_refuses_a_broken_gguf_in_one_line(tmp_path, case):
     make, _, problem = CLI_CASES[case]
@@ -721,6 +722,7 @@ def test_kiln_compile_refuses_a_broken_gguf_in_one_line(tmp_path, case):
 FOLDER_CLI_CASES = ["layers 10**6", "tokenizer.json wrong structure", "index outside the folder"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FOLDER_CLI_CASES)
 def test_kiln_compile_refuses_a_broken_folder_in_one_line(folder, tmp_path, case):
     break_folder, named_file, problem = FOLDER_CASES[case]
