@@ -15,10 +15,14 @@ TVM's paged KV cache takes one RoPE base for every layer, so Kiln rotates q and 
 the layer's frequencies (`rotate_qkv`) and runs the cache without RoPE. The cache then holds rotated
 keys, which also keeps its prefix reuse and rollback exact. The local window is the cache's
 per-layer "mha_sliding" kind: every layer keeps all its tokens and a local layer reads the pages of
-its last window only. The cache's ragged prefill kernel, which attends within a chunk, knows no
-window: prefill chunks are kept shorter than the window (measured: up to window - 1 tokens per
-chunk give the reference's logits, a chunk of the window or longer does not). A window that never
-binds (a context no longer than it) is left out.
+its last window only. A window that never binds (a context no longer than it) is left out.
+
+TVM 0.27's windowed prefill is exact only while no cached token falls out of a chunk's window: its
+ragged kernel (attention within a chunk) knows no window, and its paged CPU kernel reads an unset
+value once the window drops a cached token (NaN at random). So prefill chunks are shorter than the
+window (measured: window - 1 tokens give the reference's logits, the window or more do not), past
+the window both engines prefill one token at a time (`layer_sliding_window_size` in the library's
+metadata), and WebLLM, which cannot, gets a context of the window (compile/configure.py).
 """
 
 from __future__ import annotations
