@@ -23,6 +23,7 @@ from tvm import relax as rx
 
 from kiln.errors import KilnError
 
+from .attention_softcap import soft_cap_attention_kernels
 from .gguf import GGUFMapping
 from .layers import gather_positions, last_position
 
@@ -68,6 +69,8 @@ class DecoderConfig:
     layer_window_size: int | None = None
     # The family rotates q and k itself (per-layer RoPE bases); the KV cache then applies none.
     family_applies_rope: bool = False
+    # Attention scores s become cap · tanh(s / cap) before the softmax (Gemma 2).
+    attention_logit_softcap: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -252,7 +255,7 @@ class DecoderModel(nn.Module):
         support_sliding_window: tvm.tirx.Var,
     ) -> PagedKVCache:
         c = self.config
-        return TIRPagedKVCache(
+        cache = TIRPagedKVCache(
             attn_kind=["mha_sliding" if i in c.windowed_layers else "mha" for i in range(c.num_hidden_layers)],
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
@@ -278,6 +281,9 @@ class DecoderModel(nn.Module):
             dtype=self.dtype,
             target=tvm.target.Target.current(),
         )
+        if c.attention_logit_softcap is not None:
+            soft_cap_attention_kernels(c.attention_logit_softcap)
+        return cache
 
 
 def rope_in_model(config: DecoderConfig) -> bool:

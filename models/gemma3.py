@@ -5,8 +5,8 @@ What differs from Llama:
 - embeddings scaled by sqrt(hidden_size), rounded to the model's float dtype as the reference does;
 - RMSNorm multiplies by (1 + weight), in float32; four norms per layer (before and after attention
   and the feed-forward), and an RMSNorm over each query and key head;
-- GeGLU with gelu-tanh; attention scaled by `query_pre_attn_scalar`^-0.5; tied embeddings; an
-  optional final-logit soft-cap;
+- GeGLU with gelu-tanh; attention scaled by `query_pre_attn_scalar`^-0.5; tied embeddings;
+  optional final-logit and attention-logit soft-caps (Gemma 2's, models/attention_softcap.py);
 - local layers attend to the last `sliding_window` tokens, global layers to all, in the pattern of
   `layer_types` (or every `sliding_window_pattern`-th layer global, in older configs);
 - the two kinds of layers have RoPE bases of their own (local 10k, global 1M with its rope scaling).
@@ -74,6 +74,7 @@ class Gemma3Config(DecoderConfig):
     final_logit_softcapping: float | None = None
     # Per layer: the RoPE frequencies' base and linear scaling factor.
     layer_ropes: tuple[tuple[float, float], ...] = ()
+    query_key_norm: bool = True  # an RMSNorm over each query and key head (Gemma 3; Gemma 2 has none)
 
 
 def rope_of(params: dict[str, Any], path: Path) -> tuple[float, float]:
@@ -104,10 +105,10 @@ def ropes_by_kind(hf_config: dict, path: Path) -> dict[str, tuple[float, float]]
     }
 
 
-def layer_kinds(read: ConfigReader, num_layers: int) -> list[str]:
+def layer_kinds(read: ConfigReader, num_layers: int, global_every: int) -> list[str]:
     kinds = read.get("layer_types", list, None)
     if kinds is None:
-        pattern = read.get("sliding_window_pattern", int, 6)
+        pattern = read.get("sliding_window_pattern", int, global_every)
         return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if len(kinds) != num_layers or not set(kinds) <= set(LAYER_KINDS):
         raise KilnError(
@@ -129,13 +130,19 @@ def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) ->
     hf_config = {**TEXT_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None}}
     ropes = ropes_by_kind(hf_config, path)
     read = ConfigReader({k: v for k, v in hf_config.items() if k not in ROPE_KEYS}, path)
-    read.expect("hidden_activation", ("gelu_pytorch_tanh",), hf_config.get("hidden_act", "gelu_pytorch_tanh"))
+    return gemma_config(read, overrides, ropes, global_every=6)
+
+
+def gemma_config(
+    read: ConfigReader, overrides: dict[str, int], ropes: dict[str, tuple[float, float]], global_every: int, **family
+) -> Gemma3Config:
+    """What Gemma 2 and 3 read alike; `global_every`: the layer pattern of configs without `layer_types`."""
+    read.expect("hidden_activation", ("gelu_pytorch_tanh",), read.hf_config.get("hidden_act", "gelu_pytorch_tanh"))
     read.expect("hidden_act", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
-    read.expect("attn_logit_softcapping", (None,), None)
     read.expect("attention_bias", (False,), False)
     read.expect("use_bidirectional_attention", (False,), False)
     fields = read.decoder_fields(overrides, max_context=8192)
-    kinds = layer_kinds(read, fields["num_hidden_layers"])
+    kinds = layer_kinds(read, fields["num_hidden_layers"], global_every)
     window = read.get("sliding_window", int)
     binds = fields["context_window_size"] > window
     if binds:
@@ -151,10 +158,12 @@ def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) ->
         layer_window_size=window if binds else None,
         family_applies_rope=True,
         layer_ropes=tuple(ropes[kind] for kind in kinds),
+        attention_logit_softcap=read.get("attn_logit_softcapping", float, None),
         intermediate_size=read.get("intermediate_size", int),
         rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
         query_pre_attn_scalar=read.get("query_pre_attn_scalar", float, 256.0),
         final_logit_softcapping=read.get("final_logit_softcapping", float, None),
+        **family,
         extra=read.unused(),
     )
 
@@ -184,14 +193,17 @@ class Gemma3Attention(nn.Module):
         self.inv_freq = rope_inv_freq(base, config.head_dim) / factor
         self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, dtype)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        if config.query_key_norm:
+            self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         batch, seq_len, _ = x.shape
         qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))
-        q, k, v = nn.op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
-        qkv = rotate_qkv(nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), kv_cache, self.config, self.inv_freq)
+        if self.config.query_key_norm:
+            q, k, v = nn.op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+            qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        qkv = rotate_qkv(qkv, kv_cache, self.config, self.inv_freq)
         attended = kv_cache.attention_with_fused_qkv(
             layer_id, qkv, self.num_heads, sm_scale=self.config.query_pre_attn_scalar**-0.5
         )
@@ -263,21 +275,17 @@ class Gemma3ForCausalLM(DecoderModel):
         return logits if cap is None else nn.op.tanh(logits / cap) * cap
 
 
-def swa_layers(metadata: Metadata, num_layers: int) -> list[bool]:
+def swa_layers(metadata: Metadata, num_layers: int, global_every: int) -> list[bool]:
     """llama.cpp's windowed layers: `attention.sliding_window_pattern` as one flag per layer, or as
-    n (every n-th layer global), 6 when absent."""
-    pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
+    n (every n-th layer global), `global_every` when absent."""
+    key = f"{metadata.require('general.architecture', str)}.attention.sliding_window_pattern"
+    pattern = metadata.get(key, global_every)
     if isinstance(pattern, list):
         if len(pattern) != num_layers or not all(isinstance(flag, bool) for flag in pattern):
-            raise KilnError(
-                f"GGUF metadata gemma3.attention.sliding_window_pattern should hold one flag per layer ({num_layers})",
-                metadata.path,
-            )
+            raise KilnError(f"GGUF metadata {key} should hold one flag per layer ({num_layers})", metadata.path)
         return pattern
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
-        raise KilnError(
-            f"GGUF metadata gemma3.attention.sliding_window_pattern should be a count, got {pattern!r}", metadata.path
-        )
+        raise KilnError(f"GGUF metadata {key} should be a count, got {pattern!r}", metadata.path)
     return [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
 
 
@@ -289,7 +297,7 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
     del config["hidden_act"]
     layers = config["num_hidden_layers"]
     window = metadata.get("gemma3.attention.sliding_window", 0, int)
-    windowed = swa_layers(metadata, layers) if window > 0 else [False] * layers
+    windowed = swa_layers(metadata, layers, 6) if window > 0 else [False] * layers
     return {
         **config,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -301,6 +309,14 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
         else config["head_dim"],
         "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping", None, float),
     }
+
+
+GEMMA_LAYER_TENSORS = {
+    **LLAMA_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 def norm_weight_minus_one(hf_name: str, values: np.ndarray) -> np.ndarray:
@@ -315,14 +331,7 @@ ARCHITECTURE = Architecture(
     gguf=GGUFMapping(
         architecture="gemma3",
         config=gguf_config,
-        layer_tensors={
-            **LLAMA_LAYER_TENSORS,
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_attention_norm": "post_attention_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
-            "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm",
-        },
+        layer_tensors={**GEMMA_LAYER_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
         restore_values=norm_weight_minus_one,
     ),
 )

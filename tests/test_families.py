@@ -164,8 +164,9 @@ FLOAT16_LOGIT_TOLERANCE = 0.1  # measured: 0.017–0.048 on the tiny gemma3
 
 
 @pytest.mark.slow
-def test_gemma3_in_float16_computes_what_float32_does(family_build, family_source):
-    float16_matches_float32_arithmetic(family_build("gemma3", "q4f16_1"), family_source("gemma3"))
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_in_float16_computes_what_float32_does(family, family_build, family_source):
+    float16_matches_float32_arithmetic(family_build(family, "q4f16_1"), family_source(family))
 
 
 @pytest.mark.slow
@@ -188,7 +189,7 @@ def test_gemma3_in_float16_keeps_a_residual_stream_beyond_float16s_range(builds,
     )
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
 def test_a_chat_past_the_window_matches_transformers(family, family_build, family_source):
     """Decoding past the window, then rolling back into it (a new turn) and going on."""
     from kiln.engine import Engine, GenerationConfig
@@ -280,7 +281,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     model_dir = builds.model_dir(family_source(family), f"tiny-{family}", "q4f32_1", ["cpu", "webgpu", "wasm"])
     code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)

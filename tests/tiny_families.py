@@ -225,14 +225,41 @@ def add_gemma3_windows(config, writer: gguf.GGUFWriter) -> None:
     writer.add_rope_scaling_factor(rope_parameters(config)["factor"])
 
 
-GEMMA3_PARTS = {
+def gemma2():
+    """Gemma 2 with the local layers' window shorter than the test prompts, head_dim ≠ hidden_size /
+    heads (query_pre_attn_scalar = head_dim, as llama.cpp assumes), and an attention soft-cap low
+    enough to change the logits by several units (Gemma 2's own cap, 50, is far above the tiny
+    model's scores)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        **{**COMMON, "num_hidden_layers": 3},
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=GEMMA_WINDOW,
+        attn_logit_softcapping=GEMMA2_ATTENTION_SOFTCAP,
+        final_logit_softcapping=10.0,
+    )
+    return config, Gemma2ForCausalLM
+
+
+GEMMA2_ATTENTION_SOFTCAP = 3.0
+
+
+def add_gemma2_softcaps(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Gemma2Model converter: the window and both soft-caps."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
+GEMMA2_PARTS = {
     **LLAMA_PARTS,
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+GEMMA3_PARTS = {**GEMMA2_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 TINY_FAMILIES: dict[str, TinyFamily] = {
@@ -244,6 +271,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "qwen3": TinyFamily(
         qwen3, "qwen3", {**LLAMA_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     ),
+    "gemma2": TinyFamily(gemma2, "gemma2", GEMMA2_PARTS, extra_gguf=add_gemma2_softcaps, norm_shift=1.0),
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
 }
 
