@@ -76,6 +76,7 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
 # (which device runs a target), and the quantization package the schedules import needs the engine.
 def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
     from .gpu_schedule import SplitReductionGEMV
+    from .gpu_trigonometry import precise_sin_cos
 
     rules = (
         matmul or dl.gpu.Matmul(),
@@ -87,7 +88,7 @@ def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
         dl.gpu.Fallback(),
     )
     return tvm.transform.Sequential(
-        [inline_group_parameters, dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])]
+        [precise_sin_cos, inline_group_parameters, dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules])]
     )
 
 

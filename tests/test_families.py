@@ -281,12 +281,16 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
+    """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
+    are Kiln's (compile/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits
+    1.2e-2 away, and flipped a token at a top-2 gap of 1.4e-3."""
     model_dir = builds.model_dir(family_source(family), f"tiny-{family}", "q4f32_1", ["cpu", "webgpu", "wasm"])
     code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)
     assert report["browser"] == backend
     assert_contract_holds(code, report, prompts=9, max_tokens=16)
+    assert max(report["max_logit_abs_diff"], report["forced_max_logit_abs_diff"]) < 1e-3, report
 
 
 @pytest.mark.browser
