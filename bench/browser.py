@@ -96,7 +96,9 @@ def bench_browser(
         measured = [
             page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens}) for _ in range(runs + 1)
         ][1:]  # the first run warms up and is not counted
+        dispatches = page.evaluate("globalThis.kilnDriven.stats()")["decode_step_dispatches"]
     stats = warm["stats"]
+    layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
 
     def median(key: str) -> float | None:
         values = [run[key] for run in measured if run[key] is not None]
@@ -117,6 +119,8 @@ def bench_browser(
         "decode_tokens_per_s": median("decode_tokens_per_s"),
         "peak_rss_mb": memory.peak_mb,
         "bandwidth_fraction": None,
+        "decode_step_dispatches": dispatches,
+        "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
     }
     adapter = stats["adapter"]
     on = f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip() if adapter else "CPU wasm"
@@ -135,4 +139,9 @@ def bench_browser(
         f"  peak RSS             {rate(report['peak_rss_mb'])} MB   "
         "(all Chromium processes, shared pages counted twice)",
     ]
+    if dispatches is not None:
+        report["lines"].append(
+            f"  GPU dispatches       {dispatches:8d} per decode step ({report['dispatches_per_layer']:.1f} per layer "
+            f"of {layers}, embedding and head included)"
+        )
     return report

@@ -131,6 +131,19 @@ def test_all_logits_match_step_by_step_logits(engine):
         assert np.abs(np.array(a["logits"]) - np.array(b["logits"])).max() < 1e-3, row
 
 
+def test_stats_count_the_gpu_dispatches_of_a_decode_step(engine, tiny_dir):
+    """Issue 15's dispatch budget starts from this count (tvmjs counts each compute dispatch)."""
+    layers = json.loads((tiny_dir / "mlc-chat-config.json").read_text())["model_config"]["num_hidden_layers"]
+    ids = engine.call("session.encode", "The history of the city is long")
+    engine.call("session.prefill", ids)
+    counts = []
+    for token in ids[:3]:
+        engine.call("session.decode", token)
+        counts.append(engine.call("stats")["decode_step_dispatches"])
+    # every layer runs a norm, a qkv projection, attention, an output projection, a norm and an MLP
+    assert counts[0] == counts[1] == counts[2] and counts[0] > 6 * layers, counts
+
+
 def test_multi_turn_chat_reuses_the_kv_cache(engine):
     first = engine.chat({"messages": QUESTION, "temperature": 0, "max_tokens": 6})["completion"]
     cached = engine.call("stats")["cached_tokens"]
@@ -351,6 +364,7 @@ def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["device"] == "wasm" and report["bandwidth_fraction"] is None
+    assert report["decode_step_dispatches"] is None and report["dispatches_per_layer"] is None
     for key in (
         "load_s",
         "cold_load_s",

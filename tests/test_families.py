@@ -410,3 +410,51 @@ def test_gemma3_4b_config_as_released_takes_transformers_defaults(tmp_path):
     assert config.windowed_layers == tuple(i for i in range(34) if (i + 1) % 6)
     assert (config.layer_window_size, config.context_window_size, config.prefill_chunk_size) == (1024, 8192, 1023)
     assert config.layer_ropes[5] == (1_000_000.0, 8.0) and config.layer_ropes[0] == (10_000.0, 1.0)
+
+
+def test_gemma2_2b_config_as_released(tmp_path):
+    """google/gemma-2-2b-it's config.json: no layer_types (local layers first, then every other one),
+    both soft-caps, and hidden_act beside hidden_activation."""
+    config = MODELS["gemma2"].parse_config(
+        {
+            "architectures": ["Gemma2ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_logit_softcapping": 50.0,
+            "bos_token_id": 2,
+            "cache_implementation": "hybrid",
+            "eos_token_id": [1, 107],
+            "final_logit_softcapping": 30.0,
+            "head_dim": 256,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "max_position_embeddings": 8192,
+            "model_type": "gemma2",
+            "num_attention_heads": 8,
+            "num_hidden_layers": 26,
+            "num_key_value_heads": 4,
+            "pad_token_id": 0,
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "vocab_size": 256000,
+        },
+        tmp_path / "config.json",
+        {},
+    )
+    assert (config.attention_logit_softcap, config.final_logit_softcapping, config.query_key_norm) == (50, 30, False)
+    assert config.windowed_layers == tuple(range(0, 26, 2))
+    assert (config.layer_window_size, config.context_window_size, config.prefill_chunk_size) == (4096, 8192, 2048)
+    assert set(config.layer_ropes) == {(10_000.0, 1.0)} and config.tie_word_embeddings
+
+
+def test_a_gemma2_config_that_turns_a_soft_cap_off_keeps_it_off(tmp_path):
+    config = MODELS["gemma2"].parse_config(
+        {"model_type": "gemma2", "attn_logit_softcapping": None, "final_logit_softcapping": None},
+        tmp_path / "config.json",
+        {},
+    )
+    assert config.attention_logit_softcap is None and config.final_logit_softcapping is None

@@ -40,6 +40,7 @@ class ModelSession {
     this.device = device;
     this.backend = backend;
     this.cachedIds = [];
+    this.lastDecodeDispatches = null;
   }
 
   /** Create the VM, upload the weights shard by shard (`shards` yields {shard, bytes}), make the KV cache. */
@@ -206,7 +207,15 @@ class ModelSession {
 
   async decode(id) {
     this.checkRoom(1);
-    return (await this.step("decode", [id]))[0];
+    const dispatched = this.gpuDispatches();
+    const [logits] = await this.step("decode", [id]);
+    if (dispatched !== null) this.lastDecodeDispatches = this.gpuDispatches() - dispatched;
+    return logits;
+  }
+
+  /** The compute dispatches the WebGPU runtime has issued so far (tvmjs counts them); null on wasm. */
+  gpuDispatches() {
+    return this.tvm.lib.webGPUContext?.shaderSubmitCounter ?? null;
   }
 
   /**
@@ -739,6 +748,8 @@ export class Engine {
       fallback_reason: this.fallbackReason,
       context_window_size: this.session?.contextWindowSize,
       cached_tokens: this.session?.cachedIds.length ?? 0,
+      // WebGPU compute dispatches of the last decode step: embedding, layers, head (null on wasm)
+      decode_step_dispatches: this.session?.lastDecodeDispatches ?? null,
       load: this.loadStats,
       last_request: this.lastRequest,
     };
