@@ -95,8 +95,9 @@ def tokenizer_info(tokenizer_dir: Path) -> dict:
 def webllm_context_window(config: DecoderConfig) -> int:
     """The context window WebLLM gets. It takes either a context window or a sliding window (then -1
     for the context). With per-layer windows (Gemma's local layers) it gets the window: WebLLM
-    prefills in chunks of prefill_chunk_size, and TVM's paged prefill kernels give wrong logits once a
-    chunk's window drops cached tokens (Kiln's engines go one token at a time there)."""
+    prefills in chunks of prefill_chunk_size, and TVM's paged prefill kernels (WebLLM's WebGPU ones)
+    give wrong logits once a chunk's window drops cached tokens (Kiln's engines go one token at a
+    time there on GPUs)."""
     if config.sliding_window_size:
         return -1
     return config.layer_window_size if config.windowed_layers else config.context_window_size

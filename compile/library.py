@@ -52,6 +52,16 @@ def library_metadata(model: DecoderModel, quantization: str, params: list[ParamS
     }
 
 
+def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> dict:
+    """`_metadata` for one target. Kiln fixes TVM's CPU kernel of prefill over cached tokens
+    (models/paged_prefill_fix.py), so float32 CPU and wasm libraries prefill in chunks past a
+    per-layer window. Elsewhere the engines prefill one token at a time past it: TVM's GPU kernels
+    still go wrong there (a WebGPU build diverged at the window), and in float16 chunks widened the
+    tiny Gemma 3's error against float32 arithmetic from 0.09 to 0.14 (its check allows 0.1)."""
+    chunked = model.dtype == "float32" and entry.target().kind.name == "llvm"
+    return {**metadata, "layer_window_chunked_prefill": chunked}
+
+
 def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
     """The model's Relax functions and scheduled kernels for `entry`, ready for code generation."""
     target = entry.target()

@@ -30,7 +30,7 @@ from .configure import write_chat_config
 from .convert import convert_weights
 from .digests import file_digests
 from .ingest import SourceModel, ingest, looks_like_hub_id
-from .library import compile_library, library_metadata, param_specs
+from .library import compile_library, library_metadata, param_specs, target_metadata
 from .quantization import Scheme, quantization_named
 from .source_weights import SourceWeights
 from .staging import staging_folder
@@ -214,7 +214,7 @@ def build(request: BuildRequest) -> BuildResult:
         for entry in entries:
             path = staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}"
             with clock.stage(f"compile {entry.name}"):
-                compile_library(model, entry, metadata, path, model_id)
+                compile_library(model, entry, target_metadata(model, metadata, entry), path, model_id)
             libraries[entry.name] = path
 
         built_targets = dict(kept_targets)

@@ -163,6 +163,7 @@ class NativeModel:
         }
         self.sliding_window_size = int(self.metadata.get("sliding_window_size", -1))
         self.layer_window_size = int(self.metadata.get("layer_sliding_window_size", -1))
+        self.layer_window_chunked_prefill = bool(self.metadata.get("layer_window_chunked_prefill", False))
         self.kv_cache = self.vm["create_tir_paged_kv_cache"](
             ShapeTuple([1]),
             ShapeTuple([self.context_window_size]),
@@ -213,13 +214,13 @@ class NativeModel:
 
     def _chunk_size(self) -> int:
         """Prefill chunk length. TVM's sliding-window prefill lets every token of a chunk see the
-        whole kept window, and its CPU kernel for per-layer windows reads an unset value once the
-        window drops cached tokens from a chunk's view (NaN at random): past a window, tokens go
-        one at a time (exact, but decode-speed)."""
+        whole kept window, and its GPU kernels for per-layer windows go wrong once the window drops
+        cached tokens from a chunk's view (Kiln fixes the CPU kernel: `_metadata` says which): past
+        a window, tokens go one at a time there (exact, but decode-speed)."""
         room = self.prefill_chunk_size
         if self.sliding_window_size > 0:
             room = self.sliding_window_size + 1 - self.cached_tokens
-        elif self.layer_window_size > 0 and self.cached_tokens:
+        elif self.layer_window_size > 0 and self.cached_tokens and not self.layer_window_chunked_prefill:
             room = self.layer_window_size - self.cached_tokens
         return max(1, min(self.prefill_chunk_size, room))
 

@@ -25,6 +25,7 @@ from kiln.errors import KilnError
 
 from .attention_softcap import soft_cap_attention_kernels
 from .gguf import GGUFMapping
+from .paged_prefill_fix import fix_paged_prefill_kernels
 from .layers import gather_positions, last_position
 
 SUPPORTED_ROPE_SCALING = ("llama3", "yarn", "longrope", "gptj")
@@ -281,6 +282,7 @@ class DecoderModel(nn.Module):
             dtype=self.dtype,
             target=tvm.target.Target.current(),
         )
+        fix_paged_prefill_kernels()
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
         return cache

@@ -18,11 +18,13 @@ per-layer "mha_sliding" kind: every layer keeps all its tokens and a local layer
 its last window only. A window that never binds (a context no longer than it) is left out.
 
 TVM 0.27's windowed prefill is exact only while no cached token falls out of a chunk's window: its
-ragged kernel (attention within a chunk) knows no window, and its paged CPU kernel reads an unset
-value once the window drops a cached token (NaN at random). So prefill chunks are shorter than the
-window (measured: window - 1 tokens give the reference's logits, the window or more do not), past
-the window both engines prefill one token at a time (`layer_sliding_window_size` in the library's
-metadata), and WebLLM, which cannot, gets a context of the window (compile/configure.py).
+ragged kernel (attention within a chunk) knows no window, so prefill chunks are shorter than the
+window (measured: window - 1 tokens give the reference's logits, the window or more do not); its
+paged CPU kernel read an unset value once the window drops a cached token (NaN at random), which
+Kiln fixes (models/paged_prefill_fix.py); its paged GPU kernels still go wrong there. So past the
+window float32 CPU and wasm libraries prefill in chunks and the others one token at a time (the
+library's metadata says which: compile/library.py), and WebLLM, which cannot, gets a context of the
+window (compile/configure.py).
 """
 
 from __future__ import annotations

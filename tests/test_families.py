@@ -23,6 +23,8 @@ from tiny_families import (
     write_family_gguf,
 )
 
+from kiln.compile.library import target_metadata
+from kiln.compile.targets import TARGETS, target_named
 from kiln.models import MODELS
 from kiln.models.decoder import longrope_inv_freq
 from kiln.runtime import NativeModel
@@ -130,6 +132,26 @@ def test_gemma3s_local_window_is_in_the_library_not_in_the_cache_webllm_sizes(fa
     assert NativeModel(model_dir).context_window_size == 512
     assert chat_config["prefill_chunk_size"] == GEMMA_WINDOW - 1
     assert NativeModel(model_dir).metadata["layer_sliding_window_size"] == GEMMA_WINDOW
+
+
+def test_past_its_window_a_gemma_prefills_in_chunks_on_the_cpu(family_build):
+    """Kiln fixes TVM's CPU paged prefill kernel (models/paged_prefill_fix.py): without the fix the
+    tiny Gemma 3's logits were NaN after a two-call prefill, at every split tried. The logits of
+    chunked prefills past the window are checked against transformers by the tests above."""
+    native = NativeModel(family_build("gemma3", "q0f32"))
+    native.prefill(PROMPTS[2][: GEMMA_WINDOW + 1])
+    assert native._chunk_size() == native.prefill_chunk_size == GEMMA_WINDOW - 1
+
+
+def test_gpu_and_float16_libraries_have_the_engines_prefill_one_token_at_a_time_past_a_layer_window(family_source):
+    config_path = family_source("gemma3") / "config.json"
+    config = MODELS["gemma3_text"].parse_config(json.loads(config_path.read_text()), config_path, {})
+
+    def chunked(dtype: str) -> set[str]:
+        model = MODELS["gemma3_text"].build(config, dtype)
+        return {t for t in TARGETS if target_metadata(model, {}, target_named(t))["layer_window_chunked_prefill"]}
+
+    assert chunked("float32") == {"cpu", "wasm"} and chunked("float16") == set()
 
 
 def greedy_tokens(native: NativeModel, ids: list[int], steps: int) -> list[int]:

@@ -64,6 +64,7 @@ class ModelSession {
     this.prefillChunkSize = this.metadata.prefill_chunk_size;
     this.slidingWindowSize = this.metadata.sliding_window_size ?? -1;
     this.layerWindowSize = this.metadata.layer_sliding_window_size ?? -1;
+    this.layerWindowChunkedPrefill = this.metadata.layer_window_chunked_prefill ?? false;
 
     const wanted = new Map(this.metadata.params.map((param, index) => [param.name, index]));
     const tensors = new Array(wanted.size);
@@ -142,9 +143,9 @@ class ModelSession {
 
   /**
    * Prefill chunks of `ids`, at most `maxRows` long. TVM's sliding-window prefill lets every token
-   * of a chunk see the whole kept window, and its CPU kernel for per-layer windows reads an unset
-   * value once the window drops cached tokens from a chunk's view: past a window, tokens go one at
-   * a time (as kiln/runtime.py does).
+   * of a chunk see the whole kept window, and its GPU kernels for per-layer windows go wrong once
+   * the window drops cached tokens from a chunk's view (Kiln fixes the CPU kernel: `_metadata`
+   * says which): past a window, tokens go one at a time there (as kiln/runtime.py does).
    */
   * chunks(ids, maxRows = this.prefillChunkSize) {
     let start = 0;
@@ -153,7 +154,7 @@ class ModelSession {
       const cached = this.cachedIds.length;
       let room = Infinity;
       if (this.slidingWindowSize > 0) room = this.slidingWindowSize + 1 - cached;
-      else if (this.layerWindowSize > 0 && cached > 0) room = this.layerWindowSize - cached;
+      else if (this.layerWindowSize > 0 && cached > 0 && !this.layerWindowChunkedPrefill) room = this.layerWindowSize - cached;
       const size = Math.max(1, Math.min(maxRows, room));
       yield ids.slice(start, start + size);
       start += size;
