@@ -182,7 +182,7 @@ def float16_matches_float32_arithmetic(model_dir, source) -> None:
             assert ours.argmax() == first or near_tie and ours.argmax() == runner_up, (ids, step)
 
 
-FLOAT16_LOGIT_TOLERANCE = 0.1  # measured: 0.017–0.048 on the tiny gemma3
+FLOAT16_LOGIT_TOLERANCE = 0.1  # measured: up to 0.091 on the tiny gemma3, 0.044 on the tiny gemma2
 
 
 @pytest.mark.slow
