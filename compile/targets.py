@@ -74,12 +74,13 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
 
 # The schedules are imported by the functions that build with them: the engine reads this table
 # (which device runs a target), and the quantization package the schedules import needs the engine.
-def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
+def gpu_schedules(matmul: dl.ScheduleRule | None = None, decode_gemv: tuple = ()) -> tvm.transform.Pass:
     from .gpu_schedule import SplitReductionGEMV
     from .gpu_trigonometry import precise_sin_cos
 
     rules = (
         matmul or dl.gpu.Matmul(),
+        *decode_gemv,
         dl.gpu.GEMV(),
         dl.gpu.LowBatchGEMV(),
         SplitReductionGEMV(),
@@ -94,6 +95,12 @@ def gpu_schedules(matmul: dl.ScheduleRule | None = None) -> tvm.transform.Pass:
 
 def untensorized_gpu_schedules() -> tvm.transform.Pass:
     return gpu_schedules(MatmulWithoutTensorization())
+
+
+def webgpu_schedules() -> tvm.transform.Pass:
+    from .gpu_schedule import WEBGPU_DECODE_GEMV
+
+    return gpu_schedules(decode_gemv=(WEBGPU_DECODE_GEMV,))
 
 
 def cpu_schedules() -> tvm.transform.Pass:
@@ -226,7 +233,7 @@ TARGETS: dict[str, TargetEntry] = {
             "webgpu",
             "browsers with WebGPU (wasm + WGSL)",
             lambda: {"kind": "webgpu", "host": WASM32},
-            gpu_schedules,
+            webgpu_schedules,
             export_wasm,
             "wasm",
             check_webgpu_limits,

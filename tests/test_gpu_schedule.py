@@ -1,0 +1,43 @@
+"""Kiln's WebGPU decode GEMV: the kernels it writes (numerics: the browser parity tests)."""
+
+import pytest
+import tvm
+from tvm import te
+
+from kiln.compile.quantization.group import GroupFormat
+from kiln.compile.targets import TARGETS
+from kiln.models.layers import matmul_transposed
+
+Q4F32 = GroupFormat(4, 32, "float32")
+
+
+def decode_matmul_wgsl(out_features: int, in_features: int, residual: bool = False) -> str:
+    """The WGSL of a q4f32_1 decode matmul (optionally + a residual) under the webgpu target's schedules."""
+    x = te.placeholder((1, 1, in_features), "float32", name="x")
+    weight = te.placeholder((out_features, in_features // 8), "uint32", name="weight")
+    scale = te.placeholder((out_features, in_features // 32), "float32", name="scale")
+    y = matmul_transposed(x, Q4F32.dequantize_te(weight, scale, out_features, in_features), "float32")
+    args = [x, weight, scale]
+    if residual:
+        skip = te.placeholder((1, 1, out_features), "float32", name="skip")
+        y = te.compute(y.shape, lambda *i: y(*i) + skip(*i), name="add")
+        args.append(skip)
+    module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
+    entry = TARGETS["webgpu"]
+    target = entry.target()
+    with target:
+        module = entry.schedules()(module)
+    return tvm.tirx.build(module, target=target).imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_workgroup_computes_16_outputs_with_4_lanes_each(residual):
+    wgsl = decode_matmul_wgsl(1536, 576, residual)
+    assert "@workgroup_size(4, 16, 1)" in wgsl
+    # adding four lanes' sums: two steps; dlight's GEMV gave every output 64 lanes and 8 barriers
+    assert wgsl.count("workgroupBarrier()") <= 4
+
+
+def test_widths_that_do_not_split_into_lanes_keep_dlights_schedule():
+    assert "@workgroup_size(4, 16, 1)" not in decode_matmul_wgsl(1536, 48)
+    assert "@workgroup_size(4, 16, 1)" not in decode_matmul_wgsl(40, 576)
