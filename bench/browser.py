@@ -13,7 +13,7 @@ import statistics
 import threading
 from pathlib import Path
 
-from kiln.browser.driver import page_engine
+from kiln.browser.driver import PRECISE_TIMESTAMP_FLAGS, page_engine
 from kiln.engine import load_tokenizer
 from kiln.errors import KilnError
 from kiln.runtime import read_json
@@ -21,6 +21,7 @@ from kiln.runtime import read_json
 from .native import benchmark_prompt
 
 RSS_SAMPLE_S = 0.25
+SLOWEST_KERNELS_SHOWN = 8
 RUN_JS = """async ({promptIds, decodeTokens}) => {
   const engine = globalThis.kilnDriven;
   await engine.resetChat();
@@ -35,6 +36,12 @@ RUN_JS = """async ({promptIds, decodeTokens}) => {
     prefill_tokens_per_s: promptIds.length / ((firstTokenAt - started) / 1000),
     decode_tokens_per_s: decodeTokens > 1 ? (decodeTokens - 1) / ((ended - firstTokenAt) / 1000) : null,
   };
+}"""
+# One decode step after the measured runs, with each kernel's GPU time (timestamp queries).
+KERNEL_TIMES_JS = """async () => {
+  const engine = globalThis.kilnDriven;
+  const [last] = (await engine.session.cachedTokenIds()).slice(-1);
+  return (await engine.session.timeDecode(last, { topK: 1 })).kernels;
 }"""
 
 
@@ -86,7 +93,11 @@ def bench_browser(
     prompt = benchmark_prompt(
         load_tokenizer(model_dir), read_json(model_dir / "mlc-chat-config.json")["vocab_size"], prompt_tokens
     )
-    with page_engine(model_dir.resolve().parent, webgpu=device != "wasm") as engine, PeakMemory() as memory:
+    webgpu = device != "wasm"
+    with (
+        page_engine(model_dir.resolve().parent, webgpu, extra_args=PRECISE_TIMESTAMP_FLAGS if webgpu else ()) as engine,
+        PeakMemory() as memory,
+    ):
         page = engine.page
         cold = engine.load(model_id, device)
         page.reload()
@@ -97,6 +108,7 @@ def bench_browser(
             page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens}) for _ in range(runs + 1)
         ][1:]  # the first run warms up and is not counted
         dispatches = page.evaluate("globalThis.kilnDriven.stats()")["decode_step_dispatches"]
+        kernels = page.evaluate(KERNEL_TIMES_JS) if dispatches is not None else None
     stats = warm["stats"]
     layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
 
@@ -121,6 +133,7 @@ def bench_browser(
         "bandwidth_fraction": None,
         "decode_step_dispatches": dispatches,
         "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
+        "decode_step_kernels": kernels,
     }
     adapter = stats["adapter"]
     on = f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip() if adapter else "CPU wasm"
@@ -144,4 +157,11 @@ def bench_browser(
             f"  GPU dispatches       {dispatches:8d} per decode step ({report['dispatches_per_layer']:.1f} per layer "
             f"of {layers}, embedding and head included)"
         )
+    if kernels:
+        gpu_ms = sum(kernel["ms"] for kernel in kernels)
+        report["lines"].append(f"  GPU time             {gpu_ms:8.2f} ms per decode step, slowest kernels:")
+        report["lines"] += [
+            f"    {kernel['ms']:8.3f} ms  {kernel['dispatches']:3d}×  {kernel['kernel']}"
+            for kernel in kernels[:SLOWEST_KERNELS_SHOWN]
+        ]
     return report

@@ -34,6 +34,8 @@ OFFLINE_FLAGS = [
     "--disable-dev-shm-usage",
 ]
 WEBGPU_FLAG = "--enable-unsafe-webgpu"
+# WebGPU timestamps to the nanosecond (Chromium otherwise rounds them to 0.1 ms): for kernel times.
+PRECISE_TIMESTAMP_FLAGS = ["--enable-dawn-features=allow_unsafe_apis", "--disable-dawn-features=timestamp_quantization"]
 
 
 @contextmanager
@@ -51,20 +53,20 @@ def playwright_driver() -> Iterator:
 
 
 @contextmanager
-def chromium(profile_dir: Path, webgpu: bool = True, driver=None) -> Iterator:
+def chromium(profile_dir: Path, webgpu: bool = True, driver=None, extra_args: tuple[str, ...] = ()) -> Iterator:
     """A headless Chromium (a Playwright BrowserContext) with its profile in `profile_dir`.
 
     `webgpu=False` leaves WebGPU off: `navigator.gpu.requestAdapter()` then gives no adapter.
     `driver` is a running playwright_driver(); without one, a driver is started for this browser.
     """
     if driver is None:
-        with playwright_driver() as own_driver, chromium(profile_dir, webgpu, own_driver) as context:
+        with playwright_driver() as own_driver, chromium(profile_dir, webgpu, own_driver, extra_args) as context:
             yield context
         return
     executable = find_chromium()
     if executable is None:
         raise KilnError(f"Chromium is not installed ({CHROMIUM_FIX})")
-    args = OFFLINE_FLAGS + ([WEBGPU_FLAG] if webgpu else [])
+    args = OFFLINE_FLAGS + ([WEBGPU_FLAG] if webgpu else []) + list(extra_args)
     context = driver.chromium.launch_persistent_context(
         str(profile_dir), executable_path=str(executable), headless=True, args=args
     )
@@ -210,14 +212,14 @@ class PageEngine:
 
 
 @contextmanager
-def page_engine(dist: Path, webgpu: bool = True, driver=None) -> Iterator[PageEngine]:
+def page_engine(dist: Path, webgpu: bool = True, driver=None, extra_args: tuple[str, ...] = ()) -> Iterator[PageEngine]:
     """Kiln's server for `dist` and a fresh headless Chromium on its harness page; yields a
     PageEngine with no model loaded yet."""
     app = create_app(ServerConfig(dist=dist))
     with (
         tempfile.TemporaryDirectory(prefix="kiln-browser-profile-") as profile,
         serving(app) as url,
-        chromium(Path(profile), webgpu=webgpu, driver=driver) as context,
+        chromium(Path(profile), webgpu=webgpu, driver=driver, extra_args=extra_args) as context,
     ):
         page = context.pages[0] if context.pages else context.new_page()
         page.goto(url)

@@ -144,6 +144,22 @@ def test_stats_count_the_gpu_dispatches_of_a_decode_step(engine, tiny_dir):
     assert counts[0] == counts[1] == counts[2] and counts[0] > 6 * layers, counts
 
 
+def test_kernel_times_cover_every_dispatch_of_a_decode_step(engine):
+    ids = engine.call("session.encode", "The history of the city is long")
+    engine.call("session.prefill", ids)
+    untimed = engine.call("session.decode", ids[0], {"topK": 3})
+    engine.call("session.rollback", 1)
+    timed = engine.call("session.timeDecode", ids[0], {"topK": 3})
+    assert timed["top"]["ids"] == untimed["top"]["ids"]  # timing does not change the step
+    kernels = timed["kernels"]
+    assert sum(kernel["dispatches"] for kernel in kernels) == engine.call("stats")["decode_step_dispatches"]
+    names = [kernel["kernel"] for kernel in kernels]
+    assert len(set(names)) == len(names) and not {"(no kernel)", "(unnamed)"} & set(names)
+    assert any("matmul" in name for name in names) and any("rms_norm" in name for name in names), names
+    times = [kernel["ms"] for kernel in kernels]
+    assert all(ms >= 0 for ms in times) and sum(times) > 0 and times == sorted(times, reverse=True)
+
+
 def test_multi_turn_chat_reuses_the_kv_cache(engine):
     first = engine.chat({"messages": QUESTION, "temperature": 0, "max_tokens": 6})["completion"]
     cached = engine.call("stats")["cached_tokens"]
@@ -365,6 +381,7 @@ def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
     report = json.loads(result.stdout)
     assert report["device"] == "wasm" and report["bandwidth_fraction"] is None
     assert report["decode_step_dispatches"] is None and report["dispatches_per_layer"] is None
+    assert report["decode_step_kernels"] is None
     for key in (
         "load_s",
         "cold_load_s",

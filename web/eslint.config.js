@@ -11,6 +11,7 @@ const WEB = readonly([
   "self", "navigator", "location", "document", "console", "performance", "crypto",
   "fetch", "Response", "caches", "URL", "URLSearchParams", "TextEncoder", "TextDecoder",
   "Worker", "MessageChannel", "WebAssembly", "setTimeout", "clearTimeout",
+  "GPUBufferUsage", "GPUMapMode",
 ]);
 
 // tools/ are Node scripts, and so is this file.

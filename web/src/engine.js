@@ -8,6 +8,7 @@
 import { encodePrompt, formatChat, piecesFrom } from "./chat-format.js";
 import { ChatTemplate, TOKENIZER_CONFIG } from "./chat-template.js";
 import { EngineError, asEngineError } from "./errors.js";
+import { KernelTimer } from "./kernel-timer.js";
 import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
 import { Grammars, responseFormatFrom } from "./structured.js";
@@ -418,6 +419,7 @@ export class Engine {
     if (this.backend === "webgpu") {
       this.gpuDevice = await requestDevice(this.adapter, this.record);
       this.gpuDevice.lost.then((info) => this.deviceLost(info));
+      this.kernelTimer = KernelTimer.attach(this.gpuDevice); // before tvmjs makes its pipelines
       this.tvm.initWebGPU(this.gpuDevice);
       this.tvm.registerInitProgressCallback(({ progress: fraction, text }) => progress.update("compile", fraction, text));
       this.tvm.beginScope();
@@ -498,6 +500,15 @@ export class Engine {
 
   decode(id, options) {
     return this.sessionStep(async (session) => [await session.decode(id)], options).then((rows) => rows[0]);
+  }
+
+  /** A decode step, with the GPU time of each kernel it ran: {…decode's result, kernels: [{kernel, ms, dispatches}]}. */
+  async timeDecode(id, options) {
+    if (!this.kernelTimer) {
+      throw new EngineError("unsupported-gpu", "Kernel times need the WebGPU backend on an adapter with the timestamp-query feature.");
+    }
+    const [row, kernels] = await this.kernelTimer.time(() => this.decode(id, options));
+    return { ...row, kernels };
   }
 
   allLogits(ids, options) {

@@ -12,7 +12,7 @@ const KERNEL_LIMITS = {
   maxComputeWorkgroupStorageSize: 32 << 10,
 };
 const REQUESTED_LIMITS = ["maxBufferSize", "maxStorageBufferBindingSize", ...Object.keys(KERNEL_LIMITS)];
-const OPTIONAL_FEATURES = ["shader-f16", "subgroups"];
+const OPTIONAL_FEATURES = ["shader-f16", "subgroups", "timestamp-query"];
 const CACHE_PREFIX = "kiln-model";
 const BUILD_RECORD = "kiln-build.json";
 const PARALLEL_DOWNLOADS = 4;
