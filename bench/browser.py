@@ -37,11 +37,14 @@ RUN_JS = """async ({promptIds, decodeTokens}) => {
     decode_tokens_per_s: decodeTokens > 1 ? (decodeTokens - 1) / ((ended - firstTokenAt) / 1000) : null,
   };
 }"""
-# One decode step after the measured runs, with each kernel's GPU time (timestamp queries).
-KERNEL_TIMES_JS = """async () => {
+# A prefill of the prompt and the decode step after it, with each kernel's GPU time (timestamp
+# queries) and workgroup barriers.
+KERNEL_TIMES_JS = """async ({promptIds}) => {
   const engine = globalThis.kilnDriven;
-  const [last] = (await engine.session.cachedTokenIds()).slice(-1);
-  return (await engine.session.timeDecode(last, { topK: 1 })).kernels;
+  await engine.resetChat();
+  const prefill = await engine.session.timePrefill(promptIds, { topK: 1 });
+  const decode = await engine.session.timeDecode(prefill.top.ids[0], { topK: 1 });
+  return { prefill: prefill.kernels, decode: decode.kernels };
 }"""
 
 
@@ -108,7 +111,7 @@ def bench_browser(
             page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens}) for _ in range(runs + 1)
         ][1:]  # the first run warms up and is not counted
         dispatches = page.evaluate("globalThis.kilnDriven.stats()")["decode_step_dispatches"]
-        kernels = page.evaluate(KERNEL_TIMES_JS) if dispatches is not None else None
+        kernels = page.evaluate(KERNEL_TIMES_JS, {"promptIds": prompt}) if dispatches is not None else None
     stats = warm["stats"]
     layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
 
@@ -116,6 +119,8 @@ def bench_browser(
         values = [run[key] for run in measured if run[key] is not None]
         return statistics.median(values) if values else None
 
+    # workgroup barriers each invocation passes in a decode step, not counting those inside loops
+    barriers = sum(k["dispatches"] * k["barriers"] for k in kernels["decode"]) if kernels else None
     report = {
         "model_id": stats["model_id"],
         "device": stats["backend"],
@@ -133,7 +138,10 @@ def bench_browser(
         "bandwidth_fraction": None,
         "decode_step_dispatches": dispatches,
         "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
-        "decode_step_kernels": kernels,
+        "decode_step_barriers": barriers,
+        "barriers_per_layer": barriers / layers if barriers is not None else None,
+        "decode_step_kernels": kernels and kernels["decode"],
+        "prefill_kernels": kernels and kernels["prefill"],
     }
     adapter = stats["adapter"]
     on = f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip() if adapter else "CPU wasm"
@@ -158,10 +166,27 @@ def bench_browser(
             f"of {layers}, embedding and head included)"
         )
     if kernels:
-        gpu_ms = sum(kernel["ms"] for kernel in kernels)
-        report["lines"].append(f"  GPU time             {gpu_ms:8.2f} ms per decode step, slowest kernels:")
-        report["lines"] += [
-            f"    {kernel['ms']:8.3f} ms  {kernel['dispatches']:3d}×  {kernel['kernel']}"
-            for kernel in kernels[:SLOWEST_KERNELS_SHOWN]
-        ]
+        in_loops = sorted(k["kernel"] for k in kernels["decode"] if k["loopBarriers"])
+        report["lines"].append(
+            f"  workgroup barriers   {barriers:8d} per decode step ({report['barriers_per_layer']:.1f} per layer), "
+            f"not counting those inside loops (in {', '.join(in_loops) or 'none'})"
+        )
+        report["lines"] += kernel_lines("decode step", kernels["decode"])
+        report["lines"] += kernel_lines(f"{prompt_tokens}-token prefill", kernels["prefill"])
     return report
+
+
+def kernel_lines(step: str, kernels: list[dict]) -> list[str]:
+    gpu_ms = sum(kernel["ms"] for kernel in kernels)
+    return [
+        f"  GPU time             {gpu_ms:8.2f} ms per {step}, slowest kernels:",
+        *(
+            f"    {k['ms']:8.3f} ms  {k['dispatches']:3d}×  {k['kernel']}  ({barrier_count(k)})"
+            for k in kernels[:SLOWEST_KERNELS_SHOWN]
+        ),
+    ]
+
+
+def barrier_count(kernel: dict) -> str:
+    in_loops = f" + {kernel['loopBarriers']} in loops" if kernel["loopBarriers"] else ""
+    return f"{kernel['barriers']} barriers{in_loops}"

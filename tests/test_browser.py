@@ -144,9 +144,13 @@ def test_stats_count_the_gpu_dispatches_of_a_decode_step(engine, tiny_dir):
     assert counts[0] == counts[1] == counts[2] and counts[0] > 6 * layers, counts
 
 
-def test_kernel_times_cover_every_dispatch_of_a_decode_step(engine):
+def test_kernel_times_cover_every_dispatch_of_a_step(engine):
     ids = engine.call("session.encode", "The history of the city is long")
-    engine.call("session.prefill", ids)
+    untimed_prefill = engine.call("session.prefill", ids, {"topK": 3})
+    engine.call("resetChat")
+    timed_prefill = engine.call("session.timePrefill", ids, {"topK": 3})
+    assert timed_prefill["top"]["ids"] == untimed_prefill["top"]["ids"]
+    assert any("prefill" in kernel["kernel"] for kernel in timed_prefill["kernels"])
     untimed = engine.call("session.decode", ids[0], {"topK": 3})
     engine.call("session.rollback", 1)
     timed = engine.call("session.timeDecode", ids[0], {"topK": 3})
@@ -158,6 +162,9 @@ def test_kernel_times_cover_every_dispatch_of_a_decode_step(engine):
     assert any("matmul" in name for name in names) and any("rms_norm" in name for name in names), names
     times = [kernel["ms"] for kernel in kernels]
     assert all(ms >= 0 for ms in times) and sum(times) > 0 and times == sorted(times, reverse=True)
+    barriers = {kernel["kernel"]: (kernel["barriers"], kernel["loopBarriers"]) for kernel in kernels}
+    assert all(barriers[name][0] > 0 for name in names if "rms_norm" in name), barriers  # a reduction in a workgroup
+    assert any(in_loops > 0 for name, (_, in_loops) in barriers.items() if "decode" in name), barriers  # KV tiles
 
 
 def test_multi_turn_chat_reuses_the_kv_cache(engine):
@@ -381,7 +388,8 @@ def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
     report = json.loads(result.stdout)
     assert report["device"] == "wasm" and report["bandwidth_fraction"] is None
     assert report["decode_step_dispatches"] is None and report["dispatches_per_layer"] is None
-    assert report["decode_step_kernels"] is None
+    assert report["decode_step_kernels"] is None and report["prefill_kernels"] is None
+    assert report["decode_step_barriers"] is None and report["barriers_per_layer"] is None
     for key in (
         "load_s",
         "cold_load_s",

@@ -381,6 +381,42 @@ def test_the_library_is_chosen_by_what_the_gpu_offers():
     assert choose(None, model_id="nope")["code"] == "model-not-found"
 
 
+WGSL_BARRIERS = {
+    "straight-line": ("workgroupBarrier();\nx = 1;\nif (a) {\n  storageBarrier();\n}\n", [2, 0]),
+    "a for loop, semicolons in its header": (
+        "for (var i : i32 = 0i; i < 4i; i++) {\n  workgroupBarrier();\n  if (i == 0i) { workgroupBarrier(); }\n}\n"
+        "workgroupBarrier();\n",
+        [1, 2],
+    ),
+    "loop and while": (
+        "loop {\n  if (x) { break; }\n  workgroupBarrier();\n}\nwhile (y < 3) { workgroupBarrier(); }\n",
+        [0, 2],
+    ),
+    "else, comments, look-alike names": (
+        "// workgroupBarrier();\nformula = 2;\nif (a) {\n  workgroupBarrier();\n} else {\n  workgroupBarrier();\n}\n"
+        "myworkgroupBarrier();\n",
+        [2, 0],
+    ),
+}
+
+
+def test_barriers_are_counted_in_and_outside_loops():
+    from test_gpu_schedule import decode_matmul_wgsl
+
+    kernels = {name: code for name, (code, _) in WGSL_BARRIERS.items()}
+    kernels["Kiln's decode GEMV"] = decode_matmul_wgsl(1536, 576)
+    counted = run_node_module(
+        """
+        import { countBarriers } from "./src/kernel-timer.js";
+        const counts = Object.entries(input).map(([name, code]) => [name, Object.values(countBarriers(code))]);
+        console.log(JSON.stringify(Object.fromEntries(counts)));
+    """,
+        kernels,
+    )
+    expected = {name: counts for name, (_, counts) in WGSL_BARRIERS.items()}
+    assert counted == {**expected, "Kiln's decode GEMV": [4, 0]}
+
+
 def test_builds_of_another_kiln_series_or_tvm_series_are_refused(tiny_build, tmp_path):
     """The rule of kiln/runtime.py's check_build_versions, with TVM compared by series (tvmjs's)."""
     model_dir = tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])

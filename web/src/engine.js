@@ -502,12 +502,21 @@ export class Engine {
     return this.sessionStep(async (session) => [await session.decode(id)], options).then((rows) => rows[0]);
   }
 
-  /** A decode step, with the GPU time of each kernel it ran: {…decode's result, kernels: [{kernel, ms, dispatches}]}. */
-  async timeDecode(id, options) {
+  /** prefill, plus the GPU time of each kernel it ran: {…prefill's result, kernels: [{kernel, ms, dispatches}]}. */
+  timePrefill(ids, options) {
+    return this.timeKernels(() => this.prefill(ids, options));
+  }
+
+  /** decode, plus the GPU time of each kernel it ran, as timePrefill. */
+  timeDecode(id, options) {
+    return this.timeKernels(() => this.decode(id, options));
+  }
+
+  async timeKernels(step) {
     if (!this.kernelTimer) {
       throw new EngineError("unsupported-gpu", "Kernel times need the WebGPU backend on an adapter with the timestamp-query feature.");
     }
-    const [row, kernels] = await this.kernelTimer.time(() => this.decode(id, options));
+    const [row, kernels] = await this.kernelTimer.time(step);
     return { ...row, kernels };
   }
 

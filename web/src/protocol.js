@@ -186,7 +186,8 @@ export async function createEngine(appConfig, modelId, { onProgress = () => {}, 
       /** Append ids; {top: {ids, logits}} with options.topK, {logits: Float32Array} with options.full. */
       prefill: (ids, options = {}) => call("prefill", { ids, options }),
       decode: (id, options = {}) => call("decode", { id, options }),
-      /** decode, plus `kernels`: the GPU time of each kernel of the step (WebGPU with timestamp queries). */
+      /** prefill and decode, plus `kernels`: the GPU time of each kernel of the step (WebGPU with timestamp queries). */
+      timePrefill: (ids, options = {}) => call("timePrefill", { ids, options }),
       timeDecode: (id, options = {}) => call("timeDecode", { id, options }),
       /** One result per id (the logits after each position), as prefill's. */
       allLogits: (ids, options = {}) => call("allLogits", { ids, options }),
@@ -232,6 +233,7 @@ export function serveEngine(scope, loadEngine) {
     encodeChat: ({ messages }) => loaded().encodeChat(messages),
     prefill: ({ ids, options }) => loaded().prefill(ids, options),
     decode: ({ id, options }) => loaded().decode(id, options),
+    timePrefill: ({ ids, options }) => loaded().timePrefill(ids, options),
     timeDecode: ({ id, options }) => loaded().timeDecode(id, options),
     allLogits: ({ ids, options }) => loaded().allLogits(ids, options),
     rollback: ({ count }) => loaded().rollback(count),
