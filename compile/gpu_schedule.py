@@ -1,16 +1,20 @@
 """Kiln's GPU schedules for decode matrix-vector products (one input row).
 
-`SplitReductionGEMV(lanes, rows, lane_width)`: a workgroup computes `rows` outputs, each with
-`lanes` threads. A thread reads `lane_width` consecutive weights at a time (8: one packed 4-bit
-word), every `lanes`-th such run of the row, and the lanes' sums are added in a cross-thread
-reduction.
+`SplitReductionGEMV(lanes, rows, lane_width, max_steps)`: a workgroup computes `rows` outputs,
+each with `lanes` threads. A thread reads `lane_width` consecutive weights at a time (8: one
+packed 4-bit word), every `lanes`-th such run of the row (at most `max_steps` runs, else the rule
+declines), and the lanes' sums are added in a cross-thread reduction.
 
 - `WEBGPU_DECODE_GEMV` (16 rows × 4 lanes, one packed word at a time) replaces dlight's GEMV on
   WebGPU. dlight gives each output its own 64-thread workgroup and adds the 64 sums in seven
   barrier-separated steps; adapters that run workgroups on the CPU (SwiftShader) pay dearly for
   every barrier-separated phase and every workgroup. On SwiftShader a 1536×576 q4f32_1 product
   takes 11 ms this way, 99 ms with dlight's. Four lanes reading neighbouring words keep the
-  weight reads of a row contiguous for hardware GPUs.
+  weight reads of a row contiguous for hardware GPUs. Rows longer than 1536 weights (larger
+  models than SmolLM2, where the layout was measured) keep dlight's GEMV: four lanes would read
+  them in long serial runs on too few threads to keep a hardware GPU's memory busy, and dlight's
+  is the one WebLLM ships. (Giving them 8 lanes instead made SmolLM2's 1536-wide down projection
+  1.5x slower on SwiftShader: twice the workgroups.)
 - `SplitReductionGEMV()` (64 lanes, one output per workgroup) is the fallback for the kernels
   dlight's GEMV declines: its analysis needs the weight indices to be affine in the loops, and a
   GGUF block type's are not (a weight's byte is at `col // 32 * 18 + 2 + col % 16`).
@@ -26,8 +30,8 @@ from .cpu_schedule import one_matmul
 
 
 class SplitReductionGEMV(dl.ScheduleRule):
-    def __init__(self, lanes: int = 64, rows: int = 1, lane_width: int = 1):
-        self.lanes, self.rows, self.lane_width = lanes, rows, lane_width
+    def __init__(self, lanes: int = 64, rows: int = 1, lane_width: int = 1, max_steps: int | None = None):
+        self.lanes, self.rows, self.lane_width, self.max_steps = lanes, rows, lane_width, max_steps
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if (found := one_matmul(func)) is None:
@@ -41,6 +45,8 @@ class SplitReductionGEMV(dl.ScheduleRule):
         if not isinstance(out_features, tirx.IntImm) or out_features.value % self.rows:
             return None
         if not isinstance(in_features, tirx.IntImm) or in_features.value % (self.lanes * self.lane_width):
+            return None
+        if self.max_steps is not None and in_features.value > self.max_steps * self.lanes * self.lane_width:
             return None
         for name in names[: names.index(matmul)]:  # the weights' producers: dequantize, gathered rows
             sch.compute_inline(sch.get_sblock(name))
@@ -64,4 +70,4 @@ class SplitReductionGEMV(dl.ScheduleRule):
         return sch
 
 
-WEBGPU_DECODE_GEMV = SplitReductionGEMV(lanes=4, rows=16, lane_width=8)
+WEBGPU_DECODE_GEMV = SplitReductionGEMV(lanes=4, rows=16, lane_width=8, max_steps=48)

@@ -41,3 +41,8 @@ def test_a_workgroup_computes_16_outputs_with_4_lanes_each(residual):
 def test_widths_that_do_not_split_into_lanes_keep_dlights_schedule():
     assert "@workgroup_size(4, 16, 1)" not in decode_matmul_wgsl(1536, 48)
     assert "@workgroup_size(4, 16, 1)" not in decode_matmul_wgsl(40, 576)
+
+
+def test_rows_longer_than_48_words_a_lane_keep_dlights_schedule():
+    assert "@workgroup_size(4, 16, 1)" in decode_matmul_wgsl(576, 1536)  # SmolLM2's down projection
+    assert "@workgroup_size(4, 16, 1)" not in decode_matmul_wgsl(576, 1536 + 32 * 4)
