@@ -110,7 +110,8 @@ def bench_browser(
         measured = [
             page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens}) for _ in range(runs + 1)
         ][1:]  # the first run warms up and is not counted
-        dispatches = page.evaluate("globalThis.kilnDriven.stats()")["decode_step_dispatches"]
+        after_runs = page.evaluate("globalThis.kilnDriven.stats()")
+        dispatches, issue_ms = after_runs["decode_step_dispatches"], after_runs["decode_step_issue_ms"]
         kernels = page.evaluate(KERNEL_TIMES_JS, {"promptIds": prompt}) if dispatches is not None else None
     stats = warm["stats"]
     layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
@@ -138,6 +139,7 @@ def bench_browser(
         "bandwidth_fraction": None,
         "decode_step_dispatches": dispatches,
         "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
+        "decode_step_issue_ms": issue_ms,
         "decode_step_barriers": barriers,
         "barriers_per_layer": barriers / layers if barriers is not None else None,
         "decode_step_kernels": kernels and kernels["decode"],
@@ -164,6 +166,10 @@ def bench_browser(
         report["lines"].append(
             f"  GPU dispatches       {dispatches:8d} per decode step ({report['dispatches_per_layer']:.1f} per layer "
             f"of {layers}, embedding and head included)"
+        )
+        report["lines"].append(
+            f"  CPU time to issue    {issue_ms:8.2f} ms per decode step ({1000 * issue_ms / dispatches:.1f} µs per "
+            "dispatch: the VM and tvmjs encoding it, before the GPU runs it)"
         )
     if kernels:
         in_loops = sorted(k["kernel"] for k in kernels["decode"] if k["loopBarriers"])

@@ -136,12 +136,15 @@ def test_stats_count_the_gpu_dispatches_of_a_decode_step(engine, tiny_dir):
     layers = json.loads((tiny_dir / "mlc-chat-config.json").read_text())["model_config"]["num_hidden_layers"]
     ids = engine.call("session.encode", "The history of the city is long")
     engine.call("session.prefill", ids)
-    counts = []
+    counts, issue_ms = [], []
     for token in ids[:3]:
         engine.call("session.decode", token)
-        counts.append(engine.call("stats")["decode_step_dispatches"])
+        stats = engine.call("stats")
+        counts.append(stats["decode_step_dispatches"])
+        issue_ms.append(stats["decode_step_issue_ms"])
     # every layer runs a norm, a qkv projection, attention, an output projection, a norm and an MLP
     assert counts[0] == counts[1] == counts[2] and counts[0] > 6 * layers, counts
+    assert all(ms >= 0 for ms in issue_ms) and sum(issue_ms) > 0, issue_ms
 
 
 def test_kernel_times_cover_every_dispatch_of_a_step(engine):
@@ -388,6 +391,7 @@ def test_bench_browser_reports_the_native_benchmark_keys(tiny_dir):
     report = json.loads(result.stdout)
     assert report["device"] == "wasm" and report["bandwidth_fraction"] is None
     assert report["decode_step_dispatches"] is None and report["dispatches_per_layer"] is None
+    assert report["decode_step_issue_ms"] is None
     assert report["decode_step_kernels"] is None and report["prefill_kernels"] is None
     assert report["decode_step_barriers"] is None and report["barriers_per_layer"] is None
     for key in (

@@ -42,6 +42,7 @@ class ModelSession {
     this.backend = backend;
     this.cachedIds = [];
     this.lastDecodeDispatches = null;
+    this.lastDecodeIssueMs = null;
   }
 
   /** Create the VM, upload the weights shard by shard (`shards` yields {shard, bytes}), make the KV cache. */
@@ -172,6 +173,7 @@ class ModelSession {
   /** Run `functionName` on `ids` (at most one prefill chunk); logits as [rows, vocab] on the host. */
   async step(functionName, ids) {
     const tvm = this.tvm;
+    const started = performance.now();
     tvm.beginScope();
     let logits;
     try {
@@ -189,6 +191,7 @@ class ModelSession {
       tvm.endScope();
     }
     this.cachedIds.push(...ids);
+    this.lastStepIssueMs = performance.now() - started; // the VM and tvmjs encoding the step, before the GPU runs it
     await this.device.sync();
     const flat = logits.toArray();
     const vocab = logits.shape[logits.shape.length - 1];
@@ -211,7 +214,10 @@ class ModelSession {
     this.checkRoom(1);
     const dispatched = this.gpuDispatches();
     const [logits] = await this.step("decode", [id]);
-    if (dispatched !== null) this.lastDecodeDispatches = this.gpuDispatches() - dispatched;
+    if (dispatched !== null) {
+      this.lastDecodeDispatches = this.gpuDispatches() - dispatched;
+      this.lastDecodeIssueMs = this.lastStepIssueMs;
+    }
     return logits;
   }
 
@@ -771,6 +777,8 @@ export class Engine {
       cached_tokens: this.session?.cachedIds.length ?? 0,
       // WebGPU compute dispatches of the last decode step: embedding, layers, head (null on wasm)
       decode_step_dispatches: this.session?.lastDecodeDispatches ?? null,
+      // CPU time to issue that step (on WebGPU): a floor under its time however fast the GPU
+      decode_step_issue_ms: this.session?.lastDecodeIssueMs ?? null,
       load: this.loadStats,
       last_request: this.lastRequest,
     };
