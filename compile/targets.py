@@ -98,9 +98,9 @@ def untensorized_gpu_schedules() -> tvm.transform.Pass:
 
 
 def webgpu_schedules() -> tvm.transform.Pass:
-    from .gpu_schedule import WEBGPU_DECODE_GEMV
+    from .gpu_schedule import WEBGPU_DECODE_GEMV, WebGPUMatmul
 
-    return gpu_schedules(decode_gemv=(WEBGPU_DECODE_GEMV,))
+    return gpu_schedules(WebGPUMatmul(), decode_gemv=(WEBGPU_DECODE_GEMV,))
 
 
 def cpu_schedules() -> tvm.transform.Pass:
