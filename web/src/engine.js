@@ -508,7 +508,10 @@ export class Engine {
     return this.sessionStep(async (session) => [await session.decode(id)], options).then((rows) => rows[0]);
   }
 
-  /** prefill, plus the GPU time of each kernel it ran: {…prefill's result, kernels: [{kernel, ms, dispatches}]}. */
+  /**
+   * prefill, plus each kernel it ran with its GPU time and barriers (KernelTimer.time):
+   * {…prefill's result, kernels: [{kernel, ms, dispatches, barriers, loopBarriers}]}.
+   */
   timePrefill(ids, options) {
     return this.timeKernels(() => this.prefill(ids, options));
   }
