@@ -401,10 +401,10 @@ WGSL_BARRIERS = {
 
 
 def test_barriers_are_counted_in_and_outside_loops():
-    from test_gpu_schedule import decode_matmul_wgsl
+    from test_gpu_schedule import matmul_wgsl
 
     kernels = {name: code for name, (code, _) in WGSL_BARRIERS.items()}
-    kernels["Kiln's decode GEMV"] = decode_matmul_wgsl(1536, 576)
+    kernels["Kiln's decode GEMV"] = matmul_wgsl(1536, 576)
     counted = run_node_module(
         """
         import { countBarriers } from "./src/kernel-timer.js";
