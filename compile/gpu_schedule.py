@@ -18,7 +18,8 @@ declines), and the lanes' sums are added in a cross-thread reduction.
 - `WebGPUMatmul` (prefill) is dlight's tiled matmul with 32-deep k tiles (dlight's WebGPU
   default is 8): a quarter of the steps, each loading tiles into workgroup memory between two
   barriers. On SwiftShader SmolLM2's 16-token prefill spends 7.6–8.0 s in matmuls instead of
-  13.2–14.7 s (16-deep tiles: no change); the tiles take 8 KB of the 32 KB Kiln allows.
+  13.2–14.7 s; 16-deep tiles measured no faster than 8-deep ones, so the step count alone does
+  not explain it. The tiles take 8 KB of the 32 KB of workgroup memory Kiln allows.
 - `SplitReductionGEMV()` (64 lanes, one output per workgroup) is the fallback for the kernels
   dlight's GEMV declines: its analysis needs the weight indices to be affine in the loops, and a
   GGUF block type's are not (a weight's byte is at `col // 32 * 18 + 2 + col % 16`).
