@@ -87,8 +87,15 @@ class PeakMemory:
 
 
 def bench_browser(
-    model_dir: Path, device: str = "auto", prompt_tokens: int = 32, decode_tokens: int = 16, runs: int = 1
+    model_dir: Path,
+    device: str = "auto",
+    prompt_tokens: int = 32,
+    decode_tokens: int = 16,
+    runs: int = 1,
+    threads: int | None = None,
 ) -> dict:
+    """`threads`: of the CPU wasm library (default: the engine's choice); the harness page is cross-origin
+    isolated, as `kiln serve` serves it, so it can have them."""
     model_dir = Path(model_dir)
     if not (model_dir / "kiln-build.json").is_file():
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
@@ -102,9 +109,9 @@ def bench_browser(
         PeakMemory() as memory,
     ):
         page = engine.page
-        cold = engine.load(model_id, device)
+        cold = engine.load(model_id, device, threads=threads)
         page.reload()
-        warm = engine.load(model_id, device)
+        warm = engine.load(model_id, device, threads=threads)
         if not warm["stats"]["load"]["from_cache"]:
             raise KilnError("the second load did not come from the browser cache", model_dir)
         measured = [
@@ -126,6 +133,7 @@ def bench_browser(
         "model_id": stats["model_id"],
         "device": stats["backend"],
         "adapter": stats["adapter"],
+        "threads": stats["threads"] if stats["backend"] == "wasm" else None,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,
         "runs": runs,
@@ -146,7 +154,11 @@ def bench_browser(
         "prefill_kernels": kernels and kernels["prefill"],
     }
     adapter = stats["adapter"]
-    on = f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip() if adapter else "CPU wasm"
+    on = (
+        f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip()
+        if adapter
+        else f"CPU wasm ({report['threads']} thread{'s' if report['threads'] > 1 else ''})"
+    )
 
     def rate(value: float | None) -> str:
         return "       –" if value is None else f"{value:8.1f}"

@@ -104,7 +104,7 @@ class BrowserEngineError(KilnError):
 
 # The page-side halves of PageEngine's methods. The engine lives in `globalThis.kilnDriven`;
 # failures come back as {error: {code, message}} so Python sees the engine's own codes.
-LOAD_JS = """async ({modelId, device, appConfig, appConfigUrl}) => {
+LOAD_JS = """async ({modelId, device, threads, appConfig, appConfigUrl}) => {
   const { createEngine } = await import("/web/src/index.js");
   try {
     const config = appConfig ?? await (await fetch(appConfigUrl, { cache: "no-cache" })).json();
@@ -112,7 +112,7 @@ LOAD_JS = """async ({modelId, device, appConfig, appConfigUrl}) => {
     const started = performance.now();
     await globalThis.kilnDriven?.unload();
     globalThis.kilnDriven = await createEngine(config, modelId, {
-      device, onProgress: ({ phase }) => { phases[phase] = (phases[phase] ?? 0) + 1; },
+      device, threads: threads ?? undefined, onProgress: ({ phase }) => { phases[phase] = (phases[phase] ?? 0) + 1; },
     });
     return { seconds: (performance.now() - started) / 1000, progress_events: phases,
              stats: await globalThis.kilnDriven.stats() };
@@ -193,12 +193,20 @@ class PageEngine:
         device: str = "auto",
         app_config: dict | None = None,
         app_config_url: str = "/api/app-config.json",
+        threads: int | None = None,
     ) -> dict:
-        """Load a model; returns {seconds, progress_events: {phase: count}, stats}."""
+        """Load a model; returns {seconds, progress_events: {phase: count}, stats}. `threads`: for
+        the CPU wasm library (default: the engine's choice)."""
         return _unwrap(
             self.page.evaluate(
                 LOAD_JS,
-                {"modelId": model_id, "device": device, "appConfig": app_config, "appConfigUrl": app_config_url},
+                {
+                    "modelId": model_id,
+                    "device": device,
+                    "threads": threads,
+                    "appConfig": app_config,
+                    "appConfigUrl": app_config_url,
+                },
             )
         )
 

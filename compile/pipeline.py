@@ -88,6 +88,9 @@ class StageClock:
         print(f"kiln: {name} done in {self.timings[name]:.1f} s", file=sys.stderr, flush=True)
 
 
+CODE_SUFFIXES = {".py", ".cc", ".h"}  # Kiln's Python, and the C++ it compiles into the web runtime
+
+
 def kiln_code_digest() -> str:
     """sha256 over the Kiln code that shapes a build's files (model families, build stages, the
     tensor cache format): finer than the version number while Kiln is developed."""
@@ -97,7 +100,7 @@ def kiln_code_digest() -> str:
 
     files = [Path(kiln.tensor_cache.__file__)]
     for package in (kiln.models, kiln.compile):
-        files += sorted(Path(package.__file__).parent.rglob("*.py"))
+        files += sorted(p for p in Path(package.__file__).parent.rglob("*") if p.suffix in CODE_SUFFIXES)
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -119,6 +119,12 @@ def export_wasm(executable, path: Path) -> None:
     executable.export_library(str(path), fcompile=link_tvmjs_wasm)
 
 
+def export_threaded_wasm(executable, path: Path) -> None:
+    from .wasm_toolchain import link_threaded_wasm
+
+    executable.export_library(str(path), fcompile=link_threaded_wasm)
+
+
 # The instruction sets a `cpu` library is built for, per `--cpu-tuning`. "portable" (the default)
 # is x86-64-v3 (AVX2, FMA, F16C: every x86-64 CPU since 2013–2015; v2 decodes 2.5× slower) or
 # ARMv8-A with NEON; "legacy" is x86-64-v2 (SSE4.2: every x86-64 CPU since 2009).
@@ -244,7 +250,7 @@ TARGETS: dict[str, TargetEntry] = {
             "browsers without WebGPU (CPU wasm)",
             lambda: WASM32_SIMD,
             cpu_schedules,
-            export_wasm,
+            export_threaded_wasm,
             "wasm",
             browser=True,
         ),

@@ -4,6 +4,10 @@ A model library for the browser is one `.wasm` holding the model's kernels, its 
 executable and TVM's C++ runtime. The PyPI wheels ship the runtime's sources but no built
 runtime, so Kiln compiles them once with emscripten into wasm object files, cached per
 TVM version under `~/.cache/kiln/web-runtime/<version>/`, and links every model against them.
+
+The CPU `wasm` library is threaded (docs/wasm-threads.md): its runtime is a second flavor,
+compiled with atomics beside Kiln's thread pool (`kiln_threads.cc`), cached in `<version>-threads/`
+and linked on shared, imported memory against emscripten's multi-threaded system libraries.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kiln.errors import KilnError
 
 HEADERS_DIR = Path(__file__).parent / "web_runtime_headers"
 RUNTIME_SOURCES = ("wasm_runtime.cc", "tvmjs_support.cc", "webgpu_runtime.cc")
+THREAD_POOL_SOURCE = Path(__file__).parent / "kiln_threads.cc"
 BUILD_INFO = "build-info.json"
 
 COMPILE_FLAGS = ["-O3", "-std=c++17", "-Wno-ignored-attributes"]
@@ -82,6 +87,52 @@ SOURCE_PATCHES = (
         "        device_.device_type == DLDeviceType::kDLWebGPU) {",
     ),
 )
+
+
+@dataclass(frozen=True)
+class RuntimeFlavor:
+    """One build of the web runtime's objects, and how a library links against it."""
+
+    suffix: str  # of the cache folder's name
+    compile_flags: tuple[str, ...] = ()  # after COMPILE_FLAGS
+    kiln_sources: tuple[Path, ...] = ()
+
+
+PLAIN_RUNTIME = RuntimeFlavor("")
+THREADED_RUNTIME = RuntimeFlavor("-threads", ("-matomics", "-mbulk-memory"), (THREAD_POOL_SOURCE,))
+RUNTIME_FLAVORS = (PLAIN_RUNTIME, THREADED_RUNTIME)
+# The pool's entry points for the engine, and the parallel runtime calls it takes over (--wrap
+# sends TVM's kernels to __wrap_X; the pool calls __real_X on the thread that owns the VM).
+THREAD_POOL_EXPORTS = (
+    "kiln_threads_adopt_main_thread",
+    "kiln_threads_reserve",
+    "kiln_threads_helper_enter",
+    "kiln_threads_helper_loop",
+    "kiln_threads_stop",
+    "kiln_threads_count",
+)
+THREAD_POOL_WRAPS = (
+    "TVMBackendParallelLaunch",
+    "TVMBackendParallelBarrier",
+    "TVMBackendAllocWorkspace",
+    "TVMBackendFreeWorkspace",
+)
+# emcc refuses STANDALONE_WASM with pthreads, so it would link the single-threaded system libraries,
+# which wasm-ld refuses on shared memory: the threaded link names the "-mt" builds itself. The list
+# is what emcc 3.1.6 links for STANDALONE_WASM, each with its multi-threaded build where one exists.
+THREADED_SYSTEM_LIBRARIES = (
+    "standalonewasm-memgrow",
+    "stubs",
+    "noexit",
+    "c-mt",
+    "dlmalloc-mt",
+    "compiler_rt-mt",
+    "c++-mt-noexcept",
+    "c++abi-mt-noexcept",
+    "sockets-mt",
+)
+# The most a page's shared memory can grow to: it is reserved up front, unlike unshared memory.
+THREADED_MAXIMUM_MEMORY = "2GB"
 # Debian's emscripten runs its JS tools with node and needs Debian's node modules (acorn).
 DEBIAN_NODE_MODULES = "/usr/share/nodejs"
 STDERR_TAIL_LINES = 25
@@ -105,13 +156,17 @@ def tvm_version() -> str:
     return importlib.metadata.version("apache-tvm")
 
 
-def web_runtime_dir() -> Path:
-    return cache_dir() / "web-runtime" / tvm_version()
+def web_runtime_dir(flavor: RuntimeFlavor = PLAIN_RUNTIME) -> Path:
+    return cache_dir() / "web-runtime" / (tvm_version() + flavor.suffix)
 
 
-def web_runtime_objects(runtime_dir: Path | None = None) -> list[Path]:
-    runtime_dir = runtime_dir or web_runtime_dir()
-    return [runtime_dir / Path(source).with_suffix(".o").name for source in RUNTIME_SOURCES]
+def _runtime_sources(root: Path, flavor: RuntimeFlavor) -> list[Path]:
+    return [root / "web" / "emcc" / name for name in RUNTIME_SOURCES] + list(flavor.kiln_sources)
+
+
+def web_runtime_objects(runtime_dir: Path | None = None, flavor: RuntimeFlavor = PLAIN_RUNTIME) -> list[Path]:
+    runtime_dir = runtime_dir or web_runtime_dir(flavor)
+    return [runtime_dir / source.with_suffix(".o").name for source in _runtime_sources(Path(), flavor)]
 
 
 def emcc_environment() -> dict[str, str]:
@@ -141,37 +196,45 @@ def _package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _headers_digest() -> str:
-    """Kiln's headers and source patches."""
+def _headers_digest(flavor: RuntimeFlavor) -> str:
+    """Kiln's headers, source patches and, for a flavor that has them, Kiln's own sources."""
     digest = hashlib.sha256()
     for header in sorted(HEADERS_DIR.rglob("*.h")):
         digest.update(header.relative_to(HEADERS_DIR).as_posix().encode())
         digest.update(header.read_bytes())
     digest.update(repr(SOURCE_PATCHES).encode())
+    for source in flavor.kiln_sources:
+        digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def runtime_fingerprint() -> dict:
+def _compile_flags(flavor: RuntimeFlavor) -> list[str]:
+    return [*COMPILE_FLAGS, *flavor.compile_flags]
+
+
+def runtime_fingerprint(flavor: RuntimeFlavor = PLAIN_RUNTIME) -> dict:
     """What the cached objects were built from; a cache with a different fingerprint is rebuilt."""
     return {
         "tvm": tvm_version(),
         "tvm_ffi": importlib.metadata.version("apache-tvm-ffi"),
         "emcc": emcc_version(),
-        "compile_flags": COMPILE_FLAGS,
-        "headers": _headers_digest(),
+        "compile_flags": _compile_flags(flavor),
+        "headers": _headers_digest(flavor),
     }
 
 
-def web_runtime_is_built(runtime_dir: Path | None = None, fingerprint: dict | None = None) -> bool:
-    runtime_dir = runtime_dir or web_runtime_dir()
+def web_runtime_is_built(
+    runtime_dir: Path | None = None, fingerprint: dict | None = None, flavor: RuntimeFlavor = PLAIN_RUNTIME
+) -> bool:
+    runtime_dir = runtime_dir or web_runtime_dir(flavor)
     info_path = runtime_dir / BUILD_INFO
-    if not info_path.is_file() or not all(p.is_file() for p in web_runtime_objects(runtime_dir)):
+    if not info_path.is_file() or not all(p.is_file() for p in web_runtime_objects(runtime_dir, flavor)):
         return False
     try:
         recorded = json.loads(info_path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    fingerprint = fingerprint or runtime_fingerprint()
+    fingerprint = fingerprint or runtime_fingerprint(flavor)
     return {key: recorded.get(key) for key in fingerprint} == fingerprint
 
 
@@ -231,16 +294,16 @@ def _run_emcc(command: list[str], what: str, path: Path) -> None:
         )
 
 
-def build_web_runtime(force: bool = False, progress: bool = True) -> Path:
-    """Compile TVM's web runtime (~3 min on 2 cores) to wasm objects; return their folder.
+def build_web_runtime(force: bool = False, progress: bool = True, flavor: RuntimeFlavor = PLAIN_RUNTIME) -> Path:
+    """Compile TVM's web runtime (~1.5 min a flavor on 2 cores) to wasm objects; return their folder.
 
     The objects are built in a scratch folder next to the cache entry and renamed into place,
     so an interrupted build leaves no half-filled cache.
     """
-    runtime_dir = web_runtime_dir()
+    runtime_dir = web_runtime_dir(flavor)
     emcc = find_emcc()
-    fingerprint = runtime_fingerprint()
-    if not force and web_runtime_is_built(runtime_dir, fingerprint):
+    fingerprint = runtime_fingerprint(flavor)
+    if not force and web_runtime_is_built(runtime_dir, fingerprint, flavor):
         return runtime_dir
     runtime_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{runtime_dir.name}-building-", dir=runtime_dir.parent))
@@ -248,43 +311,43 @@ def build_web_runtime(force: bool = False, progress: bool = True) -> Path:
     try:
         with tempfile.TemporaryDirectory(prefix="kiln-web-runtime-src-") as scratch:
             root = assemble_source_root(Path(scratch))
-            timings = _compile_runtime_sources(emcc, root, staging, progress)
+            timings = _compile_runtime_sources(emcc, root, staging, progress, flavor)
         info = dict(fingerprint, link_flags=LINK_FLAGS, compile_seconds=timings)
         (staging / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        _replace_dir(staging, runtime_dir)
+        _replace_dir(staging, runtime_dir, flavor)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return runtime_dir
 
 
-def _compile_runtime_sources(emcc: str, root: Path, out_dir: Path, progress: bool) -> dict:
+def _compile_runtime_sources(emcc: str, root: Path, out_dir: Path, progress: bool, flavor: RuntimeFlavor) -> dict:
     from tqdm import tqdm
 
     timings = {}
-    bar = tqdm(RUNTIME_SOURCES, desc="TVM web runtime", unit="file", disable=not progress, file=sys.stderr)
-    for source_name in bar:
-        bar.set_postfix_str(f"emcc {source_name}")
-        source = root / "web" / "emcc" / source_name
+    description = "TVM web runtime" + (f" ({flavor.suffix.lstrip('-')})" if flavor.suffix else "")
+    bar = tqdm(_runtime_sources(root, flavor), desc=description, unit="file", disable=not progress, file=sys.stderr)
+    for source in bar:
+        bar.set_postfix_str(f"emcc {source.name}")
         started = time.monotonic()
         _run_emcc(
             [
                 emcc,
-                *COMPILE_FLAGS,
+                *_compile_flags(flavor),
                 *_include_flags(root),
                 "-c",
                 str(source),
                 "-o",
-                str(out_dir / Path(source_name).with_suffix(".o").name),
+                str(out_dir / source.with_suffix(".o").name),
             ],
-            f"compiling {source_name}",
+            f"compiling {source.name}",
             source,
         )
-        timings[source_name] = round(time.monotonic() - started, 1)
+        timings[source.name] = round(time.monotonic() - started, 1)
     bar.close()
     return timings
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def _replace_dir(new: Path, target: Path, flavor: RuntimeFlavor) -> None:
     """Move `new` to `target`, replacing a stale `target` (rename is atomic; rmtree comes after)."""
     stale = None
     if target.exists():
@@ -294,15 +357,70 @@ def _replace_dir(new: Path, target: Path) -> None:
         new.rename(target)
     except OSError:
         # Another process installed a build first; theirs is as good as ours.
-        if not web_runtime_is_built(target):
+        if not web_runtime_is_built(target, flavor=flavor):
             raise
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def ensure_web_runtime(progress: bool = True) -> Path:
+def ensure_web_runtime(progress: bool = True, flavor: RuntimeFlavor = PLAIN_RUNTIME) -> Path:
     """The cached web runtime's folder, building it first when missing or stale."""
-    return build_web_runtime(force=False, progress=progress)
+    return build_web_runtime(force=False, progress=progress, flavor=flavor)
+
+
+def emscripten_system_library_dir() -> Path:
+    cache = _first_line_of([shutil.which("em-config") or "em-config", "CACHE"], emcc_environment())
+    if not cache:
+        raise KilnError(f"em-config CACHE failed: emscripten is not usable; reinstall it with `{EMSCRIPTEN_FIX}`")
+    return Path(cache) / "sysroot" / "lib" / "wasm32-emscripten"
+
+
+def threaded_link_flags() -> list[str]:
+    """Shared, imported memory, the pool's wraps and exports, and the multi-threaded system libraries."""
+    library_dir = emscripten_system_library_dir()
+    required = [library_dir / "crt1_reactor.o", *(library_dir / f"lib{name}.a" for name in THREADED_SYSTEM_LIBRARIES)]
+    missing = [path.name for path in required if not path.is_file()]
+    if missing:
+        raise KilnError(f"emscripten's system libraries lack {', '.join(missing)}", path=library_dir)
+    return [
+        "-Wl,--shared-memory",
+        "-Wl,--import-memory",
+        "-s",
+        f"MAXIMUM_MEMORY={THREADED_MAXIMUM_MEMORY}",
+        *(f"-Wl,--wrap={name}" for name in THREAD_POOL_WRAPS),
+        "-s",
+        "EXPORTED_FUNCTIONS=" + ",".join(f"_{name}" for name in THREAD_POOL_EXPORTS),
+        "-nostdlib",
+        str(required[0]),
+        *(f"-l{name}" for name in THREADED_SYSTEM_LIBRARIES),
+    ]
+
+
+def _link_wasm(
+    output: str | Path, objects: Sequence[str | Path], options: Sequence[str] | str | None, flavor: RuntimeFlavor
+) -> None:
+    output = Path(output)
+    emcc = find_emcc()
+    runtime_objects = web_runtime_objects(ensure_web_runtime(flavor=flavor), flavor)
+    flavor_flags = threaded_link_flags() if flavor is THREADED_RUNTIME else []
+    if isinstance(options, str):
+        options = [options]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".kiln-link-", dir=output.parent) as scratch:
+        partial = Path(scratch) / output.name
+        command = [
+            emcc,
+            LINK_OPT_LEVEL,
+            *LINK_FLAGS,
+            *flavor_flags,
+            "-o",
+            str(partial),
+            *map(str, runtime_objects),
+            *map(str, objects),
+            *(options or []),
+        ]
+        _run_emcc(command, "linking the model library", output)
+        os.replace(partial, output)
 
 
 def link_tvmjs_wasm(
@@ -315,30 +433,23 @@ def link_tvmjs_wasm(
     they win: `export_library(path, fcompile=link_tvmjs_wasm, options=["-O3"])` gives the
     smaller release file. The first link builds the web runtime if it is not cached.
     """
-    output = Path(output)
-    emcc = find_emcc()
-    runtime_objects = web_runtime_objects(ensure_web_runtime())
-    if isinstance(options, str):
-        options = [options]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".kiln-link-", dir=output.parent) as scratch:
-        partial = Path(scratch) / output.name
-        command = [
-            emcc,
-            LINK_OPT_LEVEL,
-            *LINK_FLAGS,
-            "-o",
-            str(partial),
-            *map(str, runtime_objects),
-            *map(str, objects),
-            *(options or []),
-        ]
-        _run_emcc(command, "linking the model library", output)
-        os.replace(partial, output)
+    _link_wasm(output, objects, options, PLAIN_RUNTIME)
 
 
-link_tvmjs_wasm.object_format = "o"
-link_tvmjs_wasm.need_system_lib = True
+def link_threaded_wasm(
+    output: str | Path, objects: Sequence[str | Path], options: Sequence[str] | str | None = None
+) -> None:
+    """`link_tvmjs_wasm` for the CPU library: the threaded runtime, on shared imported memory.
+
+    The engine runs it on as many Web Workers as the page allows, or on one thread when the page
+    is not cross-origin isolated (web/src/wasm-threads.js).
+    """
+    _link_wasm(output, objects, options, THREADED_RUNTIME)
+
+
+for _fcompile in (link_tvmjs_wasm, link_threaded_wasm):
+    _fcompile.object_format = "o"
+    _fcompile.need_system_lib = True
 
 
 def dawn_node_environment() -> dict[str, str]:
@@ -406,12 +517,13 @@ def _chromium_status() -> ToolStatus:
 def _web_runtime_status(tvm_ok: bool, emcc_ok: bool) -> ToolStatus:
     if not (tvm_ok and emcc_ok):
         return _status("TVM web runtime", False, "needs TVM and emcc first", BUILD_RUNTIME_COMMAND)
-    if web_runtime_is_built():
-        return _status("TVM web runtime", True, f"built in {web_runtime_dir()}", BUILD_RUNTIME_COMMAND)
+    stale = [web_runtime_dir(flavor) for flavor in RUNTIME_FLAVORS if not web_runtime_is_built(flavor=flavor)]
+    if not stale:
+        return _status("TVM web runtime", True, f"built in {web_runtime_dir().parent}", BUILD_RUNTIME_COMMAND)
     return _status(
         "TVM web runtime",
         False,
-        f"not built for TVM {tvm_version()} with this emcc and Kiln's headers (cache: {web_runtime_dir()})",
+        f"not built for TVM {tvm_version()} with this emcc and Kiln's sources (cache: {', '.join(map(str, stale))})",
         BUILD_RUNTIME_COMMAND,
     )
 

@@ -85,7 +85,8 @@ def run_doctor(args) -> int:
     from kiln.compile import opencl_check, system_lib, wasm_toolchain
 
     if args.build_runtime:
-        wasm_toolchain.build_web_runtime()
+        for flavor in wasm_toolchain.RUNTIME_FLAVORS:
+            wasm_toolchain.build_web_runtime(flavor=flavor)
     statuses = [*wasm_toolchain.toolchain_status(), *system_lib.toolchain_status(), opencl_check.pocl_status()]
     for s in statuses:
         print(f"{'ok ' if s.ok else 'MISSING'} {s.name}: {s.detail}" + ("" if s.ok else f"\n        fix: {s.fix}"))
@@ -341,6 +342,13 @@ def add_bench_browser(bench) -> None:
         default="auto",
         help="the library to run; auto: WebGPU when Chromium has a hardware adapter, else wasm",
     )
+    b.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        dest="wasm_threads",
+        help="threads of the CPU wasm library (default: the engine's choice, this machine's cores up to 4)",
+    )
     add_run_options(b, prompt_tokens=32, decode_tokens=16, runs=1)
     b.set_defaults(run=run_bench_browser)
 
@@ -348,7 +356,9 @@ def add_bench_browser(bench) -> None:
 def run_bench_browser(args) -> int:
     from kiln.bench.browser import bench_browser
 
-    report = bench_browser(args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
+    report = bench_browser(
+        args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs, threads=args.wasm_threads
+    )
     print_report(report, args.json)
     return 0
 
@@ -420,6 +430,13 @@ def add_bench_report(bench) -> None:
         type=Path,
         help="where to write OUTPUT.json and OUTPUT.png (default: bench-report-<model-id> here)",
     )
+    r.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads of the native cpu library and of the browser's wasm library alike "
+        "(default: this machine's physical cores, or TVM_NUM_THREADS)",
+    )
     add_run_options(r, prompt_tokens=32, decode_tokens=16, runs=1)
     r.set_defaults(run=run_bench_report)
 
@@ -428,7 +445,9 @@ def run_bench_report(args) -> int:
     from kiln.bench.report import bench_report
 
     output = args.output or Path(f"bench-report-{args.model_dir.resolve().name}")
-    report = bench_report(args.model_dir, output, args.target, args.prompt_tokens, args.decode_tokens, args.runs)
+    report = bench_report(
+        args.model_dir, output, args.target, args.prompt_tokens, args.decode_tokens, args.runs, threads=args.threads
+    )
     print_report(report, args.json)
     return 0
 
@@ -467,6 +486,12 @@ def add_serve(sub) -> None:
         metavar="N",
         help="keep at most N engines loaded, releasing the least recently used (default 2; 0 no limit)",
     )
+    p.add_argument(
+        "--no-isolation",
+        action="store_true",
+        help="do not send the COOP/COEP headers that isolate the harness (its CPU wasm library then "
+        "runs on one thread); for pages that embed resources from other origins without CORS or CORP",
+    )
     add_threads_option(p)
     p.set_defaults(run=run_serve)
 
@@ -480,6 +505,7 @@ def run_serve(args) -> int:
         cors_origins=tuple(args.cors_origin),
         idle_unload_s=args.idle_unload,
         max_loaded_models=args.max_loaded_models,
+        cross_origin_isolation=not args.no_isolation,
     )
     serve(config, args.host, args.port)
     return 0

@@ -21,6 +21,12 @@ from .origins import allow_cors, host_allowed
 from .web_files import default_web_dir
 
 NPM_PACKAGES = ("@mlc-ai/web-runtime", "@mlc-ai/web-tokenizers", "@mlc-ai/web-xgrammar", "@huggingface/jinja")
+# Cross-origin isolation: what a page and its workers need for SharedArrayBuffer, so the CPU wasm
+# library runs on several threads (web/src/wasm-threads.js). Isolation costs a page `window.opener`
+# and needs CORS or CORP on every other-origin resource it loads; `kiln serve --no-isolation` drops it.
+ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
+# Every response may be loaded by an isolated page on another origin (a WebLLM app, say).
+CORP_HEADER = {"Cross-Origin-Resource-Policy": "cross-origin"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # page origins allowed to call /v1 ("*": any)
     idle_unload_s: float = 600.0  # release a model's engine unused this long (0: never)
     max_loaded_models: int = 2  # release the least recently used past this many (0: no limit)
+    cross_origin_isolation: bool = True  # send COOP/COEP, so the harness's wasm runs on threads
 
 
 def create_app(config: ServerConfig) -> Flask:
@@ -60,9 +67,12 @@ def create_app(config: ServerConfig) -> Flask:
             )
 
     @app.after_request
-    def api_cors(response: Response) -> Response:
+    def cross_origin_headers(response: Response) -> Response:
         if request.path.startswith("/v1/") and config.cors_origins:
             allow_cors(response, config.cors_origins)
+        response.headers.update(CORP_HEADER)
+        if config.cross_origin_isolation:
+            response.headers.update(ISOLATION_HEADERS)
         return response
 
     @app.get("/health")

@@ -26,15 +26,17 @@ def test_report_writes_the_numbers_and_a_chart(tiny_dir, tmp_path):
         "16",
         "--decode-tokens",
         "8",
+        "--threads",
+        "2",
         timeout_s=1200,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "wasm decode is" in result.stdout and "× native on 1 thread" in result.stdout
+    assert "wasm decode is" in result.stdout and "× native on 2 threads" in result.stdout
 
     report = json.loads(output.with_suffix(".json").read_text())
     native, wasm = report["native"], report["browser"]["wasm"]
     assert (native["target"], wasm["device"]) == ("cpu", "wasm")
-    assert native["threads"] == report["wasm_threads"] == 1
+    assert native["threads"] == wasm["threads"] == 2
     for key in ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
         assert native[key] > 0 and wasm[key] > 0
         assert report["ratios"]["wasm"][key] == pytest.approx(wasm[key] / native[key])

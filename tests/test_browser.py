@@ -98,6 +98,29 @@ def test_without_webgpu_the_cpu_library_generates_the_same(driver, tmp_path, url
         check_greedy_parity(engine, tiny_dir)
 
 
+def test_the_cpu_library_runs_on_two_threads_with_one_threads_logits(driver, tmp_path, url, tiny_dir):
+    prompt = "Tell me about the history of the city of Paris, and then about its bridges"
+    logits = {}
+    with browser_page(driver, tmp_path / "profile", url, webgpu=False) as (_, page):
+        engine = PageEngine(page)
+        assert page.evaluate("crossOriginIsolated")
+        for threads in (1, 2):
+            assert engine.load(MODEL_ID, device="wasm", threads=threads)["stats"]["threads"] == threads
+            ids = engine.call("session.encode", prompt)
+            logits[threads] = np.stack(
+                [step["logits"] for step in engine.call("session.allLogits", ids, {"full": True})]
+            )
+    # A task is a slice of a parallel loop's iterations: the same sums in the same order on any thread.
+    np.testing.assert_array_equal(logits[2], logits[1])
+    with served(tiny_dir.parent, cross_origin_isolation=False) as plain_url:
+        with browser_page(driver, tmp_path / "plain-profile", plain_url, webgpu=False) as (_, page):
+            assert not page.evaluate("crossOriginIsolated")
+            engine = PageEngine(page)
+            assert engine.load(MODEL_ID, device="wasm", threads=2)["stats"]["threads"] == 1
+            step = engine.call("session.allLogits", ids, {"full": True})
+            np.testing.assert_array_equal(np.stack([s["logits"] for s in step]), logits[1])
+
+
 CHOOSE_JS = """async ({modelId, device, withF16}) => {
   const { chooseBackend } = await import("/web/src/loader.js");
   const config = await (await fetch("/api/app-config.json")).json();
@@ -279,6 +302,8 @@ def test_harness_chats_and_loads_from_cache_on_the_next_visit(driver, tmp_path, 
         wait_for_state(page, "ready")
         assert len(requests.matching("params_shard_")) == 1
         assert "from the browser cache" not in page.inner_text("#stats")
+        threads = min(page.evaluate("navigator.hardwareConcurrency"), 4)  # the engine's default
+        assert f"on wasm ({threads} thread{'s' if threads > 1 else ''})" in page.inner_text("#stats")
         page.click(".settings summary")
         page.fill("#system-prompt", "You are a tiny test model.")
         page.fill("#max-tokens", "10")

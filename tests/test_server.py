@@ -487,6 +487,20 @@ def test_the_api_has_no_cors_by_default_and_model_files_do(url):
     assert weights.headers["Access-Control-Allow-Origin"] == "*"
 
 
+def test_pages_and_workers_are_cross_origin_isolated_unless_turned_off(url, tiny_dir):
+    isolation = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
+    paths = ("", "web/src/worker.js", "web/src/wasm-thread.js", f"models/{MODEL_ID}/tensor-cache.json", "v1/models")
+    for path in paths:
+        headers = requests.get(url + path).headers
+        assert {name: headers.get(name) for name in isolation} == isolation, path
+        assert headers["Cross-Origin-Resource-Policy"] == "cross-origin", path
+    with served(tiny_dir.parent, cross_origin_isolation=False) as plain:
+        for path in paths:
+            headers = requests.get(plain + path).headers
+            assert not set(isolation) & set(headers), path
+            assert headers["Cross-Origin-Resource-Policy"] == "cross-origin", path
+
+
 def test_allowed_origins_may_call_the_api(kiln_serve):
     allowed, other = {"Origin": ALLOWED_ORIGIN}, {"Origin": "http://elsewhere.example"}
     preflight = requests.options(

@@ -443,3 +443,68 @@ def test_builds_of_another_kiln_series_or_tvm_series_are_refused(tiny_build, tmp
         f"The model was built by Kiln {build['kiln_version']} with TVM 0.99.0, but this engine is Kiln "
     )
     assert "(not recorded)" in outcomes["unrecorded"]["message"]
+
+
+def leb128(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def wasm_importing(memory_limits: bytes) -> bytes:
+    """A module importing a function, a table, a global and then a memory with `memory_limits`."""
+
+    def name(text: str) -> bytes:
+        return leb128(len(text)) + text.encode()
+
+    def section(section_id: int, body: bytes) -> bytes:
+        return bytes([section_id]) + leb128(len(body)) + body
+
+    imports = [
+        name("env") + name("f") + b"\x00\x00",  # function of type 0
+        name("env") + name("t") + b"\x01\x70\x01\x01\x02",  # funcref table, limits 1..2
+        name("env") + name("g") + b"\x03\x7f\x00",  # immutable i32
+        name("env") + name("memory") + b"\x02" + memory_limits,
+    ]
+    return b"\0asm\x01\0\0\0" + section(1, b"\x01\x60\x00\x00") + section(2, leb128(len(imports)) + b"".join(imports))
+
+
+def test_the_memory_import_is_read_and_can_be_unshared():
+    shared = wasm_importing(b"\x03" + leb128(2560) + leb128(32768))
+    result = run_node_module(
+        """
+        import { importedMemory } from "./src/wasm-threads.js";
+        const bytes = Uint8Array.from(input.shared);
+        const spec = importedMemory(bytes);
+        const table = new WebAssembly.Table({ initial: 1, maximum: 2, element: "anyfunc" });
+        const instantiates = (wasm, shared) => {
+          const memory = new WebAssembly.Memory({ initial: spec.initial, maximum: spec.maximum, shared });
+          try {
+            new WebAssembly.Instance(new WebAssembly.Module(wasm), { env: { f() {}, t: table, g: 7, memory } });
+            return true;
+          } catch { return false; }
+        };
+        const unshared = bytes.slice();
+        unshared[spec.flagsOffset] &= ~0x02;
+        console.log(JSON.stringify({
+          spec,
+          exported: importedMemory(Uint8Array.from(input.plain)),
+          sharedTakesShared: instantiates(bytes, true), sharedTakesPlain: instantiates(bytes, false),
+          unsharedTakesPlain: instantiates(unshared, false), unsharedSpec: importedMemory(unshared),
+        }));
+    """,
+        {"shared": list(shared), "plain": list(b"\0asm\x01\0\0\0")},
+    )
+    assert result["spec"] == {
+        "initial": 2560,
+        "maximum": 32768,
+        "shared": True,
+        "flagsOffset": shared.index(b"\x03\x80\x14"),
+    }
+    assert result["exported"] is None
+    assert result["sharedTakesShared"] and not result["sharedTakesPlain"]
+    assert result["unsharedTakesPlain"]
+    assert result["unsharedSpec"]["shared"] is False

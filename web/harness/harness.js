@@ -135,7 +135,8 @@ async function loadModel(modelId) {
   }
   const stats = await page.engine.stats();
   const note = stats.fallback_reason ? ` (CPU fallback: ${stats.fallback_reason})` : "";
-  $("stats").textContent = `Loaded ${stats.model_id} on ${stats.backend} in ${stats.load.seconds.toFixed(1)} s` +
+  const on = stats.backend === "wasm" ? `wasm (${stats.threads} thread${stats.threads > 1 ? "s" : ""})` : stats.backend;
+  $("stats").textContent = `Loaded ${stats.model_id} on ${on} in ${stats.load.seconds.toFixed(1)} s` +
     `${stats.load.from_cache ? " from the browser cache" : ""}${note}`;
   resetConversation();
   setState("ready");

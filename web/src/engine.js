@@ -13,6 +13,7 @@ import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
 import { Grammars, responseFormatFrom } from "./structured.js";
 import { ContentBeforeCalls, templateMessages, toolCallFormat, toolRequestFrom } from "./tools.js";
+import { availableThreads, instantiateLibrary } from "./wasm-threads.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
@@ -368,12 +369,14 @@ export class Engine {
    * `runtime` = {tvmjs, tokenizers, loadXgrammar, loadJinja}: the UMD modules of @mlc-ai/web-runtime
    * and web-tokenizers, a loader of @mlc-ai/web-xgrammar's (structured.js `Grammars`) and one of
    * @huggingface/jinja's ES module (chat templates for requests with tools).
-   * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load.
+   * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load. `threads`: for the
+   * CPU wasm library (wasm-threads.js).
    */
-  static async load({ appConfig, modelId, device = "auto", runtime, onProgress = () => {}, onFatal = () => {} }) {
+  static async load({ appConfig, modelId, device = "auto", threads, runtime, onProgress = () => {}, onFatal = () => {} }) {
     const started = performance.now();
     const choice = await chooseBackend(appConfig, modelId, device);
     const engine = new Engine(choice, onFatal);
+    engine.requestedThreads = choice.backend === "wasm" ? availableThreads(threads) : 1;
     try {
       await engine.initialize(runtime, onProgress);
     } catch (error) {
@@ -417,7 +420,10 @@ export class Engine {
     this.tokenizer = tokenizerName === "tokenizer.json"
       ? await tokenizers.Tokenizer.fromJSON(tokenizerBytes.buffer)
       : await tokenizers.Tokenizer.fromSentencePiece(tokenizerBytes.buffer);
-    this.tvm = await tvmjs.instantiate(libraryBytes.buffer, tvmjs.createPolyfillWASI(), (message) => console.info(message));
+    this.library = await instantiateLibrary(tvmjs, libraryBytes, {
+      threads: this.requestedThreads, log: (message) => console.info(message),
+    });
+    this.tvm = this.library.tvm;
 
     // The weights download while the GPU compiles the shaders.
     const weightsStored = files.fetchShards();
@@ -776,6 +782,8 @@ export class Engine {
       quantization: this.chatConfig?.quantization,
       adapter: adapterInfo ? { vendor: adapterInfo.vendor, architecture: adapterInfo.architecture, description: adapterInfo.description } : null,
       fallback_reason: this.fallbackReason,
+      // threads the CPU wasm library's parallel loops run on (1 on WebGPU)
+      threads: this.library?.threads ?? null,
       context_window_size: this.session?.contextWindowSize,
       cached_tokens: this.session?.cachedIds.length ?? 0,
       // WebGPU compute dispatches of the last decode step: embedding, layers, head (null on wasm)
@@ -791,6 +799,7 @@ export class Engine {
     this.disposed = true;
     this.session?.dispose();
     this.tokenizer?.dispose();
+    this.library?.stop();
     this.tvm?.dispose();
     this.gpuDevice?.destroy();
   }

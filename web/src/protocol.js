@@ -127,6 +127,8 @@ class WorkerConnection {
  * @property {"auto" | "webgpu" | "wasm"} [device] "auto": WebGPU, else the CPU wasm library
  * @property {(error: EngineError) => void} [onError] failures outside a call (the GPU device lost)
  * @property {string | URL} [workerUrl] the engine's worker script (default: worker.js beside this module)
+ * @property {number} [threads] threads for the CPU wasm library (default: the cores, at most 4); more than
+ *   one needs a cross-origin isolated page (COOP/COEP headers), else it runs on one
  */
 
 /**
@@ -136,13 +138,13 @@ class WorkerConnection {
  * @param {string} modelId
  * @param {EngineOptions} [options]
  */
-export async function createEngine(appConfig, modelId, { onProgress = () => {}, device = "auto", onError = () => {}, workerUrl } = {}) {
+export async function createEngine(appConfig, modelId, { onProgress = () => {}, device = "auto", onError = () => {}, workerUrl, threads } = {}) {
   const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
   const connection = new WorkerConnection(worker, onError);
   const base = globalThis.location?.href;
   let loaded;
   try {
-    loaded = await connection.call("load", { appConfig: absoluteAppConfig(appConfig, base), modelId, device }, onProgress);
+    loaded = await connection.call("load", { appConfig: absoluteAppConfig(appConfig, base), modelId, device, threads }, onProgress);
   } catch (error) {
     worker.terminate();
     throw error;
@@ -206,7 +208,7 @@ export async function createEngine(appConfig, modelId, { onProgress = () => {}, 
 
 /**
  * The worker side: answer messages on `scope` (the worker's global) with an engine made by
- * `loadEngine({appConfig, modelId, device, onProgress, onFatal})`.
+ * `loadEngine({appConfig, modelId, device, threads, onProgress, onFatal})`.
  */
 export function serveEngine(scope, loadEngine) {
   let engine = null;
@@ -215,11 +217,11 @@ export function serveEngine(scope, loadEngine) {
     return engine;
   };
   const methods = {
-    load: async ({ appConfig, modelId, device }, emit) => {
+    load: async ({ appConfig, modelId, device, threads }, emit) => {
       engine?.dispose();
       engine = null;
       engine = await loadEngine({
-        appConfig, modelId, device, onProgress: emit,
+        appConfig, modelId, device, threads, onProgress: emit,
         onFatal: (error) => scope.postMessage({ kind: "fatal", error: error.toJSON() }),
       });
       return engine.stats();
