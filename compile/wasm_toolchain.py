@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kiln.errors import KilnError
 
@@ -96,10 +96,13 @@ class RuntimeFlavor:
     suffix: str  # of the cache folder's name
     compile_flags: tuple[str, ...] = ()  # after COMPILE_FLAGS
     kiln_sources: tuple[Path, ...] = ()
+    link_flags: Callable[[], list[str]] = list  # after LINK_FLAGS
 
 
 PLAIN_RUNTIME = RuntimeFlavor("")
-THREADED_RUNTIME = RuntimeFlavor("-threads", ("-matomics", "-mbulk-memory"), (THREAD_POOL_SOURCE,))
+THREADED_RUNTIME = RuntimeFlavor(
+    "-threads", ("-matomics", "-mbulk-memory"), (THREAD_POOL_SOURCE,), lambda: threaded_link_flags()
+)
 RUNTIME_FLAVORS = (PLAIN_RUNTIME, THREADED_RUNTIME)
 # The pool's entry points for the engine, and the parallel runtime calls it takes over (--wrap
 # sends TVM's kernels to __wrap_X; the pool calls __real_X on the thread that owns the VM).
@@ -402,7 +405,6 @@ def _link_wasm(
     output = Path(output)
     emcc = find_emcc()
     runtime_objects = web_runtime_objects(ensure_web_runtime(flavor=flavor), flavor)
-    flavor_flags = threaded_link_flags() if flavor is THREADED_RUNTIME else []
     if isinstance(options, str):
         options = [options]
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -412,7 +414,7 @@ def _link_wasm(
             emcc,
             LINK_OPT_LEVEL,
             *LINK_FLAGS,
-            *flavor_flags,
+            *flavor.link_flags(),
             "-o",
             str(partial),
             *map(str, runtime_objects),

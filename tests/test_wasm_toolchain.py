@@ -11,12 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from web_helpers import run_node_module
+
 from kiln.compile import wasm_toolchain
 from kiln.errors import KilnError
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
-TARGETS = {"wasm": WASM32, "webgpu": {"kind": "webgpu", "host": WASM32}}
+# library name → (target, linker): the CPU wasm library is linked threaded, as Kiln's wasm target does
+TARGETS = {
+    "wasm": (WASM32, wasm_toolchain.link_tvmjs_wasm),
+    "webgpu": ({"kind": "webgpu", "host": WASM32}, wasm_toolchain.link_tvmjs_wasm),
+    "wasm-threaded": (WASM32, wasm_toolchain.link_threaded_wasm),
+}
 METADATA = {"model": "kiln-toolchain-test", "params": []}
 # A constant lands in the VM executable's constant pool, which the web runtime deserializes.
 OFFSET = np.array([0.5, -1.0, 2.0], dtype=np.float32)
@@ -56,17 +63,17 @@ def affine_module():
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory) -> dict[str, Path]:
-    """The affine module linked for each target: {"wasm": path, "webgpu": path}."""
+    """The affine module linked for each of TARGETS: {name: path}."""
     require_tools()
     import tvm
 
     wasm_toolchain.ensure_web_runtime()
     out_dir = tmp_path_factory.mktemp("wasm-libraries")
     paths = {}
-    for name, target in TARGETS.items():
+    for name, (target, link) in TARGETS.items():
         executable = tvm.compile(affine_module(), tvm.target.Target(target))
         paths[name] = out_dir / f"affine-{name}.wasm"
-        executable.export_library(str(paths[name]), fcompile=wasm_toolchain.link_tvmjs_wasm)
+        executable.export_library(str(paths[name]), fcompile=link)
     return paths
 
 
@@ -183,10 +190,30 @@ def test_missing_function_is_reported_with_status_1(libraries):
     assert report["missing"] == ["decode"]
 
 
-def test_cpu_wasm_runs_in_node_like_numpy(libraries, tmp_path):
-    result, got, want = run_affine(libraries["wasm"], tmp_path, "cpu")
+@pytest.mark.parametrize("library", ["wasm", "wasm-threaded"])
+def test_cpu_wasm_runs_in_node_like_numpy(libraries, tmp_path, library):
+    result, got, want = run_affine(libraries[library], tmp_path, "cpu")
     assert result["device"] == "cpu"
     assert np.abs(got - want).max() < 1e-5
+
+
+def test_the_threaded_library_imports_shared_memory_and_exports_the_pool(libraries):
+    report = run_node_module(
+        """
+        import { importedMemory } from "./src/wasm-threads.js";
+        const bytes = readFileSync(input);
+        console.log(JSON.stringify({
+          memory: importedMemory(bytes),
+          exports: WebAssembly.Module.exports(new WebAssembly.Module(bytes)).map((entry) => entry.name),
+        }));
+    """,
+        str(libraries["wasm-threaded"]),
+    )
+    assert report["memory"]["shared"] and report["memory"]["maximum"] == 2**31 // 2**16
+    assert set(wasm_toolchain.THREAD_POOL_EXPORTS) <= set(report["exports"])
+    assert wasm_toolchain.web_runtime_is_built(flavor=wasm_toolchain.THREADED_RUNTIME)
+    plain = wasm_toolchain.web_runtime_dir()
+    assert wasm_toolchain.web_runtime_dir(wasm_toolchain.THREADED_RUNTIME) == plain.with_name(plain.name + "-threads")
 
 
 def test_webgpu_library_compiles_its_shaders_in_node(libraries):

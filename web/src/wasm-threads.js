@@ -96,7 +96,7 @@ export async function instantiateLibrary(tvmjs, bytes, { threads = 1, log = () =
 
   const shared = memorySpec.shared && threads > 1;
   if (memorySpec.shared && !shared) {
-    bytes = bytes.slice();
+    bytes = new Uint8Array(bytes); // a copy (a Node Buffer's slice would share its bytes)
     bytes[memorySpec.flagsOffset] &= ~SHARED_LIMITS;
   }
   const memory = new WebAssembly.Memory({ initial: memorySpec.initial, maximum: memorySpec.maximum, shared });

@@ -2,6 +2,7 @@
 // (@mlc-ai/web-runtime), on the CPU or on WebGPU (Dawn's Node bindings, npm `webgpu`).
 import { readFile } from "node:fs/promises";
 import tvmjs from "@mlc-ai/web-runtime";
+import { instantiateLibrary } from "../src/wasm-threads.js";
 
 // tvmjs and the wasm's C++ side print through console.log; stdout is kept for our JSON.
 console.log = (...args) => console.error(...args);
@@ -49,7 +50,8 @@ const DAWN_HINT =
  */
 export async function loadLibrary(wasmPath, { gpu = null } = {}) {
   const wasm = await readFile(wasmPath);
-  const tvm = await tvmjs.instantiate(wasm, tvmjs.createPolyfillWASI(), (msg) => console.error(msg));
+  // One thread: a threaded CPU library runs on unshared memory here.
+  const { tvm } = await instantiateLibrary(tvmjs, wasm, { log: (msg) => console.error(msg) });
   const uncompiledKernels = [];
   if (gpu) {
     tvm.initWebGPU(gpu.device);
