@@ -1,0 +1,140 @@
+"""Kiln's CPU kernel for decode attention over the paged KV cache, which the cpu and wasm libraries run.
+
+TVM 0.27's kernel walks the (sequence, query head) pairs one after another, a scalar at a time: with a
+few hundred cached tokens it is the largest part of a decode step that no other thread can take (on
+SmolLM2 after a 128-token prompt, about 40% of a two-thread wasm step). This one gives each pair to
+TVM's thread pool (the pairs write disjoint outputs), keeps its buffers on the task's stack, and
+takes the query·key dot product in vectors of partial sums and the output update as vectors.
+
+It computes what TVM's does: the same online softmax in base 2, the same score statement (so the
+soft-cap rewrite still finds it), the same log-sum-exp output. It replaces the full-attention kernel
+only: sliding-window layers keep TVM's, whose window and attention-sink bookkeeping it does not
+repeat, and the cache must not rotate keys in the kernel (RopeMode.INLINE), which Kiln never asks for.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import relax as rx
+from tvm import tirx
+from tvm.script import tirx as T
+
+KERNEL = "tir_attention_decode_cpu"
+VECTOR_LANES = 8
+LOG2E = math.log2(math.e)
+
+
+def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int = 16):
+    heads, kv_heads, dim = num_qo_heads, num_kv_heads, head_dim
+    group_size = num_qo_heads // num_kv_heads
+    lanes = VECTOR_LANES if head_dim % VECTOR_LANES == 0 else 1
+    chunks = head_dim // lanes
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        last_page_len_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_decode_paged_kv_cpu"})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        last_page_len_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+
+        Q = T.match_buffer(Q_handle, (B, heads, dim), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, kv_heads, page_size, dim), dtype)
+        page_table_indptr = T.match_buffer(
+            page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_table_values = T.match_buffer(
+            page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        last_page_len = T.match_buffer(last_page_len_handle, (B,), "int32", elem_offset=last_page_len_elem_offset)
+        # the signature's, unused: no rotation in the kernel
+        T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
+        T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(output_handle, (B, heads, dim), dtype)
+        lse = T.match_buffer(lse_handle, (B, heads), "float32")
+
+        for pair in T.parallel(B * heads):
+            with T.sblock("attn"):
+                # no regions to infer: the block is already scheduled, and its extents are its own lets
+                T.reads()
+                T.writes()
+                q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                m_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                new_m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                d_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                S_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                scale_O = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                factor = T.sblock_alloc_buffer((1,), "float32", scope="local")
+
+                b: T.let[T.int32] = pair // heads
+                h_qo: T.let[T.int32] = pair % heads
+                h_kv: T.let[T.int32] = h_qo // group_size
+                first_page: T.let[T.int32] = page_table_indptr[b]
+                page_count: T.let[T.int32] = page_table_indptr[b + 1] - first_page
+                kv_len: T.let[T.int32] = T.if_then_else(
+                    page_count > 0, (page_count - 1) * page_size + last_page_len[b], 0
+                )
+
+                m_val[0] = -5e4
+                d_val[0] = 1.0
+                for d in T.vectorized(dim):
+                    q_local[d] = T.Cast("float32", Q[b, h_qo, d])
+                    o_local[d] = 0.0
+                for row in T.serial(kv_len):
+                    page: T.let[T.int32] = page_table_values[first_page + row // page_size]
+                    slot: T.let[T.int32] = row % page_size
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = 0.0
+                    for chunk in T.serial(chunks):
+                        for lane in T.vectorized(lanes):
+                            partial[lane] = partial[lane] + q_local[chunk * lanes + lane] * T.Cast(
+                                "float32", pages[page, 0, h_kv, slot, chunk * lanes + lane]
+                            )
+                    S_val[0] = 0.0
+                    for lane in T.serial(lanes):
+                        S_val[0] = S_val[0] + partial[lane]
+                    S_val[0] = S_val[0] * (sm_scale * LOG2E)
+                    new_m[0] = T.max(m_val[0], S_val[0])
+                    scale_O[0] = T.exp2(m_val[0] - new_m[0])
+                    factor[0] = T.exp2(S_val[0] - new_m[0])
+                    d_val[0] = d_val[0] * scale_O[0] + factor[0]
+                    m_val[0] = new_m[0]
+                    for d in T.vectorized(dim):
+                        o_local[d] = (
+                            o_local[d] * scale_O[0] + T.Cast("float32", pages[page, 1, h_kv, slot, d]) * factor[0]
+                        )
+                for d in T.vectorized(dim):
+                    output[b, h_qo, d] = T.Cast(dtype, o_local[d] / d_val[0])
+                lse[b, h_qo] = m_val[0] + T.log2(d_val[0])
+
+    return batch_decode_paged_kv
+
+
+def replace_decode_attention_kernel(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str) -> None:
+    """In the module being built, swap the KV cache's CPU decode attention kernel for Kiln's (a GPU
+    target has none)."""
+    builder = rx.BlockBuilder.current()
+    for gvar, func in builder.get().functions_items():
+        if gvar.name_hint == KERNEL and isinstance(func, tirx.PrimFunc):
+            builder.update_func(gvar, decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype))
