@@ -15,6 +15,7 @@ const QUIET_IMPORTS = ["emscripten_unwind_to_js_event_loop", "emscripten_check_b
 const HELPER_START_MS = 10_000;
 // More threads than this gain little on a 135M-1.5B model and cost phones their efficiency cores.
 const DEFAULT_MAX_THREADS = 4;
+const MAX_THREADS = 16; // the pool's helpers (KILN_MAX_HELPERS in compile/kiln_threads.cc) and the caller
 
 function readLEB(bytes, offset) {
   let value = 0;
@@ -81,8 +82,8 @@ export function availableThreads(requested) {
   // The calling thread waits for its helpers (memory.atomic.wait32), which a page's main thread may not.
   const inWorker = globalThis.WorkerGlobalScope !== undefined && globalThis instanceof globalThis.WorkerGlobalScope;
   if (!isolated || !inWorker) return 1;
-  const wanted = requested ?? Math.min(navigator.hardwareConcurrency || 1, DEFAULT_MAX_THREADS);
-  return Math.max(1, Math.floor(wanted));
+  const wanted = Math.floor(requested ?? Math.min(navigator.hardwareConcurrency || 1, DEFAULT_MAX_THREADS));
+  return Number.isFinite(wanted) ? Math.min(Math.max(1, wanted), MAX_THREADS) : 1;
 }
 
 /**
