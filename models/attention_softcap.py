@@ -15,10 +15,11 @@ import math
 import re
 
 import tvm_ffi
-from tvm import relax as rx
 from tvm import tirx
 
 from kiln.errors import KilnError
+
+from .cache_kernels import replace_cache_kernels
 
 LOG2E = r"T\.float32\(1\.44269504\d*\)"
 # The statements that store a finished score, as TVM 0.27 prints them: the CPU kernels' (paged,
@@ -57,7 +58,4 @@ def soft_capped(kernel: tirx.PrimFunc, name: str, cap: float) -> tirx.PrimFunc:
 
 def soft_cap_attention_kernels(cap: float) -> None:
     """Replace, in the module being built, every attention kernel the KV cache added."""
-    builder = rx.BlockBuilder.current()
-    for gvar, func in builder.get().functions_items():
-        if isinstance(func, tirx.PrimFunc) and is_attention_kernel(gvar.name_hint):
-            builder.update_func(gvar, soft_capped(func, gvar.name_hint, cap))
+    replace_cache_kernels(lambda name, kernel: soft_capped(kernel, name, cap) if is_attention_kernel(name) else None)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from tvm import relax as rx
-from tvm import tirx
 from tvm.script import tirx as T
+
+from .cache_kernels import replace_cache_kernels
 
 KERNEL = "tir_attention_decode_cpu"
 VECTOR_LANES = 8
@@ -134,7 +134,6 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
 def replace_decode_attention_kernel(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str) -> None:
     """In the module being built, swap the KV cache's CPU decode attention kernel for Kiln's (a GPU
     target has none)."""
-    builder = rx.BlockBuilder.current()
-    for gvar, func in builder.get().functions_items():
-        if gvar.name_hint == KERNEL and isinstance(func, tirx.PrimFunc):
-            builder.update_func(gvar, decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype))
+    replace_cache_kernels(
+        lambda name, _: decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype) if name == KERNEL else None
+    )

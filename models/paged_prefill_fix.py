@@ -11,11 +11,12 @@ where the running maximum starts and reads `scale_O[0]`.
 from __future__ import annotations
 
 import tvm_ffi
-from tvm import relax as rx
 from tvm import tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad makes
 
 from kiln.errors import KilnError
+
+from .cache_kernels import replace_cache_kernels
 
 KERNELS = ("tir_attention_prefill_cpu", "tir_attention_prefill_cpu_sliding_window")
 
@@ -28,6 +29,8 @@ def fixed(kernel: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
         return store
 
     tvm_ffi.structural_map(kernel, (tirx.BufferStore, find))
+    if "new_m" not in buffers:
+        raise KilnError(f"TVM's kernel {name} is not the one Kiln fixes (it has no new_m): another TVM version?")
     changes = []
 
     def start_new_max(store: tirx.BufferStore) -> tirx.Stmt:
@@ -43,14 +46,11 @@ def fixed(kernel: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
         return tirx.BufferLoad(load.source, [tirx.const(0, "int32")])
 
     rewritten = tvm_ffi.structural_map(kernel, [(tirx.BufferStore, start_new_max), (TensorLoad, read_one_scale)])
-    if sorted(changes) != ["new_m", "scale_O"] or "new_m" not in buffers:
+    if sorted(changes) != ["new_m", "scale_O"]:
         raise KilnError(f"TVM's kernel {name} is not the one Kiln fixes ({changes}): another TVM version?")
     return rewritten
 
 
 def fix_paged_prefill_kernels() -> None:
     """Replace, in the module being built, the CPU paged prefill kernels the KV cache added."""
-    builder = rx.BlockBuilder.current()
-    for gvar, func in builder.get().functions_items():
-        if gvar.name_hint in KERNELS:
-            builder.update_func(gvar, fixed(func, gvar.name_hint))
+    replace_cache_kernels(lambda name, kernel: fixed(kernel, name) if name in KERNELS else None)

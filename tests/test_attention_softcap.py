@@ -1,6 +1,7 @@
 """The attention soft-cap Kiln writes into TVM's paged KV cache kernels (models/attention_softcap.py):
-where it goes in every kernel the cache adds, for the CPU and for WebGPU. Its numerics are checked
-against transformers' Gemma 2 in test_families.py, natively and in the browser."""
+where it goes in every kernel the cache adds, for the CPU and for WebGPU, and in Kiln's own CPU decode
+kernel; and the refusals of kernels Kiln does not know. Numerics (soft-cap, Kiln's decode kernel, the
+prefill fix) are checked against transformers in test_families.py, natively and in the browser."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
 from kiln.errors import KilnError
 from kiln.models.attention_softcap import is_attention_kernel, soft_cap_attention_kernels, soft_capped
+from kiln.models.cpu_decode_attention import decode_attention
+from kiln.models.paged_prefill_fix import fixed
 
 TARGETS = {"cpu": "llvm", "webgpu": tvm.target.Target("webgpu", host="llvm")}
 
@@ -70,3 +73,14 @@ def test_every_attention_kernel_caps_its_scores_in_one_place_and_nothing_else_ch
 def test_a_kernel_that_stores_no_score_kiln_knows_stops_the_build():
     with pytest.raises(KilnError, match="tir_attention_odd stores its scores in 0 places"):
         soft_capped(_merge_state_inplace_cpu("float32"), "tir_attention_odd", 3.0)
+
+
+def test_kilns_cpu_decode_kernel_takes_the_soft_cap_too():
+    kernel = decode_attention(num_kv_heads=2, num_qo_heads=4, head_dim=32, dtype="float32")
+    assert "T.tanh(" not in kernel.script()
+    assert soft_capped(kernel, "tir_attention_decode_cpu", 3.0).script().count("T.tanh(") == 1
+
+
+def test_a_prefill_kernel_without_the_running_maximum_kiln_fixes_stops_the_build():
+    with pytest.raises(KilnError, match="tir_attention_odd is not the one Kiln fixes .it has no new_m"):
+        fixed(_merge_state_inplace_cpu("float32"), "tir_attention_odd")
