@@ -176,8 +176,9 @@ RUN_LIBRARY_JS = """async ({ library, webgpu, calls }) => {
   try {
     await import("/web/node_modules/@mlc-ai/web-runtime/lib/index.js");
     const tvmjs = globalThis.tvmjs;
-    const bytes = await (await fetch(library)).arrayBuffer();
-    tvm = await tvmjs.instantiate(bytes, tvmjs.createPolyfillWASI(), (message) => console.info(message));
+    const { instantiateLibrary } = await import("/web/src/wasm-threads.js");  // the wasm library's shared memory
+    const bytes = new Uint8Array(await (await fetch(library)).arrayBuffer());
+    tvm = (await instantiateLibrary(tvmjs, bytes, { log: (message) => console.info(message) })).tvm;
     let gpu = null;
     if (webgpu) {
       gpu = (await tvmjs.detectGPUDevice()).device;
