@@ -56,7 +56,12 @@ def project(tmp_path_factory) -> Path:
 def test_the_tarball_holds_the_engine_and_declares_what_it_needs(project):
     installed = json.loads((project / "node_modules" / "kiln-web" / "package.json").read_text())
     assert "private" not in installed
-    assert installed["exports"] == {".": "./src/index.js", "./worker": "./src/bundle-worker.js"}
+    assert installed["exports"] == {
+        ".": "./src/index.js",
+        "./worker": "./src/bundle-worker.js",
+        "./wasm-thread": "./src/wasm-thread.js",
+    }
+    assert (project / "node_modules" / "kiln-web" / "src" / "wasm-thread.js").is_file()
     assert set(installed["dependencies"]) == {
         "@mlc-ai/web-runtime",
         "@mlc-ai/web-tokenizers",
