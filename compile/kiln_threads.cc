@@ -79,15 +79,17 @@ static void run_task(int task_id) {
   if (pool.lambda(task_id, &env, pool.cdata) != 0) store(&pool.failed, 1);
 }
 
-// What emscripten's JS glue does for the main thread (the library runs without that glue): the
-// engine forwards the import __emscripten_init_main_thread_js, called by the constructors, here.
-// aligned_alloc wants a size that is a multiple of the alignment.
+static size_t round_up(size_t size, size_t alignment) { return (size + alignment - 1) & ~(alignment - 1); }
+
+// aligned_alloc wants a size that is a multiple of the alignment (and, to succeed, not 0).
 static void* allocate(size_t alignment, size_t size) {
-  return aligned_alloc(alignment, (size + alignment) & ~(alignment - 1));
+  return aligned_alloc(alignment, round_up(size > 0 ? size : 1, alignment));
 }
 
 static void* new_tls_block(void) { return allocate(__builtin_wasm_tls_align(), __builtin_wasm_tls_size()); }
 
+// What emscripten's JS glue does for the main thread (the library runs without that glue): the
+// engine forwards the import __emscripten_init_main_thread_js, called by the constructors, here.
 void kiln_threads_adopt_main_thread(void* thread) {
   __wasm_init_tls(new_tls_block());
   __set_thread_state(thread, 1, 1, 1);
@@ -184,7 +186,7 @@ void* __wrap_TVMBackendAllocWorkspace(int device_type, int device_id, uint64_t n
   int index = current_helper();
   if (index < 0) return __real_TVMBackendAllocWorkspace(device_type, device_id, nbytes, dtype_code, dtype_bits);
   Helper* helper = &pool.helper[index];
-  uintptr_t size = (nbytes + KILN_WORKSPACE_ALIGN - 1) & ~(uintptr_t)(KILN_WORKSPACE_ALIGN - 1);
+  uintptr_t size = round_up(nbytes, KILN_WORKSPACE_ALIGN);
   if (helper->arena_used + size > KILN_ARENA_BYTES) return NULL;  // the kernel reports the failure
   void* workspace = (void*)(helper->arena + helper->arena_used);
   helper->arena_used += size;
