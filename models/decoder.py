@@ -242,7 +242,12 @@ class DecoderModel(nn.Module):
         return self.logits(gather_positions(hidden, logit_positions)), paged_kv_cache
 
     def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache):
-        return self.logits(self.hidden_states(input_embeds, paged_kv_cache)), paged_kv_cache
+        """The batch's tokens laid out as one row, as prefill lays out a prompt's: the layers then
+        run prefill's kernels, not copies for another shape (compile/shared_kernels.py)."""
+        batch_size, _, hidden_size = input_embeds.shape
+        tokens = nn.op.reshape(input_embeds, (1, batch_size, hidden_size))
+        logits = self.logits(self.hidden_states(tokens, paged_kv_cache))
+        return nn.op.reshape(logits, (batch_size, 1, logits.shape[-1])), paged_kv_cache
 
     def prefill_all_logits(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
         """Logits of every position: forced decoding in one pass (parity checks; WebLLM ignores it)."""

@@ -236,30 +236,40 @@ def test_chunked_prefill_matches_one_pass(tiny_dir):
 
 def test_the_batch_functions_mlc_llms_engine_runs_give_prefill_and_decode_logits(tiny_dir):
     """MLC-LLM's C++ engine (its Android and iOS apps, which run `kiln package` bundles) prefills and
-    decodes with batch_prefill and batch_decode; Kiln's engines and WebLLM use prefill and decode."""
+    decodes with batch_prefill and batch_decode; Kiln's engines and WebLLM use prefill and decode.
+    Here two sequences are prefilled apart and decoded in one batch."""
     import tvm
     from tvm.runtime import ShapeTuple
 
     from kiln.runtime import NativeModel, on_compute_thread
 
-    ids = [5, 17, 100, 42, 7]
-    single = NativeModel(tiny_dir)
-    expected = [single.prefill(ids), single.decode(9)]
+    prompts, next_tokens = [[5, 17, 100, 42, 7], [3, 250, 9]], [9, 11]
+    expected = []
+    for prompt, token in zip(prompts, next_tokens):
+        single = NativeModel(tiny_dir)
+        expected.append([single.prefill(prompt), single.decode(token)])
     batched = NativeModel(tiny_dir)
+    batched._kv_builtin["kv_state_add_sequence"](batched.kv_cache, 1)  # sequence 0 is the model's own
 
-    def step(function: str, token_ids: list[int], *extra) -> np.ndarray:
+    def step(function: str, sequences: list[int], token_ids: list[int], *extra) -> np.ndarray:
         embeds = batched.vm["embed"](tvm.runtime.tensor(np.array(token_ids, dtype="int32")), batched.params)
-        shape = (1, len(token_ids), -1) if function == "batch_prefill" else (len(token_ids), 1, -1)
-        embeds = embeds._create_view((*shape[:2], embeds.shape[-1]))
-        batched._kv_builtin["kv_state_begin_forward"](batched.kv_cache, ShapeTuple([0]), ShapeTuple([len(token_ids)]))
+        shape = (1, len(token_ids)) if function == "batch_prefill" else (len(token_ids), 1)
+        embeds = embeds._create_view((*shape, embeds.shape[-1]))
+        lengths = [len(token_ids)] if function == "batch_prefill" else [1] * len(token_ids)
+        batched._kv_builtin["kv_state_begin_forward"](batched.kv_cache, ShapeTuple(sequences), ShapeTuple(lengths))
         logits, _ = batched.vm[function](embeds, *extra, batched.kv_cache, batched.params)
         batched._kv_builtin["kv_state_end_forward"](batched.kv_cache)
-        return logits.numpy().reshape(-1, logits.shape[-1])[-1]
+        return logits.numpy().reshape(-1, logits.shape[-1])
 
-    last = tvm.runtime.tensor(np.array([len(ids) - 1], dtype="int32"))
-    got = [on_compute_thread(step, "batch_prefill", ids, last), on_compute_thread(step, "batch_decode", [9])]
-    for ours, theirs in zip(got, expected):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    last_positions = [tvm.runtime.tensor(np.array([len(prompt) - 1], "int32")) for prompt in prompts]
+    prefilled = [
+        on_compute_thread(step, "batch_prefill", [seq], prompt, last)
+        for seq, (prompt, last) in enumerate(zip(prompts, last_positions))
+    ]
+    decoded = on_compute_thread(step, "batch_decode", [0, 1], next_tokens)
+    for seq, (prefill_logits, decode_logits) in enumerate(expected):
+        np.testing.assert_allclose(prefilled[seq][-1], prefill_logits, atol=1e-5)
+        np.testing.assert_allclose(decoded[seq], decode_logits, atol=1e-5)
 
 
 def test_one_generation_at_a_time_and_interrupt(fresh):
