@@ -24,6 +24,7 @@ from tvm import relax as rx
 from kiln.errors import KilnError
 
 from .attention_softcap import soft_cap_attention_kernels
+from .cache_kernels import declare_cache_kernels_noalias
 from .cpu_decode_attention import replace_decode_attention_kernel
 from .gguf import GGUFMapping
 from .paged_prefill_fix import fix_paged_prefill_kernels
@@ -289,6 +290,8 @@ class DecoderModel(nn.Module):
             target=tvm.target.Target.current(),
         )
         fix_paged_prefill_kernels()
+        if tvm.target.Target.current().kind.name == "llvm":
+            declare_cache_kernels_noalias()
         replace_decode_attention_kernel(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
