@@ -244,7 +244,8 @@ class DecoderModel(nn.Module):
 
     def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache):
         """The batch's tokens laid out as one row, as prefill lays out a prompt's: the layers then
-        run prefill's kernels, not copies for another shape (compile/shared_kernels.py)."""
+        run prefill's kernels (TVM gives operators of one shape one kernel), not copies for a
+        (batch, 1) shape that every library would compile and WebGPU would make pipelines of."""
         batch_size, _, hidden_size = input_embeds.shape
         tokens = nn.op.reshape(input_embeds, (1, batch_size, hidden_size))
         logits = self.logits(self.hidden_states(tokens, paged_kv_cache))
