@@ -291,11 +291,11 @@ class DecoderModel(nn.Module):
             target=tvm.target.Target.current(),
         )
         fix_paged_prefill_kernels()
-        if tvm.target.Target.current().kind.name == "llvm":
-            declare_cache_kernels_noalias()
         replace_decode_attention_kernel(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
+        if tvm.target.Target.current().kind.name == "llvm":
+            declare_cache_kernels_noalias()  # last: Kiln's own decode kernel is one of them too
         return cache
 
 
