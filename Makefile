@@ -69,8 +69,8 @@ wheel: python web
 SMOLLM2 = $(shell $(PY) tests/assets.py)
 
 demo-build: setup runtime
-	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f32_1 -t cpu,webgpu,wasm -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f32_1
-	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f16_1 -t webgpu -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f16_1
+	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f32_1 -t cpu,webgpu,webgpu-subgroups,wasm -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f32_1
+	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f16_1 -t webgpu,webgpu-subgroups -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f16_1
 
 demo: demo-build
 	$(VENV)/bin/kiln serve --dist $(DIST) --port $(PORT)

@@ -132,6 +132,7 @@ def bench_browser(
     report = {
         "model_id": stats["model_id"],
         "device": stats["backend"],
+        "library": stats["library_target"],
         "adapter": stats["adapter"],
         "threads": stats["threads"] if stats["backend"] == "wasm" else None,
         "prompt_tokens": prompt_tokens,
@@ -155,7 +156,7 @@ def bench_browser(
     }
     adapter = stats["adapter"]
     on = (
-        f"WebGPU ({adapter['vendor']} {adapter['architecture']})".strip()
+        f"WebGPU ({adapter['vendor']} {adapter['architecture']}, the {report['library']} library)"
         if adapter
         else f"CPU wasm ({report['threads']} thread{'s' if report['threads'] > 1 else ''})"
     )

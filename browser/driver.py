@@ -104,7 +104,7 @@ class BrowserEngineError(KilnError):
 
 # The page-side halves of PageEngine's methods. The engine lives in `globalThis.kilnDriven`;
 # failures come back as {error: {code, message}} so Python sees the engine's own codes.
-LOAD_JS = """async ({modelId, device, threads, appConfig, appConfigUrl}) => {
+LOAD_JS = """async ({modelId, device, library, threads, appConfig, appConfigUrl}) => {
   const { createEngine } = await import("/web/src/index.js");
   try {
     const config = appConfig ?? await (await fetch(appConfigUrl, { cache: "no-cache" })).json();
@@ -112,7 +112,8 @@ LOAD_JS = """async ({modelId, device, threads, appConfig, appConfigUrl}) => {
     const started = performance.now();
     await globalThis.kilnDriven?.unload();
     globalThis.kilnDriven = await createEngine(config, modelId, {
-      device, threads: threads ?? undefined, onProgress: ({ phase }) => { phases[phase] = (phases[phase] ?? 0) + 1; },
+      device, library: library ?? undefined, threads: threads ?? undefined,
+      onProgress: ({ phase }) => { phases[phase] = (phases[phase] ?? 0) + 1; },
     });
     return { seconds: (performance.now() - started) / 1000, progress_events: phases,
              stats: await globalThis.kilnDriven.stats() };
@@ -195,14 +196,16 @@ class PageEngine:
         app_config_url: str = "/api/app-config.json",
         threads: int | None = None,
     ) -> dict:
-        """Load a model; returns {seconds, progress_events: {phase: count}, stats}. `threads`: for
-        the CPU wasm library (default: the engine's choice)."""
+        """Load a model; returns {seconds, progress_events: {phase: count}, stats}. `device`: "auto"
+        or the target of the library to run (webgpu, webgpu-subgroups, wasm). `threads`: for the CPU
+        wasm library (default: the engine's choice)."""
         return _unwrap(
             self.page.evaluate(
                 LOAD_JS,
                 {
                     "modelId": model_id,
-                    "device": device,
+                    "device": "auto",
+                    "library": None if device == "auto" else device,
                     "threads": threads,
                     "appConfig": app_config,
                     "appConfigUrl": app_config_url,

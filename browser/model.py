@@ -36,7 +36,7 @@ class BrowserModel:
         self.vocab_size = int(self.chat_config["vocab_size"])
         self.prefill_chunk_size = int(self.chat_config["prefill_chunk_size"])
         self.context_window_size = int(load["stats"]["context_window_size"])
-        self.backend = load["stats"]["backend"]
+        self.backend = load["stats"]["library_target"]  # webgpu, webgpu-subgroups or wasm
         self.adapter = load["stats"]["adapter"]
         self.load_s = load["seconds"]
 

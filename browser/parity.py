@@ -298,7 +298,7 @@ def run_parity(
 
 def report_lines(report: dict, results: list[PromptParity], contract: ParityContract) -> list[str]:
     on = (
-        f"WebGPU ({report['adapter']['vendor']} {report['adapter']['architecture']})"
+        f"WebGPU ({report['adapter']['vendor']} {report['adapter']['architecture']}, the {report['browser']} library)"
         if report["adapter"]
         else "CPU wasm"
     )

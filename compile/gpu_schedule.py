@@ -1,60 +1,113 @@
 """Kiln's GPU schedules for decode matrix-vector products (one input row).
 
-`SplitReductionGEMV(lanes, rows, lane_width, max_steps)`: a workgroup computes `rows` outputs,
-each with `lanes` threads. A thread reads `lane_width` consecutive weights at a time (8: one
-packed 4-bit word), every `lanes`-th such run of the row (at most `max_steps` runs, else the rule
-declines), and the lanes' sums are added in a cross-thread reduction.
+Two WebGPU libraries are built from a model (targets `webgpu` and `webgpu-subgroups`); they differ
+in how a decode GEMV adds up a row:
 
-- `WEBGPU_DECODE_GEMV` (16 rows × 4 lanes, one packed word at a time) replaces dlight's GEMV on
-  WebGPU. dlight gives each output its own 64-thread workgroup and adds the 64 sums in seven
-  barrier-separated steps; adapters that run workgroups on the CPU (SwiftShader) pay dearly for
-  every barrier-separated phase and every workgroup. On SwiftShader a 1536×576 q4f32_1 product
-  takes 11 ms this way, 99 ms with dlight's. Four lanes reading neighbouring words keep the
-  weight reads of a row contiguous for hardware GPUs. Rows longer than 1536 weights (larger
-  models than SmolLM2, where the layout was measured) keep dlight's GEMV: four lanes would read
-  them in long serial runs on too few threads to keep a hardware GPU's memory busy, and dlight's
-  is the one WebLLM ships. (Giving them 8 lanes instead made SmolLM2's 1536-wide down projection
-  1.5x slower on SwiftShader: twice the workgroups.)
+- `webgpu`: `RowPerThreadGEMV(rows=64)`, each thread sums a whole row, reading one packed 4-bit
+  word (8 weights) at a time; a workgroup computes 64 rows. No workgroup memory and no barrier,
+  which is what adapters that run workgroups on the CPU pay for: on SwiftShader SmolLM2's decode
+  GEMVs take 290 ms a step this way, against 580 ms when four lanes share a row and add their
+  sums through workgroup memory (TVM's reduction, four barriers), 540 ms with one barrier, and
+  several seconds with dlight's GEMV (a 64-thread workgroup per output, seven barriers).
+  Neighbouring threads read rows apart, which a hardware GPU coalesces worse than neighbouring
+  words; this library is the one for adapters without subgroups (and WebLLM's `model_lib`).
+- `webgpu-subgroups`: `SubgroupGEMV(rows=16)`, four lanes share a row, reading neighbouring
+  words, and add their sums with subgroup shuffles: contiguous reads and still no barrier (the
+  same 290 ms on SwiftShader). The browser engine prefers it where the adapter has `subgroups`.
+
+Both decline rows longer than 1536 weights (larger models than SmolLM2, where they were measured):
+one or four threads would read such a row in long serial runs, on too few threads to keep a
+hardware GPU's memory busy, so those keep dlight's GEMV, the one WebLLM ships.
+
 - `WebGPUMatmul` (prefill) is dlight's tiled matmul with 32-deep k tiles (dlight's WebGPU
   default is 8): a quarter of the steps, each loading tiles into workgroup memory between two
   barriers. On SwiftShader SmolLM2's 16-token prefill spends 7.6–8.0 s in matmuls instead of
   13.2–14.7 s; 16-deep tiles measured no faster than 8-deep ones, so the step count alone does
   not explain it. The tiles take 8 KB of the 32 KB of workgroup memory Kiln allows.
-- `SplitReductionGEMV()` (64 lanes, one output per workgroup) is the fallback for the kernels
-  dlight's GEMV declines: its analysis needs the weight indices to be affine in the loops, and a
-  GGUF block type's are not (a weight's byte is at `col // 32 * 18 + 2 + col % 16`).
+- `SplitReductionGEMV()` (64 lanes, one output per workgroup, TVM's cross-thread reduction) is the
+  fallback for the kernels dlight's GEMV declines: its analysis needs the weight indices to be
+  affine in the loops, and a GGUF block type's are not (a weight's byte is at
+  `col // 32 * 18 + 2 + col % 16`).
 """
 
 from __future__ import annotations
 
-from tvm import tirx
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from .cpu_schedule import one_matmul
 
 
+def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None):
+    """(schedule, block names, the matmul's name, its loops (batch…, out, reduce)) when `func` is
+    a one-row matmul whose outputs split into `rows` and whose rows split into `run`s, at most
+    `max_row` long; else None. The weights' producers (dequantize, gathered rows) are inlined."""
+    if (found := one_matmul(func)) is None:
+        return None
+    sch, names, matmul = found
+    *batch, out, reduce = loops = sch.get_loops(sch.get_sblock(matmul))
+    if any(not isinstance(sch.get(loop).extent, tirx.IntImm) or sch.get(loop).extent.value != 1 for loop in batch):
+        return None  # prefill: more than one input row
+    out_features, in_features = sch.get(out).extent, sch.get(reduce).extent
+    if not isinstance(out_features, tirx.IntImm) or out_features.value % rows:
+        return None
+    if not isinstance(in_features, tirx.IntImm) or in_features.value % run:
+        return None
+    if max_row is not None and in_features.value > max_row:
+        return None
+    for name in names[: names.index(matmul)]:
+        sch.compute_inline(sch.get_sblock(name))
+    return sch, names, matmul, loops
+
+
+def epilogue_at(sch: s_tir.Schedule, names: list[str], matmul: str, row) -> s_tir.SBlockRV:
+    """Compute the matmul's epilogue (e.g. a fused residual add) at `row`, every value before the
+    output in registers; returns the block that writes the output."""
+    stages = [matmul, *names[names.index(matmul) + 1 :]]
+    for name in stages[1:]:
+        sch.reverse_compute_at(sch.get_sblock(name), row)
+    for name in stages[:-1]:
+        sch.set_scope(sch.get_sblock(name), 0, "local")
+    return sch.get_sblock(stages[-1])
+
+
+class RowPerThreadGEMV(dl.ScheduleRule):
+    def __init__(self, rows: int, lane_width: int, max_row: int | None = None):
+        self.rows, self.lane_width, self.max_row = rows, lane_width, max_row
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if (found := decode_matmul(func, self.rows, self.lane_width, self.max_row)) is None:
+            return None
+        sch, names, matmul, (*batch, out, reduce) = found
+        block = sch.get_sblock(matmul)
+        workgroup, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
+        sch.unroll(sch.split(reduce, [None, self.lane_width])[1])
+        sch.bind(workgroup, "blockIdx.x")
+        sch.bind(row, "threadIdx.x")
+        if sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
+            sch.reverse_compute_at(sch.cache_write(block, 0, "local"), row)  # sum in a register
+        return sch
+
+
 class SplitReductionGEMV(dl.ScheduleRule):
+    """A workgroup computes `rows` outputs, each with `lanes` threads. A thread reads `lane_width`
+    consecutive weights at a time, every `lanes`-th such run of the row (at most `max_steps` runs),
+    keeping its partial sum in a register; TVM's cross-thread reduction adds the lanes' sums (a
+    tree of steps through workgroup memory, a barrier each)."""
+
     def __init__(self, lanes: int = 64, rows: int = 1, lane_width: int = 1, max_steps: int | None = None):
         self.lanes, self.rows, self.lane_width, self.max_steps = lanes, rows, lane_width, max_steps
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if (found := one_matmul(func)) is None:
+        run = self.lanes * self.lane_width
+        max_row = self.max_steps and self.max_steps * run
+        if (found := decode_matmul(func, self.rows, run, max_row)) is None:
             return None
-        sch, names, matmul = found
+        sch, names, matmul, (*batch, out, reduce) = found
         block = sch.get_sblock(matmul)
-        *batch, out, reduce = sch.get_loops(block)
-        if any(not isinstance(sch.get(loop).extent, tirx.IntImm) or sch.get(loop).extent.value != 1 for loop in batch):
-            return None  # prefill: more than one input row
-        out_features, in_features = sch.get(out).extent, sch.get(reduce).extent
-        if not isinstance(out_features, tirx.IntImm) or out_features.value % self.rows:
-            return None
-        if not isinstance(in_features, tirx.IntImm) or in_features.value % (self.lanes * self.lane_width):
-            return None
-        if self.max_steps is not None and in_features.value > self.max_steps * self.lanes * self.lane_width:
-            return None
-        for name in names[: names.index(matmul)]:  # the weights' producers: dequantize, gathered rows
-            sch.compute_inline(sch.get_sblock(name))
         _, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
         _, lane, run = sch.split(reduce, [None, self.lanes, self.lane_width])
         partial = sch.rfactor(lane, factor_axis=0)
@@ -67,12 +120,63 @@ class SplitReductionGEMV(dl.ScheduleRule):
         sch.bind(lane, "threadIdx.x")
         sch.reverse_compute_at(block, row)
         sch.bind(sch.get_loops(block)[-1], "threadIdx.x")
-        epilogue = names[names.index(matmul) + 1 :]  # e.g. a fused residual add
-        for name in epilogue:
-            sch.reverse_compute_at(sch.get_sblock(name), row)
-        for name in [matmul, *epilogue][:-1]:  # values before the last stage: one per row, held by each lane
-            sch.set_scope(sch.get_sblock(name), 0, "local")
-        return sch
+        epilogue_at(sch, names, matmul, row)
+        return self.lane_sums_lowered(sch, target)
+
+    def lane_sums_lowered(self, sch: s_tir.Schedule, target: Target) -> s_tir.Schedule:
+        return sch  # TVM lowers the cross-thread reduction itself
+
+
+# WebGPU guarantees at least this many invocations per subgroup (subgroupMinSize).
+SUBGROUP_MIN_SIZE = 4
+
+
+class SubgroupGEMV(SplitReductionGEMV):
+    """The lanes add their sums with `subgroupShuffleDown`: no workgroup memory, no barrier.
+
+    TVM's own subgroup lowering is not used: a target with `supports_subgroups` gives every kernel a
+    warp of 32 and broadcasts the sum from an absolute lane, which is wrong wherever the subgroup has
+    another size (SwiftShader's has 4), in the norms and attention as much as here. These kernels
+    need no broadcast (lane 0 alone writes the row's output) and shift by at most lanes / 2, so
+    they are right on every subgroup size WebGPU allows, given that a workgroup's invocations fill
+    its subgroups in order (`local_invocation_index`), as they do on Dawn's backends. Only these
+    kernels are compiled for a target with subgroups, which is what makes their WGSL
+    `enable subgroups;`."""
+
+    def __init__(self, rows: int, lane_width: int, max_steps: int | None = None, lanes: int = SUBGROUP_MIN_SIZE):
+        if lanes > SUBGROUP_MIN_SIZE or lanes & (lanes - 1):
+            raise ValueError(f"subgroup lanes must be a power of two up to {SUBGROUP_MIN_SIZE}, not {lanes}")
+        super().__init__(lanes, rows, lane_width, max_steps)
+
+    def lane_sums_lowered(self, sch, target):
+        lowered = s_tir.transform.LowerCrossThreadReduction()(sch.mod)["main"]
+        subgroups = Target({**target.export(), "supports_subgroups": True})
+        return s_tir.Schedule(shuffled_lane_sums(lowered, self.lanes).with_attr("target", subgroups))
+
+
+def shuffled_lane_sums(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
+    """`func` with each cross-lane sum (TVM's `tvm_thread_allreduce`) done by shifting the partial
+    sums down the subgroup: halving shifts leave lane 0 of every `lanes` the total."""
+
+    def shuffled(attr: tirx.AttrStmt) -> tirx.Stmt:
+        call = attr.body.value if isinstance(attr.body, tirx.Evaluate) else None
+        if attr.attr_key != "reduce_scope" or getattr(call, "op", None) != THREAD_ALLREDUCE:
+            return attr
+        value_count, value, _, total, _ = call.args  # one value, always reduced, over one thread axis
+        assert int(value_count) == 1, "a GEMV sums one value"
+        steps = [tirx.BufferStore(total.source, value, total.indices)]
+        shift = lanes // 2
+        while shift:
+            below = tirx.call_intrin(total.ty, SHUFFLE_DOWN, total, tirx.const(shift, "uint32"))
+            steps.append(tirx.BufferStore(total.source, total + below, total.indices))
+            shift //= 2
+        return tirx.SeqStmt(steps)
+
+    return tvm_ffi.structural_map(func, (tirx.AttrStmt, shuffled))
+
+
+THREAD_ALLREDUCE = tvm.ir.Op.get("tirx.tvm_thread_allreduce")
+SHUFFLE_DOWN = "tirx.webgpu.subgroup_shuffle_down"
 
 
 class WebGPUMatmul(dl.gpu.Matmul):
@@ -80,4 +184,6 @@ class WebGPUMatmul(dl.gpu.Matmul):
         return dl.gpu.Matmul.Config(micro_size_k=32)
 
 
-WEBGPU_DECODE_GEMV = SplitReductionGEMV(lanes=4, rows=16, lane_width=8, max_steps=48)
+MAX_DECODE_ROW = 1536
+WEBGPU_DECODE_GEMV = RowPerThreadGEMV(rows=64, lane_width=8, max_row=MAX_DECODE_ROW)
+WEBGPU_SUBGROUP_DECODE_GEMV = SubgroupGEMV(rows=16, lane_width=8, max_steps=MAX_DECODE_ROW // (SUBGROUP_MIN_SIZE * 8))

@@ -103,6 +103,12 @@ def webgpu_schedules() -> tvm.transform.Pass:
     return gpu_schedules(WebGPUMatmul(), decode_gemv=(WEBGPU_DECODE_GEMV,))
 
 
+def webgpu_subgroup_schedules() -> tvm.transform.Pass:
+    from .gpu_schedule import WEBGPU_DECODE_GEMV, WEBGPU_SUBGROUP_DECODE_GEMV, WebGPUMatmul
+
+    return gpu_schedules(WebGPUMatmul(), decode_gemv=(WEBGPU_SUBGROUP_DECODE_GEMV, WEBGPU_DECODE_GEMV))
+
+
 def cpu_schedules() -> tvm.transform.Pass:
     from .cpu_schedule import RowNorm, RowParallelMatmul
 
@@ -148,6 +154,10 @@ def cpu_named(tuning: str) -> str:
 
 def cpu_target(tuning: str = "portable") -> dict:
     return {"kind": "llvm", "mcpu": cpu_named(tuning)}
+
+
+def webgpu_target() -> dict:
+    return {"kind": "webgpu", "host": WASM32}
 
 
 def metal_target(host_triple: str) -> dict:
@@ -238,8 +248,19 @@ TARGETS: dict[str, TargetEntry] = {
         TargetEntry(
             "webgpu",
             "browsers with WebGPU (wasm + WGSL)",
-            lambda: {"kind": "webgpu", "host": WASM32},
+            webgpu_target,
             webgpu_schedules,
+            export_wasm,
+            "wasm",
+            check_webgpu_limits,
+            browser=True,
+        ),
+        TargetEntry(
+            "webgpu-subgroups",
+            "browsers whose GPU has WebGPU subgroups (decode kernels sum in subgroup shuffles; "
+            "the browser engine prefers it to webgpu there)",
+            webgpu_target,
+            webgpu_subgroup_schedules,
             export_wasm,
             "wasm",
             check_webgpu_limits,

@@ -141,7 +141,7 @@ def driver():
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_build) -> Path:
     """The tiny Llama at q4f32_1 with every library the server and the browser use."""
-    return tiny_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+    return tiny_build("q4f32_1", ["cpu", "webgpu", "webgpu-subgroups", "wasm"])
 
 
 @pytest.fixture(scope="module")

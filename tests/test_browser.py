@@ -121,26 +121,77 @@ def test_the_cpu_library_runs_on_two_threads_with_one_threads_logits(driver, tmp
             np.testing.assert_array_equal(np.stack([s["logits"] for s in step]), logits[1])
 
 
-CHOOSE_JS = """async ({modelId, device, withF16}) => {
+CHOOSE_JS = """async ({modelId, device, library, withF16, withoutSubgroups}) => {
   const { chooseBackend } = await import("/web/src/loader.js");
   const config = await (await fetch("/api/app-config.json")).json();
   const f32 = config.model_list.find((record) => record.model_id === modelId);
   const f16 = { ...f32, model_id: f32.model_id.replace("f32", "f16"), required_features: ["shader-f16"] };
   if (withF16) config.model_list.push(f16);
-  const { record, backend, fallbackReason } = await chooseBackend(config, withF16 ? f16.model_id : modelId, device);
-  return { model_id: record.model_id, backend, fallbackReason };
+  const requestAdapter = navigator.gpu.requestAdapter;
+  if (withoutSubgroups) {  // an adapter like SwiftShader's, less the subgroups feature
+    navigator.gpu.requestAdapter = async (options) => {
+      const adapter = await requestAdapter.call(navigator.gpu, options);
+      const features = new Set([...adapter.features].filter((feature) => feature !== "subgroups"));
+      return { features, limits: adapter.limits, info: adapter.info };
+    };
+  }
+  try {
+    const choice = await chooseBackend(config, withF16 ? f16.model_id : modelId, device, library);
+    return { model_id: choice.record.model_id, backend: choice.backend, library: choice.library,
+             fallbackReason: choice.fallbackReason };
+  } catch (error) {
+    return { error: error.message };
+  } finally {
+    navigator.gpu.requestAdapter = requestAdapter;
+  }
 }"""
 
 
+def choose(engine, device="webgpu", library=None, with_f16=False, without_subgroups=False) -> dict:
+    return engine.page.evaluate(
+        CHOOSE_JS,
+        {
+            "modelId": MODEL_ID,
+            "device": device,
+            "library": library,
+            "withF16": with_f16,
+            "withoutSubgroups": without_subgroups,
+        },
+    )
+
+
 def test_swiftshader_has_no_shader_f16_so_the_f32_variant_is_chosen(engine):
-    choice = engine.page.evaluate(CHOOSE_JS, {"modelId": MODEL_ID, "device": "webgpu", "withF16": True})
-    assert choice == {"model_id": MODEL_ID, "backend": "webgpu", "fallbackReason": None}
+    choice = choose(engine, with_f16=True)
+    assert choice == {"model_id": MODEL_ID, "backend": "webgpu", "library": "webgpu-subgroups", "fallbackReason": None}
 
 
 def test_auto_prefers_the_cpu_library_to_swiftshader(engine):
-    choice = engine.page.evaluate(CHOOSE_JS, {"modelId": MODEL_ID, "device": "auto", "withF16": False})
+    choice = choose(engine, device="auto")
     assert choice["backend"] == "wasm" and "renders in software" in choice["fallbackReason"]
     assert "swiftshader" in choice["fallbackReason"].lower()
+
+
+def test_the_subgroup_library_is_chosen_where_the_adapter_has_subgroups(engine):
+    assert choose(engine)["library"] == "webgpu-subgroups"
+    assert choose(engine, without_subgroups=True)["library"] == "webgpu"
+    assert choose(engine, library="webgpu")["library"] == "webgpu"  # pinned
+    pinned = choose(engine, library="webgpu-subgroups", without_subgroups=True)
+    assert "lacks the WebGPU feature subgroups" in pinned["error"]
+    assert "Unknown library" in choose(engine, library="webgpu-fast")["error"]
+
+
+def test_the_subgroup_library_generates_what_the_native_build_generates(driver, tmp_path, url, tiny_dir):
+    with browser_page(driver, tmp_path / "profile", url) as (_, page):
+        engine = PageEngine(page)
+        stats = engine.load(MODEL_ID, device="webgpu-subgroups")["stats"]
+        assert (stats["backend"], stats["library_target"]) == ("webgpu", "webgpu-subgroups")
+        check_greedy_parity(engine, tiny_dir)
+        engine.call("resetChat")
+        ids = engine.call("session.encode", "The history of the city is long")
+        engine.call("session.prefill", ids)
+        kernels = engine.call("session.timeDecode", ids[0], {"topK": 1})["kernels"]
+    gemvs = {k["kernel"]: k["barriers"] + k["loopBarriers"] for k in kernels if "matmul" in k["kernel"]}
+    assert len(gemvs) >= 4 and not any(gemvs.values()), gemvs  # qkv, o, gate_up, down, lm_head: no barrier
 
 
 def test_all_logits_match_step_by_step_logits(engine):

@@ -21,7 +21,7 @@ REPLY_TIMEOUT_MS = 20 * 60_000
 
 @pytest.fixture(scope="module")
 def url(smollm2_build) -> str:
-    model_dir = smollm2_build("q4f32_1", ["webgpu", "wasm"])
+    model_dir = smollm2_build("q4f32_1", ["webgpu", "webgpu-subgroups", "wasm"])
     with served(model_dir.parent) as base:
         yield base
 
@@ -54,7 +54,8 @@ def ask(page, screenshot: Path | None = None) -> str:
 
 
 def test_harness_answers_on_webgpu_and_loads_from_cache_the_second_time(driver, tmp_path, url):
-    # ?device=webgpu: in auto the harness would take the wasm library over SwiftShader.
+    # ?device=webgpu: in auto the harness would take the wasm library over SwiftShader; on WebGPU it
+    # takes the subgroup library, SwiftShader having subgroups.
     with browser_page(driver, tmp_path / "profile", f"{url}?model={MODEL_ID}&device=webgpu") as (context, page):
         requests = RequestLog(context)
         progress = []
@@ -65,7 +66,7 @@ def test_harness_answers_on_webgpu_and_loads_from_cache_the_second_time(driver, 
         load(page)
         assert len([p for p in progress if 0 < p < 1]) >= 3, "the progress bar should move while loading"
         assert requests.matching("params_shard_"), "the first visit downloads the weights"
-        assert "on webgpu" in page.inner_text("#stats")
+        assert "on webgpu-subgroups" in page.inner_text("#stats")
 
         screenshot = ARTIFACTS_DIR / "harness-mid-reply.png"
         screenshot.unlink(missing_ok=True)

@@ -13,9 +13,9 @@ from kiln.models.layers import matmul_transposed
 Q4F32 = GroupFormat(4, 32, "float32")
 
 
-def matmul_wgsl(out_features: int, in_features: int, residual: bool = False, rows=1) -> str:
+def matmul_wgsl(out_features: int, in_features: int, residual: bool = False, rows=1, target="webgpu") -> str:
     """The WGSL of a q4f32_1 matmul of `rows` input rows (one: decode), optionally + a residual,
-    under the webgpu target's schedules."""
+    under `target`'s schedules."""
     x = te.placeholder((1, rows, in_features), "float32", name="x")
     weight = te.placeholder((out_features, in_features // 8), "uint32", name="weight")
     scale = te.placeholder((out_features, in_features // 32), "float32", name="scale")
@@ -26,29 +26,64 @@ def matmul_wgsl(out_features: int, in_features: int, residual: bool = False, row
         y = te.compute(y.shape, lambda *i: y(*i) + skip(*i), name="add")
         args.append(skip)
     module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
-    entry = TARGETS["webgpu"]
-    target = entry.target()
-    with target:
+    entry = TARGETS[target]
+    with entry.target():
         module = entry.schedules()(module)
-    return tvm.tirx.build(module, target=target).imports[0].inspect_source()
+    built = tvm.tirx.build(module, target=entry.target())
+    return "".join(device.inspect_source() for device in built.imports)
+
+
+# target → the workgroup of its decode GEMV
+DECODE_WORKGROUPS = {"webgpu": "@workgroup_size(64, 1, 1)", "webgpu-subgroups": "@workgroup_size(4, 16, 1)"}
+
+
+def kilns_decode_gemv(wgsl: str, target: str) -> bool:
+    """Whether `wgsl` is Kiln's decode GEMV for `target` (dlight's also has 64 threads, and barriers)."""
+    return DECODE_WORKGROUPS[target] in wgsl and "workgroupBarrier" not in wgsl
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_a_workgroup_computes_16_outputs_with_4_lanes_each(residual):
+def test_webgpu_decode_gemv_sums_a_row_per_thread_without_barriers(residual):
     wgsl = matmul_wgsl(1536, 576, residual)
-    assert "@workgroup_size(4, 16, 1)" in wgsl
-    # adding four lanes' sums: two steps; dlight's GEMV gave every output 64 lanes and 8 barriers
-    assert wgsl.count("workgroupBarrier()") <= 4
+    assert DECODE_WORKGROUPS["webgpu"] in wgsl
+    assert "workgroupBarrier" not in wgsl and "var<workgroup>" not in wgsl and "subgroup" not in wgsl
+    assert ("skip_ptr[" in wgsl) == residual
 
 
-def test_widths_that_do_not_split_into_lanes_keep_dlights_schedule():
-    assert "@workgroup_size(4, 16, 1)" not in matmul_wgsl(1536, 48)
-    assert "@workgroup_size(4, 16, 1)" not in matmul_wgsl(40, 576)
+@pytest.mark.parametrize("residual", [False, True])
+def test_subgroup_decode_gemv_adds_four_lanes_with_two_shuffles_down(residual):
+    wgsl = matmul_wgsl(1536, 576, residual, target="webgpu-subgroups")
+    assert DECODE_WORKGROUPS["webgpu-subgroups"] in wgsl and "enable subgroups;" in wgsl
+    assert "workgroupBarrier" not in wgsl and "var<workgroup>" not in wgsl
+    assert re.findall(r"subgroupShuffleDown\(\w+\[0i\], (\du)\)", wgsl) == ["2u", "1u"]
+    # no broadcast from an absolute lane (TVM's own lowering, wrong on subgroups of another size)
+    assert "subgroupShuffle(" not in wgsl
+    assert re.search(r"if \(i32\(threadIdx\.x\) == 0i\) \{(\s+let .*)?\s+\w+_ptr\[", wgsl)  # lane 0 writes
 
 
-def test_rows_longer_than_48_words_a_lane_keep_dlights_schedule():
-    assert "@workgroup_size(4, 16, 1)" in matmul_wgsl(576, 1536)  # SmolLM2's down projection
-    assert "@workgroup_size(4, 16, 1)" not in matmul_wgsl(576, 1536 + 32 * 4)
+def test_only_the_subgroup_gemv_enables_subgroups():
+    """Other reductions in the subgroup library (here a prefill matmul) keep workgroup memory:
+    TVM's warp lowering assumes subgroups of 32."""
+    wgsl = matmul_wgsl(1536, 576, rows=tvm.tirx.Var("n", "int32"), target="webgpu-subgroups")
+    assert "subgroup" not in wgsl and "workgroupBarrier" in wgsl
+
+
+@pytest.mark.parametrize(
+    "target, shape",
+    [
+        ("webgpu", (40, 576)),  # 40 rows: not a multiple of a workgroup's 64
+        ("webgpu-subgroups", (40, 576)),  # nor of 16
+        ("webgpu-subgroups", (1536, 48)),  # 48 weights: not a multiple of four lanes' packed words
+    ],
+)
+def test_shapes_that_do_not_split_keep_dlights_schedule(target, shape):
+    assert not kilns_decode_gemv(matmul_wgsl(*shape, target=target), target)
+
+
+@pytest.mark.parametrize("target", DECODE_WORKGROUPS)
+def test_rows_longer_than_1536_weights_keep_dlights_schedule(target):
+    assert kilns_decode_gemv(matmul_wgsl(576, 1536, target=target), target)  # SmolLM2's down projection
+    assert not kilns_decode_gemv(matmul_wgsl(576, 1536 + 32 * 4, target=target), target)
 
 
 def test_prefill_matmuls_step_through_32_deep_tiles():

@@ -117,18 +117,19 @@ def test_generate_in_the_browser_prints_the_native_json(tiny_dir):
 
 
 @pytest.mark.slow
-def test_parity_holds_on_smollm2_on_webgpu(smollm2_build, tmp_path):
-    model_dir = smollm2_build("q4f32_1", ["cpu", "webgpu", "wasm"])
+@pytest.mark.parametrize("target", ["webgpu", "webgpu-subgroups"])
+def test_parity_holds_on_smollm2_on_webgpu(smollm2_build, tmp_path, target):
+    model_dir = smollm2_build("q4f32_1", ["cpu", "webgpu", "webgpu-subgroups", "wasm"])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(
         "The capital of France is a city with a long history, and its most famous landmark is\n"
         "Write a short poem about the sea, the wind and the boats that sail home at night.\n"
     )
     code, report = parity(
-        model_dir, "--prompts", str(prompts), "--max-tokens", "8", "--forced-positions", "16", "--target", "webgpu"
+        model_dir, "--prompts", str(prompts), "--max-tokens", "8", "--forced-positions", "16", "--target", target
     )
     print(json.dumps({k: v for k, v in report.items() if k != "prompts"}, indent=2))
-    assert report["browser"] == "webgpu"
+    assert report["browser"] == target
     assert_contract_holds(code, report, prompts=2, max_tokens=8)
     # The last 16 positions, and every one from a greedy divergence on.
     assert all(p["forced_positions"] == 16 or p["first_divergence"] is not None for p in report["prompts"])

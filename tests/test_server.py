@@ -49,7 +49,7 @@ def test_app_config_lists_the_browser_builds(url, tiny_dir):
     assert record["model"] == f"{url}models/{MODEL_ID}/"
     assert record["model_lib"] == f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-webgpu.wasm"
     assert record["kiln"]["libraries"] == {
-        t: f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-{t}.wasm" for t in ("webgpu", "wasm")
+        t: f"{url}models/{MODEL_ID}/libs/{MODEL_ID}-{t}.wasm" for t in ("webgpu", "webgpu-subgroups", "wasm")
     }
     assert record["required_features"] == []  # f32: no shader-f16 needed
     weights = sum(s["nbytes"] for s in json.loads((tiny_dir / "tensor-cache.json").read_text())["records"])

@@ -135,7 +135,7 @@ async function loadModel(modelId) {
   }
   const stats = await page.engine.stats();
   const note = stats.fallback_reason ? ` (CPU fallback: ${stats.fallback_reason})` : "";
-  const on = stats.backend === "wasm" ? `wasm (${stats.threads} thread${stats.threads > 1 ? "s" : ""})` : stats.backend;
+  const on = stats.backend === "wasm" ? `wasm (${stats.threads} thread${stats.threads > 1 ? "s" : ""})` : stats.library_target;
   $("stats").textContent = `Loaded ${stats.model_id} on ${on} in ${stats.load.seconds.toFixed(1)} s` +
     `${stats.load.from_cache ? " from the browser cache" : ""}${note}`;
   resetConversation();

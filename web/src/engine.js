@@ -370,11 +370,14 @@ export class Engine {
    * and web-tokenizers, a loader of @mlc-ai/web-xgrammar's (structured.js `Grammars`) and one of
    * @huggingface/jinja's ES module (chat templates for requests with tools).
    * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load. `threads`: for the
-   * CPU wasm library (wasm-threads.js).
+   * CPU wasm library (wasm-threads.js). `library` pins one of the model's libraries by target name
+   * (loader.js chooseBackend).
    */
-  static async load({ appConfig, modelId, device = "auto", threads, runtime, onProgress = () => {}, onFatal = () => {} }) {
+  static async load({
+    appConfig, modelId, device = "auto", library = null, threads, runtime, onProgress = () => {}, onFatal = () => {},
+  }) {
     const started = performance.now();
-    const choice = await chooseBackend(appConfig, modelId, device);
+    const choice = await chooseBackend(appConfig, modelId, device, library);
     const engine = new Engine(choice, onFatal);
     engine.requestedThreads = choice.backend === "wasm" ? availableThreads(threads) : 1;
     try {
@@ -391,6 +394,7 @@ export class Engine {
   constructor(choice, onFatal) {
     this.record = choice.record;
     this.backend = choice.backend;
+    this.libraryTarget = choice.library;
     this.libraryUrl = choice.libraryUrl;
     this.adapter = choice.adapter;
     this.fallbackReason = choice.fallbackReason;
@@ -779,6 +783,8 @@ export class Engine {
       model_id: this.record.model_id,
       backend: this.backend,
       library: this.libraryUrl,
+      // the library's target: webgpu, webgpu-subgroups (its decode kernels use subgroup operations) or wasm
+      library_target: this.libraryTarget,
       quantization: this.chatConfig?.quantization,
       adapter: adapterInfo ? { vendor: adapterInfo.vendor, architecture: adapterInfo.architecture, description: adapterInfo.description } : null,
       fallback_reason: this.fallbackReason,

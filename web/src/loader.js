@@ -72,15 +72,36 @@ export function softwareAdapter(adapter) {
   return info.isFallbackAdapter || adapter.isFallbackAdapter ? name || "a fallback adapter" : null;
 }
 
+// A record's WebGPU libraries, best first, with the adapter feature each needs.
+const WEBGPU_LIBRARIES = [
+  { library: "webgpu-subgroups", feature: "subgroups" },
+  { library: "webgpu", feature: null },
+];
+const LIBRARIES = [...WEBGPU_LIBRARIES.map(({ library }) => library), "wasm"];
+
+/** The name of the best WebGPU library of `record` that `adapter` runs (only `pinned`, when given). */
+function webgpuLibrary(record, adapter, pinned) {
+  const built = variantInfo(record).libraries;
+  const runnable = ({ library, feature }) => built[library] && (!feature || adapter.features.has(feature))
+    && (!pinned || pinned === library);
+  return WEBGPU_LIBRARIES.find(runnable)?.library ?? null;
+}
+
 /**
  * Pick the model variant and library to run: the f16 variant of the model's family when the
- * GPU has shader-f16, else the f32 one; the CPU (`wasm`) library when WebGPU is missing or
- * cannot run any variant, or (in "auto") when the adapter renders in software, where the CPU
- * library runs 50–100× faster. `device` is "auto", "webgpu" (never fall back) or "wasm".
+ * GPU has shader-f16, else the f32 one, with its subgroup kernels (`webgpu-subgroups`) when the
+ * GPU has subgroups; the CPU (`wasm`) library when WebGPU is missing or cannot run any variant,
+ * or (in "auto") when the adapter renders in software, where the CPU library runs 50–100×
+ * faster. `device` is "auto", "webgpu" (never fall back) or "wasm"; `library` pins one library by
+ * its target name (`webgpu`, `webgpu-subgroups` or `wasm`) and implies its device.
  *
- * Returns {record, backend: "webgpu" | "wasm", libraryUrl, adapter, fallbackReason}.
+ * Returns {record, backend: "webgpu" | "wasm", library, libraryUrl, adapter, fallbackReason}.
  */
-export async function chooseBackend(appConfig, modelId, device = "auto") {
+export async function chooseBackend(appConfig, modelId, device = "auto", library = null) {
+  if (library !== null && !LIBRARIES.includes(library)) {
+    throw new EngineError("bad-request", `Unknown library "${library}" (one of ${LIBRARIES.join(", ")}).`);
+  }
+  if (library !== null) device = library === "wasm" ? "wasm" : "webgpu";
   const records = appConfig?.model_list ?? [];
   const requested = records.find((record) => record.model_id === modelId);
   if (!requested) {
@@ -103,21 +124,27 @@ export async function chooseBackend(appConfig, modelId, device = "auto") {
   }
   if (adapter) {
     const wantsF16 = (record) => (record.required_features ?? []).includes("shader-f16");
-    const candidates = family.filter((record) => variantInfo(record).libraries.webgpu);
+    const libraries = WEBGPU_LIBRARIES.map((entry) => entry.library).filter((name) => !library || name === library);
+    const candidates = family.filter((record) => libraries.some((name) => variantInfo(record).libraries[name]));
     if (adapter.features.has("shader-f16")) candidates.sort((a, b) => wantsF16(b) - wantsF16(a));
     for (const record of candidates) {
-      const problem = gpuProblem(adapter, record);
+      const chosen = webgpuLibrary(record, adapter, library);
+      const problem = gpuProblem(adapter, record) ?? (chosen ? null : "the GPU lacks the WebGPU feature subgroups");
       if (!problem) {
-        return { record, backend: "webgpu", libraryUrl: variantInfo(record).libraries.webgpu, adapter, fallbackReason: null };
+        const libraryUrl = variantInfo(record).libraries[chosen];
+        return { record, backend: "webgpu", library: chosen, libraryUrl, adapter, fallbackReason: null };
       }
       reasons.push(`${record.model_id}: ${problem}`);
     }
-    if (candidates.length === 0) reasons.push("the model has no WebGPU library");
+    if (candidates.length === 0) reasons.push(`the model has no ${library ?? "WebGPU"} library`);
   }
   const reason = reasons.join("; ");
   if (device !== "webgpu") {
     const record = family.find((candidate) => variantInfo(candidate).libraries.wasm);
-    if (record) return { record, backend: "wasm", libraryUrl: variantInfo(record).libraries.wasm, adapter: null, fallbackReason: reason || null };
+    if (record) {
+      const libraryUrl = variantInfo(record).libraries.wasm;
+      return { record, backend: "wasm", library: "wasm", libraryUrl, adapter: null, fallbackReason: reason || null };
+    }
   }
   const code = adapter ? "unsupported-gpu" : "no-webgpu";
   const advice = device === "webgpu" ? "" : " The model has no CPU (wasm) library to fall back to; build one with " +

@@ -125,6 +125,8 @@ class WorkerConnection {
  * @typedef {object} EngineOptions
  * @property {(progress: LoadProgress) => void} [onProgress]
  * @property {"auto" | "webgpu" | "wasm"} [device] "auto": WebGPU, else the CPU wasm library
+ * @property {"webgpu" | "webgpu-subgroups" | "wasm"} [library] run this library of the model and no
+ *   other (default: the best one the device runs: webgpu-subgroups where the GPU has subgroups)
  * @property {(error: EngineError) => void} [onError] failures outside a call (the GPU device lost)
  * @property {string | URL} [workerUrl] the engine's worker script (default: worker.js beside this module)
  * @property {number} [threads] threads for the CPU wasm library (default: the cores, at most 4); more than
@@ -138,13 +140,17 @@ class WorkerConnection {
  * @param {string} modelId
  * @param {EngineOptions} [options]
  */
-export async function createEngine(appConfig, modelId, { onProgress = () => {}, device = "auto", onError = () => {}, workerUrl, threads } = {}) {
+export async function createEngine(appConfig, modelId, {
+  onProgress = () => {}, device = "auto", library, onError = () => {}, workerUrl, threads,
+} = {}) {
   const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
   const connection = new WorkerConnection(worker, onError);
   const base = globalThis.location?.href;
   let loaded;
   try {
-    loaded = await connection.call("load", { appConfig: absoluteAppConfig(appConfig, base), modelId, device, threads }, onProgress);
+    loaded = await connection.call("load", {
+      appConfig: absoluteAppConfig(appConfig, base), modelId, device, library, threads,
+    }, onProgress);
   } catch (error) {
     worker.terminate();
     throw error;
@@ -208,7 +214,7 @@ export async function createEngine(appConfig, modelId, { onProgress = () => {}, 
 
 /**
  * The worker side: answer messages on `scope` (the worker's global) with an engine made by
- * `loadEngine({appConfig, modelId, device, threads, onProgress, onFatal})`.
+ * `loadEngine({appConfig, modelId, device, library, threads, onProgress, onFatal})`.
  */
 export function serveEngine(scope, loadEngine) {
   let engine = null;
@@ -217,11 +223,11 @@ export function serveEngine(scope, loadEngine) {
     return engine;
   };
   const methods = {
-    load: async ({ appConfig, modelId, device, threads }, emit) => {
+    load: async ({ appConfig, modelId, device, library, threads }, emit) => {
       engine?.dispose();
       engine = null;
       engine = await loadEngine({
-        appConfig, modelId, device, threads, onProgress: emit,
+        appConfig, modelId, device, library: library ?? null, threads, onProgress: emit,
         onFatal: (error) => scope.postMessage({ kind: "fatal", error: error.toJSON() }),
       });
       return engine.stats();
