@@ -103,13 +103,17 @@ def model_record(model: CompiledModel, models_url: str) -> dict | None:
     quantization = model.chat_config["quantization"]
     total_bytes, largest_buffer = memory_needs(model)
     vram_mb = round(total_bytes / 2**20, 1)
+    model_lib = next(iter(browser_libraries))  # WebLLM's: webgpu, unless only the subgroup one was built
+    required_features = ["shader-f16"] if float_bytes(quantization) == 2 else []
+    if model_lib == "webgpu-subgroups":
+        required_features.append("subgroups")
     return {
         "model": folder_url,
         "model_id": model.model_id,
-        "model_lib": folder_url + next(iter(browser_libraries.values())),
+        "model_lib": folder_url + browser_libraries[model_lib],
         "vram_required_MB": vram_mb,
         "low_resource_required": vram_mb <= LOW_RESOURCE_MB,
-        "required_features": ["shader-f16"] if float_bytes(quantization) == 2 else [],
+        "required_features": required_features,
         "buffer_size_required_bytes": largest_buffer,
         "overrides": {key: model.chat_config[key] for key in ("context_window_size", "prefill_chunk_size")},
         "kiln": {

@@ -59,6 +59,18 @@ def test_app_config_lists_the_browser_builds(url, tiny_dir):
     assert record["overrides"]["context_window_size"] == 512
 
 
+def test_a_model_with_only_the_subgroup_library_requires_subgroups(tiny_dir):
+    from dataclasses import replace
+
+    from kiln.app_config import model_record, read_compiled_model
+
+    model = read_compiled_model(tiny_dir)
+    targets = {name: entry for name, entry in model.build["targets"].items() if name != "webgpu"}
+    record = model_record(replace(model, build={**model.build, "targets": targets}), "http://kiln.test/")
+    assert record["model_lib"].endswith("-webgpu-subgroups.wasm")  # what WebLLM loads
+    assert record["required_features"] == ["subgroups"]
+
+
 def test_model_files_have_mime_types_ranges_and_etags(url, tiny_dir):
     library = tiny_dir / "libs" / f"{MODEL_ID}-webgpu.wasm"
     plain = requests.get(f"{url}models/{MODEL_ID}/libs/{library.name}")

@@ -246,3 +246,23 @@ def test_toolchain_status_without_emcc_names_the_fixes(monkeypatch, tmp_path):
     assert statuses["TVM web runtime"].fix == "kiln doctor --build-runtime"
     with pytest.raises(KilnError, match="apt-get install -y emscripten"):
         wasm_toolchain.find_emcc()
+
+
+@pytest.mark.parametrize("library", ["webgpu", "webgpu-subgroups"])
+def test_a_decode_step_on_dawn_in_node_has_the_dispatches_and_barriers_of_the_budget(tiny_dir, library):
+    """Issue 15's dispatch budget, checked outside Chromium: Dawn's Node bindings run the library as
+    the browser engine does (its ModelSession) and time one decode step kernel by kernel."""
+    require_webgpu()
+    report = node_tool("decode-node.mjs", str(tiny_dir), "--library", library, "--decode-tokens", "4")
+    print(json.dumps({key: value for key, value in report.items() if key != "decode_step_kernels"}))
+    kernels = {kernel["kernel"]: kernel for kernel in report["decode_step_kernels"]}
+    assert sum(kernel["dispatches"] for kernel in kernels.values()) == report["decode_step_dispatches"]
+    # a layer: two norms, qkv, RoPE, KV append, attention, o, gate_up, silu·mul, down; then the
+    # embedding, the final norm and the head
+    assert report["decode_step_dispatches"] == 10 * report["layers"] + 3
+    gemvs = [kernel for name, kernel in kernels.items() if "matmul" in name or "lm_head" in name]
+    assert len(gemvs) == 5 and not any(kernel["barriers"] + kernel["loopBarriers"] for kernel in gemvs), gemvs
+    norms = [kernel for name, kernel in kernels.items() if "rms_norm" in name]
+    assert norms and all(kernel["barriers"] > 0 for kernel in norms)
+    assert report["decode_step_barriers"] == sum(k["dispatches"] * k["barriers"] for k in kernels.values())
+    assert report["decode_tokens_per_s"] > 0

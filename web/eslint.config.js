@@ -17,6 +17,7 @@ const WEB = readonly([
 // tools/ are Node scripts, and so is this file.
 const NODE = readonly([
   "process", "console", "Buffer", "URL", "TextEncoder", "TextDecoder", "WebAssembly", "setTimeout", "clearTimeout",
+  "performance",
 ]);
 
 export default [

@@ -36,7 +36,7 @@ function yieldToEventLoop() {
  * The compiled model on one device: parameters, KV cache and the token-level steps.
  * Tracks the token ids held in the KV cache so chats can reuse a cached prefix.
  */
-class ModelSession {
+export class ModelSession {
   constructor(tvm, device, backend) {
     this.tvm = tvm;
     this.device = device;
