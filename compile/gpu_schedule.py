@@ -75,6 +75,8 @@ def epilogue_at(sch: s_tir.Schedule, names: list[str], matmul: str, row) -> s_ti
 
 
 class RowPerThreadGEMV(dl.ScheduleRule):
+    """A workgroup computes `rows` outputs, a thread each, reading `lane_width` weights at a time."""
+
     def __init__(self, rows: int, lane_width: int, max_row: int | None = None):
         self.rows, self.lane_width, self.max_row = rows, lane_width, max_row
 
@@ -103,7 +105,7 @@ class SplitReductionGEMV(dl.ScheduleRule):
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         run = self.lanes * self.lane_width
-        max_row = self.max_steps and self.max_steps * run
+        max_row = None if self.max_steps is None else self.max_steps * run
         if (found := decode_matmul(func, self.rows, run, max_row)) is None:
             return None
         sch, names, matmul, (*batch, out, reduce) = found
