@@ -149,7 +149,7 @@ def draw_chart(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     series = {"native cpu": report["native"], **{f"browser {d}": b for d, b in report["browser"].items()}}
-    colors = ["#4c72b0", "#dd8452", "#55a868"]
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]  # native and up to three browser libraries
     figure, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4.2))
     for axis, (key, title, more_is_better) in zip(axes, METRICS):
         names = list(series)
