@@ -121,63 +121,27 @@ def test_the_cpu_library_runs_on_two_threads_with_one_threads_logits(driver, tmp
             np.testing.assert_array_equal(np.stack([s["logits"] for s in step]), logits[1])
 
 
-CHOOSE_JS = """async ({modelId, device, library, withF16, withoutSubgroups}) => {
+CHOOSE_JS = """async ({modelId, device, withF16}) => {
   const { chooseBackend } = await import("/web/src/loader.js");
   const config = await (await fetch("/api/app-config.json")).json();
   const f32 = config.model_list.find((record) => record.model_id === modelId);
   const f16 = { ...f32, model_id: f32.model_id.replace("f32", "f16"), required_features: ["shader-f16"] };
   if (withF16) config.model_list.push(f16);
-  const requestAdapter = navigator.gpu.requestAdapter;
-  if (withoutSubgroups) {  // an adapter like SwiftShader's, less the subgroups feature
-    navigator.gpu.requestAdapter = async (options) => {
-      const adapter = await requestAdapter.call(navigator.gpu, options);
-      const features = new Set([...adapter.features].filter((feature) => feature !== "subgroups"));
-      return { features, limits: adapter.limits, info: adapter.info };
-    };
-  }
-  try {
-    const choice = await chooseBackend(config, withF16 ? f16.model_id : modelId, device, library);
-    return { model_id: choice.record.model_id, backend: choice.backend, library: choice.library,
-             fallbackReason: choice.fallbackReason };
-  } catch (error) {
-    return { error: error.message };
-  } finally {
-    navigator.gpu.requestAdapter = requestAdapter;
-  }
+  const choice = await chooseBackend(config, withF16 ? f16.model_id : modelId, device);
+  const { record, backend, library, fallbackReason } = choice;
+  return { model_id: record.model_id, backend, library, fallbackReason };
 }"""
 
 
-def choose(engine, device="webgpu", library=None, with_f16=False, without_subgroups=False) -> dict:
-    return engine.page.evaluate(
-        CHOOSE_JS,
-        {
-            "modelId": MODEL_ID,
-            "device": device,
-            "library": library,
-            "withF16": with_f16,
-            "withoutSubgroups": without_subgroups,
-        },
-    )
-
-
-def test_swiftshader_has_no_shader_f16_so_the_f32_variant_is_chosen(engine):
-    choice = choose(engine, with_f16=True)
+def test_swiftshader_has_no_shader_f16_so_the_f32_variant_is_chosen_with_its_subgroup_kernels(engine):
+    choice = engine.page.evaluate(CHOOSE_JS, {"modelId": MODEL_ID, "device": "webgpu", "withF16": True})
     assert choice == {"model_id": MODEL_ID, "backend": "webgpu", "library": "webgpu-subgroups", "fallbackReason": None}
 
 
 def test_auto_prefers_the_cpu_library_to_swiftshader(engine):
-    choice = choose(engine, device="auto")
+    choice = engine.page.evaluate(CHOOSE_JS, {"modelId": MODEL_ID, "device": "auto", "withF16": False})
     assert choice["backend"] == "wasm" and "renders in software" in choice["fallbackReason"]
     assert "swiftshader" in choice["fallbackReason"].lower()
-
-
-def test_the_subgroup_library_is_chosen_where_the_adapter_has_subgroups(engine):
-    assert choose(engine)["library"] == "webgpu-subgroups"
-    assert choose(engine, without_subgroups=True)["library"] == "webgpu"
-    assert choose(engine, library="webgpu")["library"] == "webgpu"  # pinned
-    pinned = choose(engine, library="webgpu-subgroups", without_subgroups=True)
-    assert "lacks the WebGPU feature subgroups" in pinned["error"]
-    assert "Unknown library" in choose(engine, library="webgpu-fast")["error"]
 
 
 def test_the_subgroup_library_generates_what_the_native_build_generates(driver, tmp_path, url, tiny_dir):

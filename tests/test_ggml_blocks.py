@@ -241,7 +241,7 @@ def browser_libraries(cases, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def browser_weights(driver, browser_libraries, cases, tmp_path_factory) -> dict[str, dict]:
     """target → what RUN_LIBRARY_JS answered, with the outputs as float32 arrays and the page's
-    console lines; one Chromium runs both libraries, one after the other."""
+    console lines; one Chromium runs every browser library, one after the other."""
     calls = [
         {"name": function_name(name), "shape": list(words.shape), "words": base64.b64encode(words.tobytes()).decode()}
         for name, (words, _) in cases.items()
@@ -257,7 +257,7 @@ def browser_weights(driver, browser_libraries, cases, tmp_path_factory) -> dict[
                 RUN_LIBRARY_JS,
                 {
                     "library": f"/models/ggml-blocks/dequantize-{target_name}.wasm",
-                    "webgpu": target_name == "webgpu",
+                    "webgpu": TARGETS[target_name].tvm_target()["kind"] == "webgpu",
                     "calls": calls,
                 },
             )

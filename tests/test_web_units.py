@@ -302,7 +302,13 @@ def test_streamed_text_holds_back_stop_strings_and_split_characters():
     assert result["text"] == "Helloé world "
 
 
-def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_1", libraries=("webgpu", "wasm")):
+def choose(
+    adapter: dict | None,
+    device: str = "auto",
+    model_id: str = "m-q4f16_1",
+    libraries=("webgpu", "wasm"),
+    library: str | None = None,
+):
     """Run chooseBackend against a fake navigator.gpu whose adapter has `adapter`'s features and limits."""
 
     def record(model_id: str, f16: bool, buffer_bytes: int) -> dict:
@@ -329,33 +335,43 @@ def choose(adapter: dict | None, device: str = "auto", model_id: str = "m-q4f16_
     return run_node_module(
         """
         import { chooseBackend } from "./src/loader.js";
-        const { adapter, config, modelId, device } = input;
+        const { adapter, config, modelId, device, library } = input;
         const fake = adapter && {
           features: new Set(adapter.features), limits: adapter.limits, info: adapter.info ?? {},
         };
         Object.defineProperty(globalThis, "navigator", { value: { gpu: { requestAdapter: async () => fake } } });
         try {
-          const { record, backend, fallbackReason } = await chooseBackend(config, modelId, device);
-          console.log(JSON.stringify({ model_id: record.model_id, backend, fallbackReason }));
+          const choice = await chooseBackend(config, modelId, device, library);
+          const { record, backend, fallbackReason } = choice;
+          console.log(JSON.stringify({ model_id: record.model_id, backend, library: choice.library, fallbackReason }));
         } catch (error) {
           console.log(JSON.stringify({ code: error.code, message: error.message }));
         }
     """,
-        {"adapter": adapter, "config": config, "modelId": model_id, "device": device},
+        {"adapter": adapter, "config": config, "modelId": model_id, "device": device, "library": library},
     )
 
 
+# What Kiln's kernels need of an adapter (loader.js KERNEL_LIMITS), with room for the models' buffers.
+LIMITS = {
+    "maxStorageBufferBindingSize": 1 << 30,
+    "maxStorageBuffersPerShaderStage": 10,
+    "maxComputeInvocationsPerWorkgroup": 256,
+    "maxComputeWorkgroupStorageSize": 32 << 10,
+}
+
+
 def test_the_library_is_chosen_by_what_the_gpu_offers():
-    limits = {
-        "maxStorageBufferBindingSize": 1 << 30,
-        "maxStorageBuffersPerShaderStage": 10,
-        "maxComputeInvocationsPerWorkgroup": 256,
-        "maxComputeWorkgroupStorageSize": 32 << 10,
-    }
+    limits = LIMITS
     with_f16 = {"features": ["shader-f16"], "limits": limits}
     without_f16 = {"features": [], "limits": limits}
     assert choose(with_f16, model_id="m-q4f32_1")["model_id"] == "m-q4f16_1"
-    assert choose(without_f16) == {"model_id": "m-q4f32_1", "backend": "webgpu", "fallbackReason": None}
+    assert choose(without_f16) == {
+        "model_id": "m-q4f32_1",
+        "backend": "webgpu",
+        "library": "webgpu",
+        "fallbackReason": None,
+    }
 
     small_buffers = {"features": [], "limits": {**limits, "maxStorageBufferBindingSize": 128 << 20}}
     fallback = choose(small_buffers)
@@ -378,6 +394,22 @@ def test_the_library_is_chosen_by_what_the_gpu_offers():
     assert choose(with_f16, device="wasm")["backend"] == "wasm"
     no_gpu = choose(None, libraries=("webgpu",))
     assert no_gpu["code"] == "no-webgpu" and "-t wasm" in no_gpu["message"]
+
+
+def test_the_subgroup_library_is_chosen_where_the_gpu_has_subgroups():
+    built = ("webgpu", "webgpu-subgroups", "wasm")
+    with_subgroups, without = {"features": ["subgroups"], "limits": LIMITS}, {"features": [], "limits": LIMITS}
+    assert choose(with_subgroups, libraries=built)["library"] == "webgpu-subgroups"
+    assert choose(without, libraries=built)["library"] == "webgpu"
+    assert choose(with_subgroups, libraries=built, library="webgpu")["library"] == "webgpu"  # pinned
+    assert choose(with_subgroups, libraries=built, library="wasm")["backend"] == "wasm"
+    refused = choose(without, libraries=built, library="webgpu-subgroups")
+    assert refused["code"] == "unsupported-gpu" and "lacks the WebGPU feature subgroups" in refused["message"]
+    assert choose(without, library="webgpu-fast")["code"] == "bad-request"
+    only_subgroups = choose(without, libraries=("webgpu-subgroups", "wasm"))
+    assert (
+        only_subgroups["backend"] == "wasm" and "lacks the WebGPU feature subgroups" in only_subgroups["fallbackReason"]
+    )
     assert choose(None, model_id="nope")["code"] == "model-not-found"
 
 
