@@ -26,6 +26,7 @@ from kiln.errors import KilnError
 from .attention_softcap import soft_cap_attention_kernels
 from .cache_kernels import declare_cache_kernels_noalias
 from .cpu_decode_attention import replace_decode_attention_kernel
+from .gpu_decode_attention import narrow_webgpu_decode_kernels
 from .gguf import GGUFMapping
 from .paged_prefill_fix import fix_paged_prefill_kernels
 from .layers import gather_positions, last_position
@@ -292,6 +293,13 @@ class DecoderModel(nn.Module):
         )
         fix_paged_prefill_kernels()
         replace_decode_attention_kernel(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
+        narrow_webgpu_decode_kernels(
+            c.num_key_value_heads,
+            c.num_attention_heads,
+            c.head_dim,
+            self.dtype,
+            {} if rope_in_model(c) else c.rope_scaling or {},
+        )
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
         if tvm.target.Target.current().kind.name == "llvm":
