@@ -265,6 +265,7 @@ class DecoderModel(nn.Module):
         support_sliding_window: tvm.tirx.Var,
     ) -> PagedKVCache:
         c = self.config
+        rope_scaling = {} if rope_in_model(c) else c.rope_scaling or {}  # for the cache's kernels
         cache = TIRPagedKVCache(
             attn_kind=["mha_sliding" if i in c.windowed_layers else "mha" for i in range(c.num_hidden_layers)],
             max_batch_size=max_batch_size,
@@ -284,7 +285,7 @@ class DecoderModel(nn.Module):
             rope_mode=RopeMode.NONE if rope_in_model(c) else RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=c.rope_theta,
-            rope_scaling={} if rope_in_model(c) else c.rope_scaling or {},
+            rope_scaling=rope_scaling,
             rope_ext_factors=rx.prim_value(0),
             rotary_dim=c.rotary_dim or c.head_dim,
             enable_disaggregation=False,
@@ -298,7 +299,7 @@ class DecoderModel(nn.Module):
             c.num_attention_heads,
             c.head_dim,
             self.dtype,
-            {} if rope_in_model(c) else c.rope_scaling or {},
+            rope_scaling,
         )
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
