@@ -32,6 +32,7 @@ hardware GPU's memory busy, so those keep dlight's GEMV, the one WebLLM ships.
 
 from __future__ import annotations
 
+import math
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -42,25 +43,50 @@ from .cpu_schedule import one_matmul
 
 
 def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None):
-    """(schedule, block names, the matmul's name, its loops (batch…, out, reduce)) when `func` is
-    a one-row matmul whose outputs split into `rows` and whose rows split into `run`s, at most
-    `max_row` long; else None. The weights' producers (dequantize, gathered rows) are inlined."""
+    """(schedule, block names, the matmul's name, its loops (batch…, out, reduce), the matmul rows
+    per output) when `func` is a one-row matmul whose outputs split into `rows` and whose rows
+    split into `run`s, at most `max_row` long; else None. The weights' producers (dequantize,
+    gathered rows) are inlined. A kernel whose epilogue pairs rows (SwiGLU's silu(gate[i]) · up[i],
+    gate and up one matmul) has fewer outputs than matmul rows; see `paired_rows_at`."""
     if (found := one_matmul(func)) is None:
         return None
     sch, names, matmul = found
     *batch, out, reduce = loops = sch.get_loops(sch.get_sblock(matmul))
     if any(not isinstance(sch.get(loop).extent, tirx.IntImm) or sch.get(loop).extent.value != 1 for loop in batch):
         return None  # prefill: more than one input row
-    out_features, in_features = sch.get(out).extent, sch.get(reduce).extent
-    if not isinstance(out_features, tirx.IntImm) or out_features.value % rows:
+    matmul_rows, in_features = sch.get(out).extent, sch.get(reduce).extent
+    outputs = math.prod(func.params[-1].shape)  # call_tir passes the output last
+    if not all(isinstance(n, tirx.IntImm) for n in (matmul_rows, outputs, in_features)):
         return None
-    if not isinstance(in_features, tirx.IntImm) or in_features.value % run:
+    if outputs.value % rows or matmul_rows.value % outputs.value or in_features.value % run:
         return None
     if max_row is not None and in_features.value > max_row:
         return None
     for name in names[: names.index(matmul)]:
         sch.compute_inline(sch.get_sblock(name))
-    return sch, names, matmul, loops
+    return sch, names, matmul, loops, matmul_rows.value // outputs.value
+
+
+def paired_rows_at(sch: s_tir.Schedule, names: list[str], matmul: str, rows: int, rows_per_output: int) -> tuple:
+    """Schedule a kernel whose outputs each combine several matmul rows (`decode_matmul`) from its
+    outputs: they are split into workgroups of `rows` threads and each thread computes its
+    output's matmul rows (`out[i]`, `out[i + width]`, …) in registers, then the epilogue once.
+    Returns the workgroup and thread loops and the matmul's reduction loop."""
+    block = sch.get_sblock(matmul)
+    width = sch.get(sch.get_loops(block)[-2]).extent.value // rows_per_output
+    by_output = tirx.IndexMap.from_func(
+        lambda *i: (*i[:-2], i[-2] // width, i[-2] % width, i[-1]), ndim=len(sch.get(block).iter_vars)
+    )
+    sch.transform_block_layout(block, by_output)
+    sch.transform_layout(block, ("write", 0), lambda *i: (*i[:-1], i[-1] // width, i[-1] % width))
+    for name in names[names.index(matmul) + 1 : -1]:
+        sch.compute_inline(sch.get_sblock(name))
+    workgroup, row = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock(names[-1]))), [None, rows])
+    sch.compute_at(block, row)
+    sch.set_scope(block, 0, "local")
+    *_, paired, reduce = sch.get_loops(block)
+    sch.unroll(paired)  # registers, not an indexed array
+    return workgroup, row, reduce
 
 
 def epilogue_at(sch: s_tir.Schedule, names: list[str], matmul: str, row) -> s_tir.SBlockRV:
@@ -83,13 +109,16 @@ class RowPerThreadGEMV(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if (found := decode_matmul(func, self.rows, self.lane_width, self.max_row)) is None:
             return None
-        sch, names, matmul, (*batch, out, reduce) = found
+        sch, names, matmul, (*batch, out, reduce), rows_per_output = found
         block = sch.get_sblock(matmul)
-        workgroup, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
+        if rows_per_output > 1:
+            workgroup, row, reduce = paired_rows_at(sch, names, matmul, self.rows, rows_per_output)
+        else:
+            workgroup, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
         sch.unroll(sch.split(reduce, [None, self.lane_width])[1])
         sch.bind(workgroup, "blockIdx.x")
         sch.bind(row, "threadIdx.x")
-        if sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
+        if rows_per_output == 1 and sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
             sch.reverse_compute_at(sch.cache_write(block, 0, "local"), row)  # sum in a register
         return sch
 
@@ -108,7 +137,9 @@ class SplitReductionGEMV(dl.ScheduleRule):
         max_row = None if self.max_steps is None else self.max_steps * run
         if (found := decode_matmul(func, self.rows, run, max_row)) is None:
             return None
-        sch, names, matmul, (*batch, out, reduce) = found
+        sch, names, matmul, (*batch, out, reduce), rows_per_output = found
+        if rows_per_output > 1:
+            return None  # the lanes' sums would need a serial loop of cross-lane reductions
         block = sch.get_sblock(matmul)
         _, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
         _, lane, run = sch.split(reduce, [None, self.lanes, self.lane_width])

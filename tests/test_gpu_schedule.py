@@ -13,9 +13,11 @@ from kiln.models.layers import matmul_transposed
 Q4F32 = GroupFormat(4, 32, "float32")
 
 
-def matmul_wgsl(out_features: int, in_features: int, residual: bool = False, rows=1, target="webgpu") -> str:
-    """The WGSL of a q4f32_1 matmul of `rows` input rows (one: decode), optionally + a residual,
-    under `target`'s schedules."""
+def matmul_wgsl(
+    out_features: int, in_features: int, residual: bool = False, rows=1, target="webgpu", swiglu: bool = False
+) -> str:
+    """The WGSL of a q4f32_1 matmul of `rows` input rows (one: decode), optionally + a residual or
+    followed by SwiGLU's silu(first half) · second half, under `target`'s schedules."""
     x = te.placeholder((1, rows, in_features), "float32", name="x")
     weight = te.placeholder((out_features, in_features // 8), "uint32", name="weight")
     scale = te.placeholder((out_features, in_features // 32), "float32", name="scale")
@@ -25,6 +27,11 @@ def matmul_wgsl(out_features: int, in_features: int, residual: bool = False, row
         skip = te.placeholder((1, rows, out_features), "float32", name="skip")
         y = te.compute(y.shape, lambda *i: y(*i) + skip(*i), name="add")
         args.append(skip)
+    if swiglu:
+        half = out_features // 2
+        y = te.compute(
+            (1, rows, half), lambda b, r, i: tvm.tirx.sigmoid(y[b, r, i]) * y[b, r, i] * y[b, r, i + half], name="swiglu"
+        )
     module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
     entry = TARGETS[target]
     with entry.target():
@@ -59,6 +66,18 @@ def test_subgroup_decode_gemv_adds_four_lanes_with_two_shuffles_down(residual):
     # no broadcast from an absolute lane (TVM's own lowering, wrong on subgroups of another size)
     assert "subgroupShuffle(" not in wgsl
     assert re.search(r"if \(i32\(threadIdx\.x\) == 0i\) \{(\s+let .*)?\s+\w+_ptr\[", wgsl)  # lane 0 writes
+
+
+@pytest.mark.parametrize("target", DECODE_WORKGROUPS)
+def test_a_swiglu_gemv_computes_gate_and_up_rows_in_one_thread(target):
+    """SmolLM2's gate/up projection with its silu · mul: each thread sums a gate row and its up row
+    in registers and writes silu(gate) · up once; the subgroup library has no paired rule, so its
+    kernel is the row-per-thread one too."""
+    wgsl = matmul_wgsl(3072, 576, swiglu=True, target=target)
+    assert wgsl.count("@compute") == 1 and DECODE_WORKGROUPS["webgpu"] in wgsl
+    assert "workgroupBarrier" not in wgsl and "var<workgroup>" not in wgsl and "subgroup" not in wgsl
+    assert re.search(r"var \w+ : array<f32, 2>;", wgsl)  # the gate and up sums
+    assert wgsl.count("exp(") == 1  # silu, once per output
 
 
 def test_only_the_subgroup_gemv_enables_subgroups():

@@ -257,9 +257,10 @@ def test_a_decode_step_on_dawn_in_node_has_the_dispatches_and_barriers_of_the_bu
     print(json.dumps({key: value for key, value in report.items() if key != "decode_step_kernels"}))
     kernels = {kernel["kernel"]: kernel for kernel in report["decode_step_kernels"]}
     assert sum(kernel["dispatches"] for kernel in kernels.values()) == report["decode_step_dispatches"]
-    # a layer: two norms, qkv, RoPE, KV append, attention, o, gate_up, silu·mul, down; then the
-    # embedding, the final norm and the head
-    assert report["decode_step_dispatches"] == 10 * report["layers"] + 3
+    # a layer: two norms, qkv, RoPE, KV append, attention, o (+ residual), gate_up with silu·mul,
+    # down (+ residual); then the embedding, the final norm and the head
+    assert report["decode_step_dispatches"] == 9 * report["layers"] + 3
+    assert any("matmul" in name and "silu" in name for name in kernels)
     gemvs = [kernel for name, kernel in kernels.items() if "matmul" in name or "lm_head" in name]
     assert len(gemvs) == 5 and not any(kernel["barriers"] + kernel["loopBarriers"] for kernel in gemvs), gemvs
     norms = [kernel for name, kernel in kernels.items() if "rms_norm" in name]
