@@ -94,6 +94,8 @@ def merge_epilogues_into_decode_gemvs(rules: tuple[dl.ScheduleRule, ...]) -> tvm
 def pairs_rows(gemv: relax.Call, epilogue: relax.Call) -> bool:
     """Whether `epilogue` has fewer outputs than `gemv` (it combines several of the GEMV's rows
     into each of its outputs); other single-use epilogues, such as reshapes, cost no dispatch."""
+    if not all(isinstance(call.ty, relax.TensorType) for call in (gemv, epilogue)):
+        return False  # a kernel of several outputs
     sizes = [math.prod(call.ty.shape.values) for call in (gemv, epilogue)]
     return all(isinstance(n, tirx.IntImm) for n in sizes) and sizes[1].value < sizes[0].value
 

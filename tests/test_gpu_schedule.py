@@ -28,10 +28,9 @@ def matmul_wgsl(
         y = te.compute(y.shape, lambda *i: y(*i) + skip(*i), name="add")
         args.append(skip)
     if swiglu:
-        half = out_features // 2
-        y = te.compute(
-            (1, rows, half), lambda b, r, i: tvm.tirx.sigmoid(y[b, r, i]) * y[b, r, i] * y[b, r, i + half], name="swiglu"
-        )
+        gate_up, half = y, out_features // 2
+        silu = te.compute((1, rows, half), lambda b, r, i: gate_up[b, r, i] * tvm.tirx.sigmoid(gate_up[b, r, i]))
+        y = te.compute(silu.shape, lambda b, r, i: silu[b, r, i] * gate_up[b, r, i + half], name="swiglu")
     module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
     entry = TARGETS[target]
     with entry.target():

@@ -260,7 +260,8 @@ def test_a_decode_step_on_dawn_in_node_has_the_dispatches_and_barriers_of_the_bu
     # a layer: two norms, qkv, RoPE, KV append, attention, o (+ residual), gate_up with silu·mul,
     # down (+ residual); then the embedding, the final norm and the head
     assert report["decode_step_dispatches"] == 9 * report["layers"] + 3
-    assert any("matmul" in name and "silu" in name for name in kernels)
+    (swiglu,) = [name for name in kernels if "silu" in name]
+    assert "matmul" in swiglu and "add" not in swiglu  # in the gate/up GEMV, not the down projection's
     gemvs = [kernel for name, kernel in kernels.items() if "matmul" in name or "lm_head" in name]
     assert len(gemvs) == 5 and not any(kernel["barriers"] + kernel["loopBarriers"] for kernel in gemvs), gemvs
     norms = [kernel for name, kernel in kernels.items() if "rms_norm" in name]
