@@ -67,11 +67,11 @@ def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None)
     return sch, names, matmul, loops, matmul_rows.value // outputs.value
 
 
-def paired_rows_at(sch: s_tir.Schedule, names: list[str], matmul: str, rows: int, rows_per_output: int) -> tuple:
-    """Schedule a kernel whose outputs each combine several matmul rows (`decode_matmul`) from its
-    outputs: they are split into workgroups of `rows` threads and each thread computes its
-    output's matmul rows (`out[i]`, `out[i + width]`, …) in registers, then the epilogue once.
-    Returns the workgroup and thread loops and the matmul's reduction loop."""
+def rows_by_output(sch: s_tir.Schedule, names: list[str], matmul: str, rows_per_output: int) -> None:
+    """For a kernel whose outputs each combine several matmul rows (`decode_matmul`): the matmul's
+    rows laid out and iterated as (row of the output, output), so that an output's rows (`out[i]`,
+    `out[i + width]`, …) are one region to compute where the output is; the epilogue's stages
+    inlined into the block that writes the output."""
     block = sch.get_sblock(matmul)
     width = sch.get(sch.get_loops(block)[-2]).extent.value // rows_per_output
     by_output = tirx.IndexMap.from_func(
@@ -81,12 +81,16 @@ def paired_rows_at(sch: s_tir.Schedule, names: list[str], matmul: str, rows: int
     sch.transform_layout(block, ("write", 0), lambda *i: (*i[:-1], i[-1] // width, i[-1] % width))
     for name in names[names.index(matmul) + 1 : -1]:
         sch.compute_inline(sch.get_sblock(name))
+
+
+def output_rows(sch: s_tir.Schedule, names: list[str], rows: int, *stages: s_tir.SBlockRV) -> tuple:
+    """The outputs split into workgroups of `rows`, each computing `stages` (its matmul rows, in
+    registers) before its output; returns the workgroup and row loops."""
     workgroup, row = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock(names[-1]))), [None, rows])
-    sch.compute_at(block, row)
-    sch.set_scope(block, 0, "local")
-    *_, paired, reduce = sch.get_loops(block)
-    sch.unroll(paired)  # registers, not an indexed array
-    return workgroup, row, reduce
+    for stage in stages:
+        sch.compute_at(stage, row)
+        sch.set_scope(stage, 0, "local")
+    return workgroup, row
 
 
 def epilogue_at(sch: s_tir.Schedule, names: list[str], matmul: str, row) -> s_tir.SBlockRV:
@@ -112,10 +116,16 @@ class RowPerThreadGEMV(dl.ScheduleRule):
         sch, names, matmul, (*batch, out, reduce), rows_per_output = found
         block = sch.get_sblock(matmul)
         if rows_per_output > 1:
-            workgroup, row, reduce = paired_rows_at(sch, names, matmul, self.rows, rows_per_output)
+            rows_by_output(sch, names, matmul, rows_per_output)
+            workgroup, row = output_rows(sch, names, self.rows, block)
+            *_, paired, reduce = sch.get_loops(block)
         else:
             workgroup, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
-        sch.unroll(sch.split(reduce, [None, self.lane_width])[1])
+        words, weights = sch.split(reduce, [None, self.lane_width])
+        sch.unroll(weights)
+        if rows_per_output > 1:
+            sch.reorder(words, paired)  # the rows read each word's inputs together
+            sch.unroll(paired)
         sch.bind(workgroup, "blockIdx.x")
         sch.bind(row, "threadIdx.x")
         if rows_per_output == 1 and sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
@@ -139,7 +149,7 @@ class SplitReductionGEMV(dl.ScheduleRule):
             return None
         sch, names, matmul, (*batch, out, reduce), rows_per_output = found
         if rows_per_output > 1:
-            return None  # the lanes' sums would need a serial loop of cross-lane reductions
+            return self.paired_rows(sch, names, matmul, rows_per_output, target)
         block = sch.get_sblock(matmul)
         _, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
         _, lane, run = sch.split(reduce, [None, self.lanes, self.lane_width])
@@ -154,6 +164,26 @@ class SplitReductionGEMV(dl.ScheduleRule):
         sch.reverse_compute_at(block, row)
         sch.bind(sch.get_loops(block)[-1], "threadIdx.x")
         epilogue_at(sch, names, matmul, row)
+        return self.lane_sums_lowered(sch, target)
+
+    def paired_rows(self, sch, names, matmul, rows_per_output, target) -> s_tir.Schedule:
+        """The lanes sum each of an output's matmul rows, then add their sums up row after row."""
+        block = sch.get_sblock(matmul)
+        rows_by_output(sch, names, matmul, rows_per_output)
+        _, lane, run = sch.split(sch.get_loops(block)[-1], [None, self.lanes, self.lane_width])
+        partial = sch.rfactor(lane, factor_axis=0)
+        workgroup, row = output_rows(sch, names, self.rows, block, partial)
+        sch.bind(workgroup, "blockIdx.x")
+        sch.bind(row, "threadIdx.y")
+        lane, paired, steps, run = sch.get_loops(partial)[-4:]
+        sch.reorder(steps, paired)  # the rows read each run of inputs together
+        sch.bind(lane, "threadIdx.x")
+        sch.unroll(paired)
+        sch.unroll(run)
+        lane, paired = sch.get_loops(block)[-2:]
+        sch.reorder(paired, lane)
+        sch.bind(lane, "threadIdx.x")
+        sch.unroll(paired)
         return self.lane_sums_lowered(sch, target)
 
     def lane_sums_lowered(self, sch: s_tir.Schedule, target: Target) -> s_tir.Schedule:

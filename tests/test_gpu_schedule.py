@@ -68,15 +68,16 @@ def test_subgroup_decode_gemv_adds_four_lanes_with_two_shuffles_down(residual):
 
 
 @pytest.mark.parametrize("target", DECODE_WORKGROUPS)
-def test_a_swiglu_gemv_computes_gate_and_up_rows_in_one_thread(target):
-    """SmolLM2's gate/up projection with its silu · mul: each thread sums a gate row and its up row
-    in registers and writes silu(gate) · up once; the subgroup library has no paired rule, so its
-    kernel is the row-per-thread one too."""
+def test_a_swiglu_gemv_sums_the_gate_and_up_rows_of_an_output_together(target):
+    """SmolLM2's gate/up projection with its silu · mul is one kernel: a gate row and its up row
+    are summed side by side (by a thread, or by the lanes of an output), in registers, and
+    silu(gate) · up is written once per output."""
     wgsl = matmul_wgsl(3072, 576, swiglu=True, target=target)
-    assert wgsl.count("@compute") == 1 and DECODE_WORKGROUPS["webgpu"] in wgsl
-    assert "workgroupBarrier" not in wgsl and "var<workgroup>" not in wgsl and "subgroup" not in wgsl
+    assert wgsl.count("@compute") == 1 and kilns_decode_gemv(wgsl, target) and "var<workgroup>" not in wgsl
     assert re.search(r"var \w+ : array<f32, 2>;", wgsl)  # the gate and up sums
-    assert wgsl.count("exp(") == 1  # silu, once per output
+    assert wgsl.count("exp(") == 1
+    shuffles = re.findall(r"subgroupShuffleDown\(\w+\[0i\], (\du)\)", wgsl)
+    assert shuffles == (["2u", "1u"] * 2 if target == "webgpu-subgroups" else [])
 
 
 def test_only_the_subgroup_gemv_enables_subgroups():
