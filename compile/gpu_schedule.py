@@ -33,6 +33,7 @@ hardware GPU's memory busy, so those keep dlight's GEMV, the one WebLLM ships.
 from __future__ import annotations
 
 import math
+
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -47,7 +48,7 @@ def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None)
     per output) when `func` is a one-row matmul whose outputs split into `rows` and whose rows
     split into `run`s, at most `max_row` long; else None. The weights' producers (dequantize,
     gathered rows) are inlined. A kernel whose epilogue pairs rows (SwiGLU's silu(gate[i]) · up[i],
-    gate and up one matmul) has fewer outputs than matmul rows; see `paired_rows_at`."""
+    gate and up one matmul) has fewer outputs than matmul rows; see `rows_by_output`."""
     if (found := one_matmul(func)) is None:
         return None
     sch, names, matmul = found
