@@ -85,8 +85,7 @@ def run_doctor(args) -> int:
     from kiln.compile import opencl_check, system_lib, wasm_toolchain
 
     if args.build_runtime:
-        for flavor in wasm_toolchain.RUNTIME_FLAVORS:
-            wasm_toolchain.build_web_runtime(flavor=flavor)
+        wasm_toolchain.build_web_runtimes()
     statuses = [*wasm_toolchain.toolchain_status(), *system_lib.toolchain_status(), opencl_check.pocl_status()]
     for s in statuses:
         print(f"{'ok ' if s.ok else 'MISSING'} {s.name}: {s.detail}" + ("" if s.ok else f"\n        fix: {s.fix}"))

@@ -152,7 +152,7 @@ def test_failed_runtime_build_names_the_source_and_leaves_no_cache(tmp_path, mon
         wasm_toolchain, "COMPILE_FLAGS", [*wasm_toolchain.COMPILE_FLAGS, "-include", "kiln_missing_header.h"]
     )
     with pytest.raises(KilnError) as failure:
-        wasm_toolchain.build_web_runtime(progress=False)
+        wasm_toolchain.build_web_runtimes(progress=False)  # every flavor, side by side
     assert failure.value.path.name == "wasm_runtime.cc"
     assert "kiln_missing_header.h" in failure.value.problem
     assert list((tmp_path / "web-runtime").iterdir()) == []
