@@ -24,6 +24,11 @@ hardware GPU's memory busy, so those keep dlight's GEMV, the one WebLLM ships.
   barriers. On SwiftShader SmolLM2's 16-token prefill spends 7.6–8.0 s in matmuls instead of
   13.2–14.7 s; 16-deep tiles measured no faster than 8-deep ones, so the step count alone does
   not explain it. The tiles take 8 KB of the 32 KB of workgroup memory Kiln allows.
+- `ShortPrefillMatmul` runs prompts of up to 64 tokens (a chat turn) without tiles: a thread
+  computes one output for 4 tokens at once, like the decode GEMV, with no barrier. SmolLM2's
+  20-token prefill on SwiftShader (Node/Dawn) spent 22.0 s in matmuls with the tiles and 8.0–8.5 s
+  this way (8 tokens a thread: 11.2 s, 2: 8.6 s), the whole prefill 29.5 s → 14.3 s. Longer
+  prompts keep the tiled kernel, which reads each weight once per 32 tokens.
 - `SplitReductionGEMV()` (64 lanes, one output per workgroup, TVM's cross-thread reduction) is the
   fallback for the kernels dlight's GEMV declines: its analysis needs the weight indices to be
   affine in the loops, and a GGUF block type's are not (a weight's byte is at
@@ -40,7 +45,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
-from .cpu_schedule import one_matmul
+from .cpu_schedule import block_names, one_matmul
 
 
 def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None):
@@ -248,6 +253,114 @@ class WebGPUMatmul(dl.gpu.Matmul):
         return dl.gpu.Matmul.Config(micro_size_k=32)
 
 
+class ShortPrefillMatmul(dl.ScheduleRule):
+    """A prefill matmul as two kernels, of which a call launches one: up to `max_tokens` input rows,
+    each thread computes one output for `tokens` rows at once (a weight is read and dequantized once
+    for all of them, the sums stay in registers, no workgroup memory, no barrier); longer inputs run
+    `long`'s tiled kernel. The host picks the kernel by the input's row count.
+    """
+
+    def __init__(self, long: dl.ScheduleRule, max_tokens: int, tokens: int, rows: int, lane_width: int):
+        self.long, self.max_tokens, self.tokens, self.rows, self.lane_width = long, max_tokens, tokens, rows, lane_width
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if (found := self.short_kernel(func)) is None:
+            return None
+        short, token_count = found
+        long = self.long.apply(func, target, tunable)
+        if not isinstance(long, s_tir.Schedule):
+            return None
+        return s_tir.Schedule(either_kernel(token_count <= self.max_tokens, short.mod["main"], long.mod["main"]))
+
+    def short_kernel(self, func: tirx.PrimFunc) -> tuple[s_tir.Schedule, tirx.PrimExpr] | None:
+        """The schedule of the kernel for short inputs and the input's row count, or None when `func`
+        is not a matmul of a symbolic number of rows with a row a whole number of `lane_width`s."""
+        if (found := one_matmul(func)) is None:
+            return None
+        sch, names, matmul = found
+        block = sch.get_sblock(matmul)
+        *batch, tokens, out, reduce = sch.get_loops(block)
+        extents = [sch.get(loop).extent for loop in (*batch, tokens, out, reduce)]
+        if any(not isinstance(e, tirx.IntImm) or e.value != 1 for e in extents[: len(batch)]):
+            return None
+        token_count, in_features = extents[-3], extents[-1]
+        if isinstance(token_count, tirx.IntImm) or not isinstance(in_features, tirx.IntImm):
+            return None
+        if in_features.value % self.lane_width:
+            return None
+        weights = weight_producer(sch, block)
+        sch.pad_einsum(block, [1] * len(batch) + [self.tokens, 1, 1])  # registers of a known size
+        padded = [name for name in block_names(sch) if name not in names]
+        names = [name for name in block_names(sch) if name != padded[0]]
+        sch = s_tir.Schedule(last_row_repeated(sch.mod["main"], padded[0]))
+        block = sch.get_sblock(matmul)
+        sch.compute_inline(sch.get_sblock(padded[0]))
+        if names[-1] != padded[1]:
+            sch.compute_inline(sch.get_sblock(padded[1]))  # the copy out of the padded output
+            names.remove(padded[1])
+        for name in names[: names.index(matmul)]:
+            if name != weights:
+                sch.compute_inline(sch.get_sblock(name))
+        *batch, tokens, out, reduce = sch.get_loops(block)
+        tiles, token = sch.split(tokens, [None, self.tokens])
+        workgroup, row = sch.split(out, [None, self.rows])
+        words, lane = sch.split(reduce, [None, self.lane_width])
+        sch.reorder(tiles, workgroup, row, words, lane, token)
+        sch.bind(sch.fuse(*batch, tiles), "blockIdx.y")
+        sch.bind(workgroup, "blockIdx.x")
+        sch.bind(row, "threadIdx.x")
+        sch.unroll(lane)
+        sch.unroll(token)
+        if weights is not None:  # dequantized once, for every row
+            sch.compute_at(sch.get_sblock(weights), lane)
+            sch.set_scope(sch.get_sblock(weights), 0, "local")
+        if sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
+            sch.reverse_compute_at(sch.cache_write(block, 0, "local"), row)
+        sch.decompose_reduction(block, words)
+        return sch, token_count
+
+
+def last_row_repeated(func: tirx.PrimFunc, padding: str) -> tirx.PrimFunc:
+    """`func` with the block `padding` (pad_einsum's copy of the input, zero past its rows) reading
+    the last row again instead: the padded rows' sums are never written, and a load that needs no
+    branch keeps SwiftShader's shader compiler from blowing up (it ran out of 24 GB on 64 of them)."""
+
+    def repeated(call: tvm.ir.Call) -> tvm.ir.Expr:
+        if getattr(call.op, "name", None) != "prim.if_then_else":
+            return call
+        (rows, load, _) = call.args
+        indices = [tirx.Min(i, rows.b - 1) if i.same_as(rows.a) else i for i in load.indices]
+        return tirx.BufferLoad(load.source, indices)
+
+    def in_padding(block: s_tir.SBlock) -> s_tir.SBlock:
+        return tvm_ffi.structural_map(block, (tvm.ir.Call, repeated)) if block.name_hint == padding else block
+
+    return tvm_ffi.structural_map(func, (s_tir.SBlock, in_padding))
+
+
+def weight_producer(sch: s_tir.Schedule, matmul: s_tir.SBlockRV) -> str | None:
+    """The name of the block that writes the matmul's weights (e.g. dequantizes them), if any."""
+    weights = sch.get(matmul).reads[1].source
+    for producer in sch.get_producers(matmul):
+        if any(region.source.same_as(weights) for region in sch.get(producer).writes):
+            return sch.get(producer).name_hint
+    return None
+
+
+def either_kernel(condition: tirx.PrimExpr, then: tirx.PrimFunc, otherwise: tirx.PrimFunc) -> tirx.PrimFunc:
+    """One function launching the kernel of `then` or of `otherwise`, two schedules of one function.
+    The condition is marked the same for every thread: TVM refuses barriers under other conditions."""
+    roots = then.body.block, otherwise.body.block
+    choice = tirx.IfThenElse(tirx.op.tvm_thread_invariant(condition), roots[0].body, roots[1].body)
+    return with_root(then, choice, [buffer for root in roots for buffer in root.alloc_buffers])
+
+
+def with_root(func: tirx.PrimFunc, body: tirx.Stmt, alloc_buffers: list) -> tirx.PrimFunc:
+    root = s_tir.SBlock([], [], [], "root", body, alloc_buffers=list(alloc_buffers))
+    return func.with_body(s_tir.SBlockRealize([], True, root))
+
+
 MAX_DECODE_ROW = 1536
 WEBGPU_DECODE_GEMV = RowPerThreadGEMV(rows=64, lane_width=8, max_row=MAX_DECODE_ROW)
 WEBGPU_SUBGROUP_DECODE_GEMV = SubgroupGEMV(rows=16, lane_width=8, max_steps=MAX_DECODE_ROW // (SUBGROUP_MIN_SIZE * 8))
+WEBGPU_PREFILL_MATMUL = ShortPrefillMatmul(WebGPUMatmul(), max_tokens=64, tokens=4, rows=64, lane_width=8)

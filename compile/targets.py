@@ -104,15 +104,15 @@ def untensorized_gpu_schedules() -> tvm.transform.Pass:
 
 
 def webgpu_schedules() -> tvm.transform.Pass:
-    from .gpu_schedule import WEBGPU_DECODE_GEMV, WebGPUMatmul
+    from .gpu_schedule import WEBGPU_DECODE_GEMV, WEBGPU_PREFILL_MATMUL
 
-    return gpu_schedules(WebGPUMatmul(), decode_gemv=(WEBGPU_DECODE_GEMV,))
+    return gpu_schedules(WEBGPU_PREFILL_MATMUL, decode_gemv=(WEBGPU_DECODE_GEMV,))
 
 
 def webgpu_subgroup_schedules() -> tvm.transform.Pass:
-    from .gpu_schedule import WEBGPU_DECODE_GEMV, WEBGPU_SUBGROUP_DECODE_GEMV, WebGPUMatmul
+    from .gpu_schedule import WEBGPU_DECODE_GEMV, WEBGPU_PREFILL_MATMUL, WEBGPU_SUBGROUP_DECODE_GEMV
 
-    return gpu_schedules(WebGPUMatmul(), decode_gemv=(WEBGPU_SUBGROUP_DECODE_GEMV, WEBGPU_DECODE_GEMV))
+    return gpu_schedules(WEBGPU_PREFILL_MATMUL, decode_gemv=(WEBGPU_SUBGROUP_DECODE_GEMV, WEBGPU_DECODE_GEMV))
 
 
 def cpu_schedules() -> tvm.transform.Pass:

@@ -105,8 +105,29 @@ def test_rows_longer_than_1536_weights_keep_dlights_schedule(target):
     assert not kilns_decode_gemv(matmul_wgsl(576, 1536 + 32 * 4, target=target), target)
 
 
-def test_prefill_matmuls_step_through_32_deep_tiles():
-    wgsl = matmul_wgsl(1536, 576, rows=tvm.tirx.Var("n", "int32"))
-    assert re.findall(r"var<workgroup> \w+ : array<f32, (\d+)>", wgsl) == ["1024", "1024"]  # 32 rows × 32 deep
-    steps = re.findall(r"for \(var \w+ : i32 = 0i; \w+ < (\d+)i", wgsl)
+def prefill_kernels(target: str = "webgpu", residual: bool = True) -> tuple[list[str], str, str]:
+    """The workgroup arrays of a prefill matmul's WGSL and its two kernels: for short inputs, and
+    dlight's tiled one."""
+    wgsl = matmul_wgsl(1536, 576, residual, rows=tvm.tirx.Var("n", "int32"), target=target)
+    shared = re.findall(r"var<workgroup> (\w+) : array<f32, (\d+)>", wgsl)
+    short, long = re.split(r"(?=@compute)", wgsl)[1:]
+    return shared, short.split("var<workgroup>")[0], long  # the long kernel's arrays are declared between
+
+
+def test_long_prefill_matmuls_step_through_32_deep_tiles():
+    shared, _, long = prefill_kernels()
+    assert [size for _, size in shared] == ["1024", "1024"]  # 32 rows × 32 deep
+    steps = re.findall(r"for \(var \w+ : i32 = 0i; \w+ < (\d+)i", long)
     assert "18" in steps and "72" not in steps, steps  # 576 / 32; dlight's 8-deep tiles took 72
+
+
+@pytest.mark.parametrize("target", DECODE_WORKGROUPS)
+@pytest.mark.parametrize("residual", [False, True])
+def test_short_prefill_matmuls_sum_four_input_rows_per_thread_without_branches_or_barriers(target, residual):
+    """Up to 64 input rows a thread computes an output for four rows at once, in registers; the rows
+    past the input's end read its last row again (a branch per load blew up SwiftShader's compiler)."""
+    shared, short, _ = prefill_kernels(target, residual)
+    assert "@workgroup_size(64, 1, 1)" in short and re.search(r"var \w+ : array<f32, 4>;", short)
+    assert "workgroupBarrier" not in short and not any(name in short for name, _ in shared)
+    assert "if (" not in short.split("for (")[1]  # the loop over the weights
+    assert short.count("min(") >= 4 and ("skip_ptr[" in short) == residual
