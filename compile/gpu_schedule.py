@@ -322,8 +322,8 @@ class ShortPrefillMatmul(dl.ScheduleRule):
 
 def last_row_repeated(func: tirx.PrimFunc, padding: str) -> tirx.PrimFunc:
     """`func` with the block `padding` (pad_einsum's copy of the input, zero past its rows) reading
-    the last row again instead: the padded rows' sums are never written, and a load that needs no
-    branch keeps SwiftShader's shader compiler from blowing up (it ran out of 24 GB on 64 of them)."""
+    the last row again instead: the padded rows' sums are never written, and loads without a branch
+    keep SwiftShader's shader compiler small (with a branch per load, 64 a word, it outgrew 24 GB)."""
 
     def repeated(call: tvm.ir.Call) -> tvm.ir.Expr:
         if getattr(call.op, "name", None) != "prim.if_then_else":
@@ -352,12 +352,8 @@ def either_kernel(condition: tirx.PrimExpr, then: tirx.PrimFunc, otherwise: tirx
     The condition is marked the same for every thread: TVM refuses barriers under other conditions."""
     roots = then.body.block, otherwise.body.block
     choice = tirx.IfThenElse(tirx.op.tvm_thread_invariant(condition), roots[0].body, roots[1].body)
-    return with_root(then, choice, [buffer for root in roots for buffer in root.alloc_buffers])
-
-
-def with_root(func: tirx.PrimFunc, body: tirx.Stmt, alloc_buffers: list) -> tirx.PrimFunc:
-    root = s_tir.SBlock([], [], [], "root", body, alloc_buffers=list(alloc_buffers))
-    return func.with_body(s_tir.SBlockRealize([], True, root))
+    root = s_tir.SBlock([], [], [], "root", choice, alloc_buffers=[b for root in roots for b in root.alloc_buffers])
+    return then.with_body(s_tir.SBlockRealize([], True, root))
 
 
 MAX_DECODE_ROW = 1536
