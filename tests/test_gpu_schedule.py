@@ -105,7 +105,7 @@ def test_rows_longer_than_1536_weights_keep_dlights_schedule(target):
     assert not kilns_decode_gemv(matmul_wgsl(576, 1536 + 32 * 4, target=target), target)
 
 
-def prefill_kernels(target: str = "webgpu", residual: bool = True) -> tuple[list[str], str, str]:
+def prefill_kernels(target: str = "webgpu", residual: bool = True) -> tuple[list[tuple[str, str]], str, str]:
     """The workgroup arrays of a prefill matmul's WGSL and its two kernels: for short inputs, and
     dlight's tiled one."""
     wgsl = matmul_wgsl(1536, 576, residual, rows=tvm.tirx.Var("n", "int32"), target=target)
