@@ -311,7 +311,7 @@ class ShortPrefillMatmul(dl.ScheduleRule):
         sch.bind(row, "threadIdx.x")
         sch.unroll(lane)
         sch.unroll(token)
-        if weights is not None:  # dequantized once, for every row
+        if weights is not None:  # dequantized once for the tile's tokens
             sch.compute_at(sch.get_sblock(weights), lane)
             sch.set_scope(sch.get_sblock(weights), 0, "local")
         if sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
