@@ -24,7 +24,7 @@ from tvm import relax as rx
 from kiln.errors import KilnError
 
 from .attention_softcap import soft_cap_attention_kernels
-from .cache_kernels import declare_cache_kernels_noalias
+from .cache_kernels import declare_cache_kernels_noalias, leave_out_unused_attention_kernels
 from .cpu_decode_attention import replace_decode_attention_kernel
 from .gpu_decode_attention import narrow_webgpu_decode_kernels
 from .gguf import GGUFMapping
@@ -305,6 +305,7 @@ class DecoderModel(nn.Module):
             soft_cap_attention_kernels(c.attention_logit_softcap)
         if tvm.target.Target.current().kind.name == "llvm":
             declare_cache_kernels_noalias()  # last: Kiln's own decode kernel is one of them too
+        leave_out_unused_attention_kernels(cache, windowed=c.sliding_window_size is not None or bool(c.windowed_layers))
         return cache
 
 

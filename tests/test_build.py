@@ -81,6 +81,19 @@ def test_all_position_logits_match_transformers(tiny_build, tiny_source):
     assert np.abs(native.all_logits(ids) - expected).max() <= LOGIT_TOLERANCE
 
 
+def test_a_model_without_a_window_refuses_one_asked_of_its_cache(tiny_build):
+    """Its library has no window kernels, so its cache is made without window support whatever the
+    runtime asks for (WebLLM's `sliding_window_size` option reaches TVM's check)."""
+    from kiln.runtime import PAGE_SIZE, SEQUENCE_ID
+
+    native = NativeModel(tiny_build("q4f32_1"))
+    sizes = (1, native.context_window_size, native.prefill_chunk_size, PAGE_SIZE, 1)  # 1: a window, please
+    cache = native.vm["create_tir_paged_kv_cache"](*(tvm.runtime.ShapeTuple([size]) for size in sizes))
+    tvm.get_global_func("vm.builtin.kv_state_add_sequence")(cache, SEQUENCE_ID)
+    with pytest.raises(Exception, match="The KV cache does not support sliding window"):
+        tvm.get_global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(cache, SEQUENCE_ID, 16, 0)
+
+
 def test_quantized_parameters_are_packed_like_mlc():
     """int4, groups of 32 along the input dimension, stored value round(w/scale)+7, 8 nibbles
     per little-endian uint32 — checked against a hand-computed row."""

@@ -11,6 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import tvm
+from tvm import relax
 
 from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
 from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
@@ -26,7 +28,7 @@ from tiny_families import (
 from kiln.compile.library import target_metadata
 from kiln.compile.targets import TARGETS, target_named
 from kiln.models import MODELS
-from kiln.models.decoder import longrope_inv_freq
+from kiln.models.decoder import export_spec, longrope_inv_freq
 from kiln.runtime import NativeModel
 
 FAMILIES = sorted(TINY_FAMILIES)
@@ -109,6 +111,32 @@ def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(
         from_hf.reset()
         ids = ids[:positions]
         assert np.abs(from_gguf.all_logits(ids) - from_hf.all_logits(ids)).max() <= 1e-4, family
+
+
+def compiled_kernels(family: str, family_source, target: str) -> set[str]:
+    """The kernels of the family's tiny model that a build for `target` compiles: those left after
+    the dead code elimination of Kiln's pipeline."""
+    config_path = family_source(family) / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    family_model = MODELS[hf_config["model_type"]]
+    model = family_model.build(family_model.parse_config(hf_config, config_path, {}), "float32")
+    with target_named(target).target():
+        mod, _ = model.export_tvm(spec=export_spec(model))
+    functions = relax.transform.DeadCodeElimination()(mod).functions_items()
+    return {gvar.name_hint for gvar, function in functions if isinstance(function, tvm.tirx.PrimFunc)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["cpu", "webgpu"])
+@pytest.mark.parametrize("family", ["llama3", "phi3", "mistral", "gemma3"])
+def test_only_models_with_a_window_carry_window_kernels_and_none_carries_tree_attention(family, target, family_source):
+    """phi3's window is longer than the context Kiln builds it for, mistral's binds, gemma3's binds
+    in some layers."""
+    kernels = compiled_kernels(family, family_source, target)
+    attention = {"batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv"}
+    assert attention <= {kernel.removesuffix("_cpu") for kernel in kernels}, kernels
+    assert any("sliding_window" in kernel for kernel in kernels) == (family in ("mistral", "gemma3")), kernels
+    assert not any("tree" in kernel for kernel in kernels), kernels
 
 
 def test_mistrals_sliding_window_is_written_the_way_webllm_reads_it(family_build):
