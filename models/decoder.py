@@ -304,7 +304,7 @@ class DecoderModel(nn.Module):
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
         if tvm.target.Target.current().kind.name == "llvm":
-            declare_cache_kernels_noalias()  # last: Kiln's own decode kernel is one of them too
+            declare_cache_kernels_noalias()  # after the replacements: Kiln's own decode kernel is one of them too
         leave_out_unused_attention_kernels(cache, windowed=c.sliding_window_size is not None or bool(c.windowed_layers))
         return cache
 
