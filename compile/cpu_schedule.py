@@ -22,6 +22,7 @@ from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.target import Target
 
+from .quantization.factored_decode import LANE_DOTS
 from .quantization.ggml_blocks import GROUP_STAGES
 
 MATMUL_BLOCK_NAMES = ("matmul",)
@@ -156,6 +157,45 @@ class RowParallelMatmul(dl.ScheduleRule):
         sch.vectorize(lanes)
         sch.decompose_reduction(partial, chunks)
         return tiles
+
+
+class FactoredDecodeGEMV(dl.ScheduleRule):
+    """A decode matmul written with its scales factored out (quantization/factored_decode.py):
+    `OUTPUTS_PER_STEP` weight rows at a time in parallel; per block of columns, each row's lane
+    dots in one vector register (the steps unrolled, each step's input vector loaded once for
+    the rows), then scaled into the row's vector of partial sums. The input's lanes and their
+    sums are computed once before the rows, a quantized type's scales and offsets once per row."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        sch = s_tir.Schedule(func)
+        if LANE_DOTS not in (names := block_names(sch)):
+            return None
+        matmul = sch.get_sblock("matmul")
+        *unit, out, _, lanes = sch.get_loops(matmul)
+        sch.split(out, [None, OUTPUTS_PER_STEP])
+        partial = sch.rfactor(lanes, factor_axis=len(unit))
+        *_, rows, row, blocks, lanes = sch.get_loops(partial)
+        sch.reorder(rows, blocks, row, lanes)
+        sch.parallel(rows)
+        sch.unroll(row)
+        sch.vectorize(lanes)
+        dots = sch.get_sblock(LANE_DOTS)
+        sch.compute_at(dots, row)
+        *_, lane, step = sch.get_loops(dots)
+        sch.reorder(step, lane)
+        sch.unroll(step)
+        sch.vectorize(lane)
+        sch.decompose_reduction(dots, step)
+        for name in GROUP_STAGES:
+            if name in names:
+                sch.compute_at(sch.get_sblock(name), rows)
+        sch.reverse_compute_at(matmul, rows)
+        for name in names[names.index("matmul") + 1 :]:  # a cast, a fused residual add
+            sch.reverse_compute_at(sch.get_sblock(name), rows)
+        sch.decompose_reduction(partial, blocks)
+        return sch
 
 
 class RowNorm(dl.ScheduleRule):

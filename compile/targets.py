@@ -116,9 +116,9 @@ def webgpu_subgroup_schedules() -> tvm.transform.Pass:
 
 
 def cpu_schedules() -> tvm.transform.Pass:
-    from .cpu_schedule import RowNorm, RowParallelMatmul
+    from .cpu_schedule import FactoredDecodeGEMV, RowNorm, RowParallelMatmul
 
-    return dl.ApplyDefaultSchedule(RowParallelMatmul(), RowNorm(), dl.cpu.Reduction())
+    return dl.ApplyDefaultSchedule(FactoredDecodeGEMV(), RowParallelMatmul(), RowNorm(), dl.cpu.Reduction())
 
 
 def export_shared_library(executable, path: Path) -> None:

@@ -3,16 +3,20 @@
 
 import re
 
+import gguf
 import numpy as np
 import pytest
 import tvm
 from tvm import te
+
+from random_blocks import random_blocks
 
 from kiln.compile.cpu_schedule import weight_rows_per_tile
 from kiln.compile.ingest import ingest
 from kiln.compile.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
+from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, Levels
 from kiln.compile.quantization.group import GroupFormat
 from kiln.compile.targets import TARGETS
 from kiln.models import architecture_for
@@ -75,3 +79,73 @@ def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_
     llvm_ir = tvm.compile(module, entry.target(), relax_pipeline=None).mod.imports[0].inspect_source("ll")
     assert "!tbaa" in llvm_ir
     assert '"tvm-alias"' not in llvm_ir
+
+
+DECODE_IN_FEATURES = 512  # two K-quant blocks, eight 64-column blocks of MLC's 4-bit words
+DECODE_OUT_FEATURES = 38  # not a multiple of the rows a step takes
+
+
+def decode_library(args: list[te.Tensor], y: te.Tensor) -> tuple[tvm.runtime.Module, str]:
+    """The cpu library of a one-row matmul under Kiln's schedules, and its scheduled TIR."""
+    module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
+    entry = TARGETS["cpu"]
+    with entry.target():
+        module = entry.schedules()(module)
+    return tvm.tirx.build(module, target=entry.target()), module["main"].script()
+
+
+def assert_scales_stay_out_of_the_lane_dots(script: str) -> None:
+    reads = re.search(r'T.sblock\("lane_dots_update"\):.*?T.reads\((.*?)\)\n', script, re.S)
+    assert reads, script
+    assert "scale" not in reads.group(1) and "offset" not in reads.group(1)
+
+
+def run_decode(library, x: np.ndarray, *weights: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    out = tvm.runtime.tensor(np.zeros((1, 1, DECODE_OUT_FEATURES), dtype))
+    library["main"](*[tvm.runtime.tensor(a) for a in (x, *weights)], out)
+    return out.numpy()[0, 0]
+
+
+@pytest.mark.parametrize("bits, dtype", [(4, "float32"), (8, "float32"), (4, "float16")])
+def test_decode_of_mlc_groups_gives_numpys_products_with_the_scales_out_of_the_loop_over_weights(bits, dtype):
+    fmt = GroupFormat(bits, 32, dtype)
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    x = te.placeholder((1, 1, cols), dtype, name="x")
+    weight = te.placeholder((rows, cols // fmt.values_per_word), "uint32", name="weight")
+    scale = te.placeholder((rows, cols // 32), dtype, name="scale")
+    with TARGETS["cpu"].target():
+        y = fmt.matmul_te(x, weight, scale, rows, cols, dtype)
+    library, script = decode_library([x, weight, scale], y)
+    assert_scales_stay_out_of_the_lane_dots(script)
+    rng = np.random.default_rng(bits)
+    words = rng.integers(0, 2**32, (rows, cols // fmt.values_per_word), dtype=np.uint64).astype(np.uint32)
+    scales = rng.uniform(0.01, 0.1, (rows, cols // 32)).astype(dtype)
+    inputs = rng.standard_normal((1, 1, cols)).astype(dtype)
+    shifts = np.arange(fmt.values_per_word, dtype=np.uint32) * bits
+    levels = ((words[:, :, None] >> shifts) & (2**bits - 1)).reshape(rows, cols).astype(np.float64) - fmt.max_q
+    expected = (levels * np.repeat(scales.astype(np.float64), 32, axis=1)) @ inputs[0, 0].astype(np.float64)
+    tolerance = 1e-5 if dtype == "float32" else 2e-3  # float16: the output's own rounding
+    out = run_decode(library, inputs, words, scales, dtype=dtype)
+    np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+
+
+QUANTIZED_BLOCK_TYPES = [name for name, block_type in BLOCK_TYPES.items() if isinstance(block_type.read, Levels)]
+
+
+@pytest.mark.parametrize("name", QUANTIZED_BLOCK_TYPES)
+def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_the_loop_over_weights(name):
+    block_type = BLOCK_TYPES[name]
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    x = te.placeholder((1, 1, cols), "float32", name="x")
+    stored = te.placeholder((rows, block_type.row_words(cols) * 4), "uint8", name="blocks")
+    with TARGETS["cpu"].target():
+        y = block_type.matmul_te(x, stored, rows, cols, "float32", "float32")
+    library, script = decode_library([x, stored], y)
+    assert_scales_stay_out_of_the_lane_dots(script)
+    rng = np.random.default_rng(len(name))
+    blocks = random_blocks(name, rows, cols, rng)
+    padded = np.pad(blocks, ((0, 0), (0, block_type.row_words(cols) * 4 - blocks.shape[1])))
+    weights = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, name)).astype(np.float64)
+    inputs = rng.standard_normal((1, 1, cols)).astype(np.float32)
+    expected = weights @ inputs[0, 0].astype(np.float64)
+    np.testing.assert_allclose(run_decode(library, inputs, padded), expected, rtol=1e-5, atol=1e-5)

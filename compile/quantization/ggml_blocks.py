@@ -21,6 +21,10 @@ import tvm
 from tvm import te, tirx
 from tvm.ir.expr import ExprWithOp as PrimExpr
 
+from kiln.models.layers import matmul_transposed
+
+from . import factored_decode
+
 
 def u32(value: int) -> PrimExpr:
     return tirx.const(value, "uint32")
@@ -233,37 +237,63 @@ class BlockType:
     def row_bytes(self, cols: int) -> int:
         return cols // self.elements * self.bytes
 
-    def dequantize_te(self, stored: te.Tensor, rows, cols: int, dtype: str) -> te.Tensor:
-        """The [rows, cols] weights of a matrix `stored` as RowBytes reads it. A quantized type's
-        scales and offsets are stages of their own (`group_scale`, `group_offset`, one value per
-        group), which a schedule can compute once per group or inline."""
+    def block(self, col: PrimExpr) -> PrimExpr:
+        """The byte offset in its row of the block holding column `col`."""
+        return col // self.elements * self.bytes
 
-        def block(col):
-            return col // self.elements * self.bytes
-
-        if not isinstance(self.read, Levels):
-            return te.compute(
-                (rows, cols),
-                lambda r, c: self.read(RowBytes(stored, r), block(c), c % self.elements).astype(dtype),
-                name="dequantize",
-            )
-        levels, size = self.read, self.read.group
+    def group_stages(self, stored: te.Tensor, rows, cols: int) -> tuple[te.Tensor, te.Tensor | None]:
+        """A quantized type's scales and offsets, [rows, groups]: stages of their own
+        (`group_scale`, `group_offset`), which a schedule can compute once per group or inline."""
+        levels = self.read
+        size = levels.group
 
         def per_group(reader: Reader, name: str) -> te.Tensor:
             return te.compute(
                 (rows, cols // size),
-                lambda r, g: reader(RowBytes(stored, r), block(g * size), (g * size) % self.elements // size),
+                lambda r, g: reader(RowBytes(stored, r), self.block(g * size), (g * size) % self.elements // size),
                 name=name,
             )
 
-        scale = per_group(levels.scale, GROUP_STAGES[0])
         offset = per_group(levels.offset, GROUP_STAGES[1]) if levels.offset else None
+        return per_group(levels.scale, GROUP_STAGES[0]), offset
+
+    def level(self, stored: te.Tensor, row: PrimExpr, col: PrimExpr) -> PrimExpr:
+        return self.read.level(RowBytes(stored, row), self.block(col), col % self.elements)
+
+    def dequantize_te(self, stored: te.Tensor, rows, cols: int, dtype: str) -> te.Tensor:
+        """The [rows, cols] weights of a matrix `stored` as RowBytes reads it."""
+        if not isinstance(self.read, Levels):
+            return te.compute(
+                (rows, cols),
+                lambda r, c: self.read(RowBytes(stored, r), self.block(c), c % self.elements).astype(dtype),
+                name="dequantize",
+            )
+        size = self.read.group
+        scale, offset = self.group_stages(stored, rows, cols)
 
         def value(r, c):
-            scaled = levels.level(RowBytes(stored, r), block(c), c % self.elements) * scale[r, c // size]
+            scaled = self.level(stored, r, c) * scale[r, c // size]
             return (scaled if offset is None else scaled + offset[r, c // size]).astype(dtype)
 
         return te.compute((rows, cols), value, name="dequantize")
+
+    def matmul_te(self, x: te.Tensor, stored: te.Tensor, rows: int, cols: int, dtype: str, out_dtype: str):
+        """y[..., o] = sum_k x[..., k] * W[o, k]; a CPU's decode of a quantized type keeps the
+        scales and offsets out of its loop over weights (factored_decode.py)."""
+        if isinstance(self.read, Levels):
+            layout = factored_decode.consecutive_lanes(self.read.group)
+            if factored_decode.applies(x, cols, layout):
+                scale, offset = self.group_stages(stored, rows, cols)
+                return factored_decode.factored_matmul(
+                    x,
+                    level=lambda row, col: self.level(stored, row, col),
+                    scale=lambda row, group: scale[row, group],
+                    offset=None if offset is None else lambda row, group: offset[row, group],
+                    out_features=rows,
+                    layout=layout,
+                    out_dtype=out_dtype,
+                )
+        return matmul_transposed(x, self.dequantize_te(stored, rows, cols, dtype), out_dtype)
 
     def words(self, rows: np.ndarray) -> np.ndarray:
         """A [rows, row_bytes] uint8 array of blocks as the stored uint32 words."""

@@ -18,7 +18,7 @@ from tvm import relax, te
 from tvm.relax.frontend import nn
 
 from kiln.errors import KilnError
-from kiln.models.layers import Embedding, Linear, add_bias, matmul_transposed
+from kiln.models.layers import Embedding, Linear, add_bias
 
 from ..gguf_source import GGUFTensorBlocks
 from ..source_weights import SourceWeights
@@ -53,9 +53,7 @@ class BlockMatrix(nn.Module):
 
     def matmul(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
-            lambda x, w: matmul_transposed(
-                x, self.block_type.dequantize_te(w, self.rows, self.cols, self.dtype), x.dtype
-            ),
+            lambda x, w: self.block_type.matmul_te(x, w, self.rows, self.cols, self.dtype, x.dtype),
             "dequantize_matmul",
             [x, readable(self.blocks)],
         )
@@ -90,9 +88,7 @@ class GGUFEmbedding(nn.Module):
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
-            lambda x, w: matmul_transposed(
-                x, self.block_type.dequantize_te(w, self.vocab_size, self.hidden_size, self.dtype), "float32"
-            ),
+            lambda x, w: self.block_type.matmul_te(x, w, self.vocab_size, self.hidden_size, self.dtype, "float32"),
             "dequantize_lm_head",
             [x, readable(self.blocks)],
         )

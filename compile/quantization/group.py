@@ -20,6 +20,7 @@ from kiln.errors import KilnError
 from kiln.models.layers import Embedding, Linear, add_bias, matmul_transposed
 
 from ..source_weights import SourceWeights
+from . import factored_decode
 from .stored import Stored
 
 
@@ -44,16 +45,33 @@ class GroupFormat:
             nn.Parameter((rows, cols // self.group_size), self.dtype),
         )
 
-    def dequantize_te(self, q_weight: te.Tensor, q_scale: te.Tensor, rows, cols: int) -> te.Tensor:
-        mask = tirx.const((1 << self.bits) - 1, "uint32")
+    def level(self, q_weight: te.Tensor, row, col) -> tirx.PrimExpr:
+        """The stored value of weight [row, col], unsigned (it stands for `level - max_q`)."""
+        shift = ((col % self.values_per_word) * self.bits).astype("uint32")
+        return (q_weight[row, col // self.values_per_word] >> shift) & tirx.const((1 << self.bits) - 1, "uint32")
 
+    def dequantize_te(self, q_weight: te.Tensor, q_scale: te.Tensor, rows, cols: int) -> te.Tensor:
         def value(row, col):
-            word = q_weight[row, col // self.values_per_word]
-            shift = ((col % self.values_per_word) * self.bits).astype("uint32")
-            quantized = ((word >> shift) & mask).astype(self.dtype) - tirx.const(self.max_q, self.dtype)
+            quantized = self.level(q_weight, row, col).astype(self.dtype) - tirx.const(self.max_q, self.dtype)
             return quantized * q_scale[row, col // self.group_size]
 
         return te.compute((rows, cols), value, name="dequantize")
+
+    def matmul_te(self, x: te.Tensor, q_weight: te.Tensor, q_scale: te.Tensor, rows: int, cols: int, out_dtype: str):
+        """y[..., o] = sum_k x[..., k] * W[o, k]; a CPU's decode keeps the scales out of its loop
+        over weights (factored_decode.py)."""
+        layout = factored_decode.word_per_lane(self.values_per_word, self.group_size)
+        if not factored_decode.applies(x, cols, layout):
+            return matmul_transposed(x, self.dequantize_te(q_weight, q_scale, rows, cols), out_dtype)
+        return factored_decode.factored_matmul(
+            x,
+            level=lambda row, col: self.level(q_weight, row, col),
+            scale=lambda row, group: q_scale[row, group],
+            offset=lambda row, group: q_scale[row, group] * tirx.const(-self.max_q, q_scale.dtype),
+            out_features=rows,
+            layout=layout,
+            out_dtype=out_dtype,
+        )
 
 
 class GroupQuantLinear(nn.Module):
@@ -65,9 +83,7 @@ class GroupQuantLinear(nn.Module):
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         y = nn.op.tensor_expr_op(
-            lambda x, w, s: matmul_transposed(
-                x, self.fmt.dequantize_te(w, s, self.out_features, self.in_features), x.dtype
-            ),
+            lambda x, w, s: self.fmt.matmul_te(x, w, s, self.out_features, self.in_features, x.dtype),
             "dequantize_matmul",
             [x, self.q_weight, self.q_scale],
         )
@@ -90,9 +106,7 @@ class GroupQuantEmbedding(nn.Module):
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
-            lambda x, w, s: matmul_transposed(
-                x, self.fmt.dequantize_te(w, s, self.vocab_size, self.hidden_size), "float32"
-            ),
+            lambda x, w, s: self.fmt.matmul_te(x, w, s, self.vocab_size, self.hidden_size, "float32"),
             "dequantize_lm_head",
             [x, self.q_weight, self.q_scale],
         )
