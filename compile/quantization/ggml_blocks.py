@@ -282,7 +282,7 @@ class BlockType:
         scales and offsets out of its loop over weights (factored_decode.py)."""
         if isinstance(self.read, Levels):
             layout = factored_decode.consecutive_lanes(self.read.group)
-            if factored_decode.applies(x, cols, layout):
+            if factored_decode.applies(x, cols, layout, dtype):
                 scale, offset = self.group_stages(stored, rows, cols)
                 return factored_decode.factored_matmul(
                     x,
@@ -291,7 +291,6 @@ class BlockType:
                     offset=None if offset is None else lambda row, group: offset[row, group],
                     out_features=rows,
                     layout=layout,
-                    out_dtype=out_dtype,
                 )
         return matmul_transposed(x, self.dequantize_te(stored, rows, cols, dtype), out_dtype)
 

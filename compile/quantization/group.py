@@ -61,16 +61,15 @@ class GroupFormat:
         """y[..., o] = sum_k x[..., k] * W[o, k]; a CPU's decode keeps the scales out of its loop
         over weights (factored_decode.py)."""
         layout = factored_decode.word_per_lane(self.values_per_word, self.group_size)
-        if not factored_decode.applies(x, cols, layout):
+        if not factored_decode.applies(x, cols, layout, self.dtype):
             return matmul_transposed(x, self.dequantize_te(q_weight, q_scale, rows, cols), out_dtype)
         return factored_decode.factored_matmul(
             x,
             level=lambda row, col: self.level(q_weight, row, col),
             scale=lambda row, group: q_scale[row, group],
-            offset=lambda row, group: q_scale[row, group] * tirx.const(-self.max_q, q_scale.dtype),
+            offset=lambda row, group: q_scale[row, group] * tirx.const(-self.max_q, "float32"),
             out_features=rows,
             layout=layout,
-            out_dtype=out_dtype,
         )
 
 
