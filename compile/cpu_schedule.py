@@ -2,8 +2,9 @@
 
 Every linear layer is `y[m, o] = sum_k x[m, k] * W[o, k]`, with W possibly dequantized on the
 fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` partial sums (rfactor).
-- decode (one input row): weight rows in parallel, each read from memory exactly once — the step
-  is memory-bound;
+- decode (one input row): weight rows in parallel, each read from memory exactly once; a
+  quantized float32 weight's decode is written with its scales factored out
+  (quantization/factored_decode.py) and scheduled by `FactoredDecodeGEMV`;
 - prefill (a symbolic number of rows): tiles of up to 12 weight rows in parallel, kept in L1
   while every input row streams past them; an input row's partial sums against the whole tile
   stay in registers, so each vector of inputs is loaded once per tile, not once per weight row
