@@ -193,7 +193,7 @@ class FactoredDecodeGEMV(dl.ScheduleRule):
             if name in names:
                 sch.compute_at(sch.get_sblock(name), rows)
         sch.reverse_compute_at(matmul, rows)
-        for name in names[names.index("matmul") + 1 :]:  # a cast, a fused residual add
+        for name in names[names.index("matmul") + 1 :]:  # a fused residual add
             sch.reverse_compute_at(sch.get_sblock(name), rows)
         sch.decompose_reduction(partial, blocks)
         return sch
