@@ -24,6 +24,7 @@ from tvm.ir.expr import ExprWithOp as PrimExpr
 from kiln.models.layers import matmul_transposed
 
 from . import factored_decode
+from .factored_decode import GroupValue
 
 
 def u32(value: int) -> PrimExpr:
@@ -257,6 +258,25 @@ class BlockType:
         offset = per_group(levels.offset, GROUP_STAGES[1]) if levels.offset else None
         return per_group(levels.scale, GROUP_STAGES[0]), offset
 
+    def group_values(self, stored: te.Tensor, rows, cols: int) -> tuple[GroupValue, GroupValue | None]:
+        """(row, group) → a quantized type's scale and offset. A block of one group reads them
+        from its own fields where they are used (a vector of weights needs one broadcast value,
+        not a gather across groups); a K-quant's packed 6-bit scales are unpacked once per group,
+        in their own stages."""
+        levels = self.read
+        if levels.group == self.elements:
+
+            def field(reader: Reader) -> GroupValue:
+                return lambda row, group: reader(RowBytes(stored, row), self.block(group * self.elements), 0)
+
+            return field(levels.scale), None if levels.offset is None else field(levels.offset)
+
+        def stage(values: te.Tensor) -> GroupValue:
+            return lambda row, group: values[row, group]
+
+        scale, offset = self.group_stages(stored, rows, cols)
+        return stage(scale), None if offset is None else stage(offset)
+
     def level(self, stored: te.Tensor, row: PrimExpr, col: PrimExpr) -> PrimExpr:
         return self.read.level(RowBytes(stored, row), self.block(col), col % self.elements)
 
@@ -283,12 +303,12 @@ class BlockType:
         if isinstance(self.read, Levels):
             layout = factored_decode.consecutive_lanes(self.read.group)
             if factored_decode.applies(x, cols, layout, dtype):
-                scale, offset = self.group_stages(stored, rows, cols)
+                scale, offset = self.group_values(stored, rows, cols)
                 return factored_decode.factored_matmul(
                     x,
                     level=lambda row, col: self.level(stored, row, col),
-                    scale=lambda row, group: scale[row, group],
-                    offset=None if offset is None else lambda row, group: offset[row, group],
+                    scale=scale,
+                    offset=offset,
                     out_features=rows,
                     layout=layout,
                 )
