@@ -141,15 +141,21 @@ def test_a_float16_models_decode_rounds_each_weight_to_float16_before_the_produc
 QUANTIZED_BLOCK_TYPES = [name for name, block_type in BLOCK_TYPES.items() if isinstance(block_type.read, Levels)]
 
 
-@pytest.mark.parametrize("name", QUANTIZED_BLOCK_TYPES)
-def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_the_loop_over_weights(name):
+def gguf_decode(name: str) -> tuple[tvm.runtime.Module, str]:
     block_type = BLOCK_TYPES[name]
     rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
     x = te.placeholder((1, 1, cols), "float32", name="x")
     stored = te.placeholder((rows, block_type.row_words(cols) * 4), "uint8", name="blocks")
     with TARGETS["cpu"].target():
         y = block_type.matmul_te(x, stored, rows, cols, "float32", "float32")
-    library, script = decode_library([x, stored], y)
+    return decode_library([x, stored], y)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_BLOCK_TYPES)
+def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_the_loop_over_weights(name):
+    block_type = BLOCK_TYPES[name]
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    library, script = gguf_decode(name)
     assert_scales_stay_out_of_the_lane_dots(script)
     rng = np.random.default_rng(len(name))
     blocks = random_blocks(name, rows, cols, rng)
@@ -158,3 +164,14 @@ def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_th
     inputs = rng.standard_normal((1, 1, cols)).astype(np.float32)
     expected = weights @ inputs[0, 0].astype(np.float64)
     np.testing.assert_allclose(run_decode(library, inputs, padded), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K"])
+def test_a_decode_reads_one_weight_row_per_parallel_step_and_a_blocks_own_scale_where_it_is_used(name):
+    """Each thread's rows then stream from memory as one ascending run (two rows interleaved, with
+    the scales read in place, streamed a Q8_0 matrix 3× slower); only a K-quant's packed scales get
+    a stage of their own, unpacked once per row."""
+    script = gguf_decode(name)[1]
+    assert f"T.parallel({DECODE_OUT_FEATURES})" in script, script
+    block_type = BLOCK_TYPES[name]
+    assert ("group_scale" in script) == (block_type.read.group != block_type.elements)
