@@ -1,22 +1,30 @@
-"""Epilogues merged into the decode GEMVs that compute their inputs (the WebGPU libraries).
+"""Kernels merged into the decode GEMVs next to them (the WebGPU libraries).
 
-TVM's operator fusion gives a SwiGLU MLP's silu(gate) · up a kernel of its own after the fused
-gate/up GEMV: it reads the GEMV's output at two places (gate[i] and up[i] = out[i + width]), which
-FuseOps does not fuse into a reduction. Computed in the GEMV instead, by a thread that sums both
-rows of its output, it costs no extra work and saves a dispatch per layer. A merge is kept only
-where one of the decode GEMV rules schedules the merged kernel; everywhere else the kernels stay.
+- Epilogues: TVM's operator fusion gives a SwiGLU MLP's silu(gate) · up a kernel of its own after
+  the fused gate/up GEMV: it reads the GEMV's output at two places (gate[i] and up[i] =
+  out[i + width]), which FuseOps does not fuse into a reduction. Computed in the GEMV instead, by
+  a thread that sums both rows of its output, it costs no extra work.
+- RMSNorms: norm(x) · W = (x ∘ w) · W / rms(x), so a GEMV can take the norm's input and weight and
+  scale each output by 1/rms(x) at the end; each thread adds up the squares of x in the loop that
+  reads x for its dot product (`gpu_schedule.scaled_by_norm`). That is a reduction no other thread
+  needs to wait for, so the norm costs no kernel, no workgroup memory and no barrier.
+Together they save three dispatches per layer of a Llama-style model. A merge is kept only where
+one of the decode GEMV rules schedules the merged kernel; everywhere else the kernels stay.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import math
 
 import tvm
-from tvm import relax, tirx
+import tvm_ffi
+from tvm import relax, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
+
+from .cpu_schedule import MATMUL_BLOCK_NAMES, block_names
+from .gpu_schedule import NORM_SCALE, NORMED_INPUT, SUM_OF_SQUARES
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
@@ -49,47 +57,125 @@ def merged_kernel(producer: tirx.PrimFunc, consumer: tirx.PrimFunc, position: in
     return fused[called_kernel(fused["caller"].body.blocks[0].bindings[0].value)]
 
 
-def merge_epilogues_into_decode_gemvs(rules: tuple[dl.ScheduleRule, ...]) -> tvm.transform.Pass:
-    """Each kernel that alone reads a decode GEMV's output becomes part of that GEMV's kernel when
-    one of `rules` schedules the two as one (which it does for the kernels it expects)."""
+def merge_into_decode_gemvs(rules: tuple[dl.ScheduleRule, ...]) -> tvm.transform.Pass:
+    """Each kernel that alone reads a decode GEMV's output, then each RMSNorm whose output only a
+    decode GEMV reads, becomes part of that GEMV's kernel when one of `rules` schedules the two as
+    one (which it does for the kernels it expects); the schedules are applied after, with the
+    other kernels'."""
 
-    @tvm.transform.module_pass(opt_level=0, name="MergeEpiloguesIntoDecodeGEMVs")
+    @tvm.transform.module_pass(opt_level=0, name="MergeIntoDecodeGEMVs")
     def merge(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
-        builder = relax.BlockBuilder(mod)
 
-        def scheduled(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-            for rule in rules:
-                if (sch := rule.apply(func, target, False)) is not None:
-                    return sch.mod["main"].with_attr("tir.is_scheduled", True)
-            return None
+        def schedulable(func: tirx.PrimFunc) -> bool:
+            return any(rule.apply(func, target, False) is not None for rule in rules)
 
-        @functools.cache
-        def is_gemv(gv: tvm.ir.GlobalVar) -> bool:
-            return scheduled(mod[gv]) is not None
-
-        merged: dict[tuple, tvm.ir.GlobalVar | None] = {}  # the same kernels repeat in every layer
-
-        def merged_gemv(calls: tuple[relax.Call, relax.Call], position: int) -> tvm.ir.GlobalVar | None:
-            gemv_gv, epilogue_gv = (called_kernel(call) for call in calls)
-            key = (gemv_gv, epilogue_gv, position)
-            if key in merged:
-                return merged[key]
-            merged[key] = None
-            if pairs_rows(*calls) and is_gemv(gemv_gv) and not is_gemv(epilogue_gv):
+        def epilogue(mod, calls, position) -> tirx.PrimFunc | None:
+            gemv, epilogue = (mod[called_kernel(call)] for call in calls)
+            if not pairs_rows(*calls) or not schedulable(gemv) or schedulable(epilogue):
                 # never into a GEMV that reads it: silu · mul in the down projection would take a
                 # sigmoid per weight (on SwiftShader that kernel took 190 ms a step, against 85-110)
-                kernel = scheduled(merged_kernel(mod[gemv_gv], mod[epilogue_gv], position, calls))
-                if kernel is not None:
-                    merged[key] = builder.add_func(kernel, f"{gemv_gv.name_hint}_{epilogue_gv.name_hint}")
-            return merged[key]
+                return None
+            merged = merged_kernel(gemv, epilogue, position, calls)
+            return merged if schedulable(merged) else None
 
-        for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function):
-                builder.update_func(gv, with_merged_calls(func, merged_gemv))
-        return relax.transform.DeadCodeElimination()(builder.get())
+        def norm(mod, calls, position) -> tirx.PrimFunc | None:
+            norm, gemv = (mod[called_kernel(call)] for call in calls)
+            if not is_rms_norm(norm) or not norm_pays(*calls) or not schedulable(gemv):
+                return None
+            merged = with_norm_scale_deferred(merged_kernel(norm, gemv, position, calls))
+            return merged if merged is not None and schedulable(merged) else None
+
+        for merged_pair in (epilogue, norm):  # the norm into the gate/up GEMV that has silu · mul
+            mod = with_merged_pairs(mod, merged_pair)
+        return mod
 
     return merge
+
+
+def with_merged_pairs(mod: tvm.IRModule, merged_pair) -> tvm.IRModule:
+    """`mod` with each pair of calls for which `merged_pair(mod, (producer, consumer), position)`
+    gives a kernel replaced by a call of that kernel."""
+    builder = relax.BlockBuilder(mod)
+    merged: dict[tuple, tvm.ir.GlobalVar | None] = {}  # the same kernels repeat in every layer
+
+    def merged_kernel_of(calls: tuple[relax.Call, relax.Call], position: int) -> tvm.ir.GlobalVar | None:
+        names = [called_kernel(call) for call in calls]
+        key = (*names, position)
+        if key not in merged:
+            kernel = merged_pair(mod, calls, position)
+            name = "_".join(gv.name_hint for gv in names)
+            merged[key] = None if kernel is None else builder.add_func(kernel, name)
+        return merged[key]
+
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            builder.update_func(gv, with_merged_calls(func, merged_kernel_of))
+    return relax.transform.DeadCodeElimination()(builder.get())
+
+
+# The blocks of TVM's RMSNorm (`R.nn.rms_norm` legalized): the input cast, its squares, their sum,
+# 1/rms, the weight cast, the normalized input and its cast back.
+RMS_NORM_BLOCKS = {"T_cast", "T_multiply", SUM_OF_SQUARES, NORM_SCALE, "T_cast_1", NORMED_INPUT, "T_cast_2"}
+
+
+def is_rms_norm(func: tirx.PrimFunc) -> bool:
+    return isinstance(func.body, s_tir.SBlockRealize) and set(block_names(s_tir.Schedule(func))) == RMS_NORM_BLOCKS
+
+
+# Every row of a norm-merged GEMV adds up the input's squares and multiplies it by the norm's
+# weight again: a vocabulary head (SmolLM2's 49152 rows of 576 inputs) keeps its norm kernel, one
+# dispatch a step, where merged it took 134-145 ms a step on SwiftShader instead of 81-87. A layer's
+# GEMVs have 1.7-12 rows per input (SmolLM2, Qwen2.5, Gemma 3 270M), heads 50-410.
+MOST_ROWS_PER_INPUT = 32
+
+
+def norm_pays(norm: relax.Call, gemv: relax.Call) -> bool:
+    """Whether `norm`'s kernel is worth merging into `gemv`: a float32 norm (a float16 GEMV would
+    sum the unnormalized inputs in float16, which large activations overflow), into a GEMV with at
+    most `MOST_ROWS_PER_INPUT` outputs per input."""
+    if not all(isinstance(call.ty, relax.TensorType) for call in (norm, gemv)) or norm.ty.dtype != "float32":
+        return False
+    sizes = [math.prod(call.ty.shape.values) for call in (norm, gemv)]
+    return all(isinstance(n, tirx.IntImm) for n in sizes) and sizes[1].value <= MOST_ROWS_PER_INPUT * sizes[0].value
+
+
+def with_norm_scale_deferred(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """A GEMV merged with the RMSNorm before it, with the norm's 1/rms factor taken out of the
+    normalized input (x ∘ w remains) and the matmul's output copied by a block of its own, which
+    the schedule scales by 1/rms once the threads are laid out (`gpu_schedule.scaled_by_norm`);
+    None if the normalized input is not a product with 1/rms as a factor."""
+    sch = s_tir.Schedule(func)
+    scale = sch.get(sch.get_sblock(NORM_SCALE)).writes[0].source
+    (matmul,) = [name for name in block_names(sch) if name in MATMUL_BLOCK_NAMES]
+    sch.cache_write(sch.get_sblock(matmul), 0, "global")
+
+    def without_scale(expr: tvm.ir.PrimExpr) -> tvm.ir.PrimExpr:
+        if isinstance(expr, tirx.Mul):
+            for factor, rest in ((expr.a, expr.b), (expr.b, expr.a)):
+                if isinstance(factor, tvm.ir.expr.TensorLoad) and factor.source.same_as(scale):
+                    return rest
+            return tirx.Mul(without_scale(expr.a), without_scale(expr.b))
+        return expr
+
+    normed = sch.get(sch.get_sblock(NORMED_INPUT))
+    value = without_scale(normed.body.value)
+    if tvm_ffi.structural_equal(value, normed.body.value):
+        return None
+    reads = [region for region in normed.reads if not region.source.same_as(scale)]
+    store = tirx.BufferStore(normed.body.buffer, value, normed.body.indices)
+    unscaled = s_tir.SBlock(
+        normed.iter_vars,
+        reads,
+        normed.writes,
+        normed.name_hint,
+        store,
+        normed.init,
+        normed.alloc_buffers,
+        normed.match_buffers,
+        normed.annotations,
+    )
+    return tvm_ffi.structural_map(sch.mod["main"], (s_tir.SBlock, lambda b: unscaled if b.same_as(normed) else b))
 
 
 def pairs_rows(gemv: relax.Call, epilogue: relax.Call) -> bool:
@@ -101,9 +187,9 @@ def pairs_rows(gemv: relax.Call, epilogue: relax.Call) -> bool:
     return all(isinstance(n, tirx.IntImm) for n in sizes) and sizes[1].value < sizes[0].value
 
 
-def with_merged_calls(func: relax.Function, merged_gemv) -> relax.Function:
+def with_merged_calls(func: relax.Function, merged_kernel_of) -> relax.Function:
     """`func` with each call whose argument is the single use of another call's output replaced by
-    a call of the two calls' merged kernel, where `merged_gemv` gives one."""
+    a call of the two calls' merged kernel, where `merged_kernel_of` gives one."""
     bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
     uses = collections.Counter()
     relax.analysis.post_order_visit(func.body, lambda e: isinstance(e, relax.Var) and uses.update([e]))
@@ -119,7 +205,7 @@ def with_merged_calls(func: relax.Function, merged_gemv) -> relax.Function:
                 producer = bound.get(arg)
                 if called_kernel(producer) is None or uses[arg] != 1:
                     continue
-                if (gv := merged_gemv((producer, call), position)) is not None:
+                if (gv := merged_kernel_of((producer, call), position)) is not None:
                     rest = [a for i, a in enumerate(args) if i != position]
                     return relax.call_tir(gv, list(producer.args[1].fields) + rest, call.ty)
             return call

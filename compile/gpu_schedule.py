@@ -29,6 +29,10 @@ hardware GPU's memory busy, so those keep dlight's GEMV, the one WebLLM ships.
   20-token prefill on SwiftShader (Node/Dawn) spent 22.0 s in matmuls with the tiles and 8.0–8.5 s
   this way (8 tokens a thread: 11.2 s, 2: 8.6 s), the whole prefill 29.5 s → 14.3 s. Longer
   prompts keep the tiled kernel, which reads each weight once per 32 tokens.
+A decode GEMV merged with the RMSNorm before it (`decode_fusion`) adds up the squares of its
+input in the loop of its dot product, each thread (or the lanes of a row) for itself, and scales
+its output by 1/rms: `scaled_by_norm`.
+
 - `SplitReductionGEMV()` (64 lanes, one output per workgroup, TVM's cross-thread reduction) is the
   fallback for the kernels dlight's GEMV declines: its analysis needs the weight indices to be
   affine in the loops, and a GGUF block type's are not (a weight's byte is at
@@ -69,7 +73,8 @@ def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None)
     if max_row is not None and in_features.value > max_row:
         return None
     for name in names[: names.index(matmul)]:
-        sch.compute_inline(sch.get_sblock(name))
+        if name not in NORM_STAGES:
+            sch.compute_inline(sch.get_sblock(name))
     return sch, names, matmul, loops, matmul_rows.value // outputs.value
 
 
@@ -83,16 +88,26 @@ def rows_by_output(sch: s_tir.Schedule, names: list[str], matmul: str, rows_per_
     by_output = tirx.IndexMap.from_func(
         lambda *i: (*i[:-2], i[-2] // width, i[-2] % width, i[-1]), ndim=len(sch.get(block).iter_vars)
     )
+    by_output_rows = lambda *i: (*i[:-1], i[-1] // width, i[-1] % width)  # noqa: E731
     sch.transform_block_layout(block, by_output)
-    sch.transform_layout(block, ("write", 0), lambda *i: (*i[:-1], i[-1] // width, i[-1] % width))
+    copy = normed_output(names, matmul)  # a copy of the matmul rows, laid out as they are
+    stages = [block] if copy is None else [block, sch.get_sblock(copy)]
+    if copy is not None:
+        ndim = len(sch.get(stages[1]).iter_vars)
+        sch.transform_block_layout(stages[1], tirx.IndexMap.from_func(by_output_rows, ndim=ndim))
+    for stage in stages:  # each block's layout first: its accesses then simplify
+        sch.transform_layout(stage, ("write", 0), by_output_rows)
     for name in names[names.index(matmul) + 1 : -1]:
-        sch.compute_inline(sch.get_sblock(name))
+        if name != copy:
+            sch.compute_inline(sch.get_sblock(name))
 
 
-def output_rows(sch: s_tir.Schedule, names: list[str], rows: int, *stages: s_tir.SBlockRV) -> tuple:
+def output_rows(sch: s_tir.Schedule, names: list[str], matmul: str, rows: int, *stages: s_tir.SBlockRV) -> tuple:
     """The outputs split into workgroups of `rows`, each computing `stages` (its matmul rows, in
     registers) before its output; returns the workgroup and row loops."""
     workgroup, row = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock(names[-1]))), [None, rows])
+    if (copy := normed_output(names, matmul)) is not None:
+        stages = (sch.get_sblock(copy), *stages)
     for stage in stages:
         sch.compute_at(stage, row)
         sch.set_scope(stage, 0, "local")
@@ -110,6 +125,65 @@ def epilogue_at(sch: s_tir.Schedule, names: list[str], matmul: str, row) -> s_ti
     return sch.get_sblock(stages[-1])
 
 
+# The blocks of TVM's RMSNorm that a GEMV merged with the norm before it keeps (decode_fusion): the
+# sum of squares and 1/rms from it; the normalized input, x ∘ w without 1/rms, is inlined.
+SUM_OF_SQUARES, NORM_SCALE, NORMED_INPUT = "T_multiply_red", "rsqrt", "T_rms_norm"
+NORM_STAGES = (SUM_OF_SQUARES, NORM_SCALE)
+
+
+def normed_output(names: list[str], matmul: str) -> str | None:
+    """The block that copies a norm-merged GEMV's matmul rows (the one `scaled_by_norm` scales)."""
+    return names[names.index(matmul) + 1] if NORM_SCALE in names else None
+
+
+def scaled_by_norm(sch: s_tir.Schedule, names: list[str], matmul: str, run: int, lanes: int = 1) -> s_tir.Schedule:
+    """For a GEMV merged with the RMSNorm before it, once its rows are laid out: the copy of the
+    matmul rows scaled by 1/rms, which each row's thread (or `lanes` threads) computes from the
+    sum of squares of the input, read `run` at a time, in registers, before the row's output."""
+    copy = normed_output(names, matmul)
+    scale = sch.get(sch.get_sblock(NORM_SCALE)).writes[0].source
+    sch = s_tir.Schedule(with_output_scaled(sch.mod["main"], copy, scale))
+    squares = sch.get_sblock(SUM_OF_SQUARES)
+    stages = [sch.get_sblock(NORM_SCALE), squares]
+    if lanes > 1:
+        _, lane, _ = sch.split(sch.get_loops(squares)[-1], [None, lanes, run])
+        stages.append(sch.rfactor(lane, factor_axis=0))
+    row = sch.get_loops(sch.get_sblock(copy))[1]
+    for stage in stages:
+        sch.compute_at(stage, row)
+        sch.set_scope(stage, 0, "local")
+    sch.compute_inline(stages[0])
+    if copy != names[-1]:  # scaled where the epilogue reads it, under the epilogue's lane guard
+        sch.compute_inline(sch.get_sblock(copy))
+    return sch
+
+
+def with_output_scaled(func: tirx.PrimFunc, block_name: str, scale: tirx.Buffer) -> tirx.PrimFunc:
+    """`func` with the block `block_name` storing its value times `scale` (indexed by the store's
+    leading indices: one scale per row of the matmul's input)."""
+
+    def scaled(block: s_tir.SBlock) -> s_tir.SBlock:
+        if block.name_hint != block_name:
+            return block
+        store = block.body
+        indices = store.indices[: len(scale.shape)]
+        read = tirx.BufferRegion(scale, [tvm.ir.Range.from_min_extent(i, 1) for i in indices])
+        value = store.value * tirx.BufferLoad(scale, indices)
+        return s_tir.SBlock(
+            block.iter_vars,
+            [*block.reads, read],
+            block.writes,
+            block.name_hint,
+            tirx.BufferStore(store.buffer, value, store.indices),
+            block.init,
+            block.alloc_buffers,
+            block.match_buffers,
+            block.annotations,
+        )
+
+    return tvm_ffi.structural_map(func, (s_tir.SBlock, scaled))
+
+
 class RowPerThreadGEMV(dl.ScheduleRule):
     """A workgroup computes `rows` outputs, a thread each, reading `lane_width` weights at a time."""
 
@@ -123,7 +197,7 @@ class RowPerThreadGEMV(dl.ScheduleRule):
         block = sch.get_sblock(matmul)
         if rows_per_output > 1:
             rows_by_output(sch, names, matmul, rows_per_output)
-            workgroup, row = output_rows(sch, names, self.rows, block)
+            workgroup, row = output_rows(sch, names, matmul, self.rows, block)
             *_, paired, reduce = sch.get_loops(block)
         else:
             workgroup, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
@@ -136,6 +210,11 @@ class RowPerThreadGEMV(dl.ScheduleRule):
         sch.bind(row, "threadIdx.x")
         if rows_per_output == 1 and sch.get(epilogue_at(sch, names, matmul, row)).same_as(sch.get(block)):
             sch.reverse_compute_at(sch.cache_write(block, 0, "local"), row)  # sum in a register
+        if NORM_SCALE in names:
+            sch = scaled_by_norm(sch, names, matmul, self.lane_width)
+            squares, weights = sch.split(sch.get_loops(sch.get_sblock(SUM_OF_SQUARES))[-1], [None, self.lane_width])
+            sch.unroll(weights)
+            sch.merge(squares, sch.get_loops(sch.get_sblock(matmul))[2])  # one loop reads x for both
         return sch
 
 
@@ -160,17 +239,13 @@ class SplitReductionGEMV(dl.ScheduleRule):
         _, row = sch.split(sch.fuse(*batch, out), [None, self.rows])
         _, lane, run = sch.split(reduce, [None, self.lanes, self.lane_width])
         partial = sch.rfactor(lane, factor_axis=0)
-        workgroup, row, steps, lane, run = sch.get_loops(partial)
+        _, row, steps, lane, run = sch.get_loops(partial)
         sch.reorder(lane, steps)
         sch.unroll(run)
         sch.set_scope(partial, 0, "local")
-        sch.bind(workgroup, "blockIdx.x")
-        sch.bind(row, "threadIdx.y")
-        sch.bind(lane, "threadIdx.x")
         sch.reverse_compute_at(block, row)
-        sch.bind(sch.get_loops(block)[-1], "threadIdx.x")
         epilogue_at(sch, names, matmul, row)
-        return self.lane_sums_lowered(sch, target)
+        return self.lanes_bound(sch, names, matmul, target)
 
     def paired_rows(self, sch, names, matmul, rows_per_output, target) -> s_tir.Schedule:
         """The lanes sum each of an output's matmul rows, then add their sums up row after row."""
@@ -178,18 +253,33 @@ class SplitReductionGEMV(dl.ScheduleRule):
         rows_by_output(sch, names, matmul, rows_per_output)
         _, lane, run = sch.split(sch.get_loops(block)[-1], [None, self.lanes, self.lane_width])
         partial = sch.rfactor(lane, factor_axis=0)
-        workgroup, row = output_rows(sch, names, self.rows, block, partial)
-        sch.bind(workgroup, "blockIdx.x")
-        sch.bind(row, "threadIdx.y")
+        output_rows(sch, names, matmul, self.rows, block, partial)
         lane, paired, steps, run = sch.get_loops(partial)[-4:]
         sch.reorder(steps, paired)  # the rows read each run of inputs together
-        sch.bind(lane, "threadIdx.x")
         sch.unroll(paired)
         sch.unroll(run)
         lane, paired = sch.get_loops(block)[-2:]
         sch.reorder(paired, lane)
-        sch.bind(lane, "threadIdx.x")
         sch.unroll(paired)
+        return self.lanes_bound(sch, names, matmul, target)
+
+    def lanes_bound(self, sch: s_tir.Schedule, names: list[str], matmul: str, target: Target) -> s_tir.Schedule:
+        """The workgroups, rows and lanes bound to threads, once the loops are laid out: a GEMV
+        merged with the RMSNorm before it first gets the sum of squares, which the lanes of a row
+        split as they split its dot product, in the same loop (`scaled_by_norm`)."""
+        partial = sch.get_sblock(f"{matmul}_rf")
+        if NORM_SCALE in names:
+            sch = scaled_by_norm(sch, names, matmul, self.lane_width, self.lanes)
+            partial = sch.get_sblock(f"{matmul}_rf")
+            squares = sch.get_sblock(f"{SUM_OF_SQUARES}_rf")
+            sch.unroll(sch.get_loops(squares)[-1])
+            sch.merge(sch.get_loops(squares)[-2], sch.get_loops(partial)[3])
+            sch.bind(sch.get_loops(sch.get_sblock(SUM_OF_SQUARES))[-1], "threadIdx.x")
+        workgroup, row, lane = sch.get_loops(partial)[:3]
+        sch.bind(workgroup, "blockIdx.x")
+        sch.bind(row, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+        sch.bind(sch.get_loops(sch.get_sblock(matmul))[-1], "threadIdx.x")
         return self.lane_sums_lowered(sch, target)
 
     def lane_sums_lowered(self, sch: s_tir.Schedule, target: Target) -> s_tir.Schedule:

@@ -75,7 +75,7 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
 # The schedules are imported by the functions that build with them: the engine reads this table
 # (which device runs a target), and the quantization package the schedules import needs the engine.
 def gpu_schedules(matmul: dl.ScheduleRule | None = None, decode_gemv: tuple = ()) -> tvm.transform.Pass:
-    from .decode_fusion import merge_epilogues_into_decode_gemvs
+    from .decode_fusion import merge_into_decode_gemvs
     from .gpu_schedule import SplitReductionGEMV
     from .gpu_trigonometry import precise_sin_cos
 
@@ -93,7 +93,7 @@ def gpu_schedules(matmul: dl.ScheduleRule | None = None, decode_gemv: tuple = ()
         [
             precise_sin_cos,
             inline_group_parameters,
-            *([merge_epilogues_into_decode_gemvs(decode_gemv)] if decode_gemv else []),
+            *([merge_into_decode_gemvs(decode_gemv)] if decode_gemv else []),
             dl.ApplyDefaultSchedule(*[Declining(rule) for rule in rules]),
         ]
     )

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import tvm
-from tvm import te
+from tvm import relax, te
 
 from kiln.compile.quantization.group import GroupFormat
 from kiln.compile.targets import TARGETS
@@ -78,6 +78,75 @@ def test_a_swiglu_gemv_sums_the_gate_and_up_rows_of_an_output_together(target):
     assert wgsl.count("exp(") == 1
     shuffles = re.findall(r"subgroupShuffleDown\(\w+\[0i\], (\du)\)", wgsl)
     assert shuffles == (["2u", "1u"] * 2 if target == "webgpu-subgroups" else [])
+
+
+def normed_matmul_wgsl(out_features: int, in_features: int, target: str, swiglu=False, dtype="float32") -> str:
+    """The WGSL of a decode step's RMSNorm followed by a q4 matmul (and SwiGLU's silu · mul), as
+    the build lowers a model: through Relax's operator fusion and Kiln's merges."""
+    group = GroupFormat(4, 32, dtype)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 1, in_features), dtype))
+    norm_weight = relax.Var("norm_weight", relax.TensorType((in_features,), dtype))
+    weight = relax.Var("weight", relax.TensorType((out_features, in_features // 8), "uint32"))
+    scale = relax.Var("scale", relax.TensorType((out_features, in_features // 32), dtype))
+    with bb.function("main", [x, norm_weight, weight, scale]):
+        with bb.dataflow():
+            normed = bb.emit(relax.op.nn.rms_norm(x, norm_weight, axes=[-1], epsilon=1e-5))
+            y = bb.emit_te(
+                lambda x, w, s: matmul_transposed(x, group.dequantize_te(w, s, out_features, in_features), dtype),
+                normed,
+                weight,
+                scale,
+                primfunc_name_hint="dequantize_matmul",
+            )
+            if swiglu:
+                half = out_features // 2
+                gate = relax.op.strided_slice(y, axes=[2], begin=[0], end=[half])
+                up = relax.op.strided_slice(y, axes=[2], begin=[half], end=[out_features])
+                y = bb.emit(relax.op.multiply(relax.op.nn.silu(gate), up))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    t = relax.transform
+    entry = TARGETS[target]
+    with entry.target():
+        lowering = [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FuseOps(), t.FuseTIR(), t.DeadCodeElimination()]
+        module = tvm.transform.Sequential([*lowering, entry.schedules()])(bb.get())
+        kernels = {gv.name_hint: f for gv, f in module.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+        built = [
+            tvm.tirx.build(tvm.IRModule({"main": f.with_attr("global_symbol", name)}), target=entry.target())
+            for name, f in kernels.items()
+        ]
+    return "".join(device.inspect_source() for library in built for device in library.imports)
+
+
+@pytest.mark.parametrize("target", DECODE_WORKGROUPS)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_a_norm_before_a_decode_gemv_is_summed_in_the_gemvs_own_loop(target, swiglu):
+    """RMSNorm · W = (x ∘ w) · W / rms(x): one kernel, whose threads add up the squares of x in the
+    loop that reads x for the dot product and scale their output by 1/rms(x); no workgroup memory,
+    no barrier, and on subgroups one more pair of shuffles (the lanes' sums of squares)."""
+    wgsl = normed_matmul_wgsl(3072 if swiglu else 960, 576, target, swiglu)
+    assert wgsl.count("@compute") == 1 and kilns_decode_gemv(wgsl, target) and "var<workgroup>" not in wgsl
+    assert wgsl.count("for (") == 1  # squares and dot products side by side
+    assert re.search(r"fma\((\w+_ptr\[[^]]+\]), \1, \w+_local\[0i\]\)", wgsl)  # x[k] · x[k]
+    assert "sqrt(((" in wgsl and "/ 5.760000e+02f) + 1.000000e-05f)" in wgsl  # 1/√(mean + ε)
+    shuffles = re.findall(r"subgroupShuffleDown\(\w+\[0i\], (\du)\)", wgsl)
+    dot_products = 2 if swiglu else 1
+    assert shuffles == (["2u", "1u"] * (dot_products + 1) if target == "webgpu-subgroups" else [])
+
+
+@pytest.mark.parametrize(
+    "out_features, dtype, merged",
+    [
+        (64 * 32, "float32", True),  # 32 rows per input: merged
+        (64 * 33, "float32", False),  # a vocabulary head's proportions: the norm keeps its kernel
+        (128, "float16", False),  # float16 would sum unnormalized inputs, which can overflow it
+    ],
+)
+def test_a_norm_merges_only_into_float32_gemvs_of_few_rows_per_input(out_features, dtype, merged):
+    wgsl = normed_matmul_wgsl(out_features, 64, "webgpu", dtype=dtype)
+    assert wgsl.count("@compute") == (1 if merged else 2)
+    assert ("workgroupBarrier" in wgsl) != merged  # the norm kernel's own reduction
 
 
 def test_only_the_subgroup_gemv_enables_subgroups():

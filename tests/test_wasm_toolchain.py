@@ -257,14 +257,15 @@ def test_a_decode_step_on_dawn_in_node_has_the_dispatches_and_barriers_of_the_bu
     print(json.dumps({key: value for key, value in report.items() if key != "decode_step_kernels"}))
     kernels = {kernel["kernel"]: kernel for kernel in report["decode_step_kernels"]}
     assert sum(kernel["dispatches"] for kernel in kernels.values()) == report["decode_step_dispatches"]
-    # a layer: two norms, qkv, RoPE, KV append, attention, o (+ residual), gate_up with silu·mul,
-    # down (+ residual); then the embedding, the final norm and the head
-    assert report["decode_step_dispatches"] == 9 * report["layers"] + 3
+    # a layer: qkv (with the norm before it), RoPE, KV append, attention, o (+ residual), gate/up
+    # (with the norm, and silu·mul), down (+ residual); then the embedding and the head with the
+    # final norm (the tiny head has 6 rows per input, few enough to merge)
+    assert report["decode_step_dispatches"] == 7 * report["layers"] + 2
     (swiglu,) = [name for name in kernels if "silu" in name]
     assert "matmul" in swiglu and "add" not in swiglu  # in the gate/up GEMV, not the down projection's
     gemvs = [kernel for name, kernel in kernels.items() if "matmul" in name or "lm_head" in name]
     assert len(gemvs) == 5 and not any(kernel["barriers"] + kernel["loopBarriers"] for kernel in gemvs), gemvs
-    norms = [kernel for name, kernel in kernels.items() if "rms_norm" in name]
-    assert norms and all(kernel["barriers"] > 0 for kernel in norms)
+    normed = [name for name in kernels if "rms_norm" in name]
+    assert len(normed) == 3 and all("matmul" in name or "lm_head" in name for name in normed), normed
     assert report["decode_step_barriers"] == sum(k["dispatches"] * k["barriers"] for k in kernels.values())
     assert report["decode_tokens_per_s"] > 0
