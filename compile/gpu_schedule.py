@@ -139,7 +139,8 @@ def normed_output(names: list[str], matmul: str) -> str | None:
 def scaled_by_norm(sch: s_tir.Schedule, names: list[str], matmul: str, run: int, lanes: int = 1) -> s_tir.Schedule:
     """For a GEMV merged with the RMSNorm before it, once its rows are laid out: the copy of the
     matmul rows scaled by 1/rms, which each row's thread (or `lanes` threads) computes from the
-    sum of squares of the input, read `run` at a time, in registers, before the row's output."""
+    sum of squares of the input, read `run` at a time, in registers, before the row's output.
+    The caller merges the sum's loop over the runs (the second-to-last) with its dot product's."""
     copy = normed_output(names, matmul)
     scale = sch.get(sch.get_sblock(NORM_SCALE)).writes[0].source
     sch = s_tir.Schedule(with_output_scaled(sch.mod["main"], copy, scale))
@@ -152,6 +153,9 @@ def scaled_by_norm(sch: s_tir.Schedule, names: list[str], matmul: str, run: int,
     for stage in stages:
         sch.compute_at(stage, row)
         sch.set_scope(stage, 0, "local")
+    if lanes == 1:
+        sch.split(sch.get_loops(squares)[-1], [None, run])
+    sch.unroll(sch.get_loops(stages[-1])[-1])
     sch.compute_inline(stages[0])
     if copy != names[-1]:  # scaled where the epilogue reads it, under the epilogue's lane guard
         sch.compute_inline(sch.get_sblock(copy))
@@ -212,8 +216,7 @@ class RowPerThreadGEMV(dl.ScheduleRule):
             sch.reverse_compute_at(sch.cache_write(block, 0, "local"), row)  # sum in a register
         if NORM_SCALE in names:
             sch = scaled_by_norm(sch, names, matmul, self.lane_width)
-            squares, weights = sch.split(sch.get_loops(sch.get_sblock(SUM_OF_SQUARES))[-1], [None, self.lane_width])
-            sch.unroll(weights)
+            squares = sch.get_loops(sch.get_sblock(SUM_OF_SQUARES))[-2]
             sch.merge(squares, sch.get_loops(sch.get_sblock(matmul))[2])  # one loop reads x for both
         return sch
 
@@ -267,14 +270,12 @@ class SplitReductionGEMV(dl.ScheduleRule):
         """The workgroups, rows and lanes bound to threads, once the loops are laid out: a GEMV
         merged with the RMSNorm before it first gets the sum of squares, which the lanes of a row
         split as they split its dot product, in the same loop (`scaled_by_norm`)."""
-        partial = sch.get_sblock(f"{matmul}_rf")
         if NORM_SCALE in names:
             sch = scaled_by_norm(sch, names, matmul, self.lane_width, self.lanes)
-            partial = sch.get_sblock(f"{matmul}_rf")
-            squares = sch.get_sblock(f"{SUM_OF_SQUARES}_rf")
-            sch.unroll(sch.get_loops(squares)[-1])
-            sch.merge(sch.get_loops(squares)[-2], sch.get_loops(partial)[3])
+            squares = sch.get_loops(sch.get_sblock(f"{SUM_OF_SQUARES}_rf"))[-2]
+            sch.merge(squares, sch.get_loops(sch.get_sblock(f"{matmul}_rf"))[3])
             sch.bind(sch.get_loops(sch.get_sblock(SUM_OF_SQUARES))[-1], "threadIdx.x")
+        partial = sch.get_sblock(f"{matmul}_rf")
         workgroup, row, lane = sch.get_loops(partial)[:3]
         sch.bind(workgroup, "blockIdx.x")
         sch.bind(row, "threadIdx.y")
