@@ -24,7 +24,7 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from .cpu_schedule import MATMUL_BLOCK_NAMES, block_names
-from .gpu_schedule import NORM_SCALE, NORMED_INPUT, SUM_OF_SQUARES
+from .gpu_schedule import NORM_SCALE, NORMED_INPUT, SUM_OF_SQUARES, storing
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
@@ -162,19 +162,7 @@ def with_norm_scale_deferred(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     value = without_scale(normed.body.value)
     if tvm_ffi.structural_equal(value, normed.body.value):
         return None
-    reads = [region for region in normed.reads if not region.source.same_as(scale)]
-    store = tirx.BufferStore(normed.body.buffer, value, normed.body.indices)
-    unscaled = s_tir.SBlock(
-        normed.iter_vars,
-        reads,
-        normed.writes,
-        normed.name_hint,
-        store,
-        normed.init,
-        normed.alloc_buffers,
-        normed.match_buffers,
-        normed.annotations,
-    )
+    unscaled = storing(normed, value, [region for region in normed.reads if not region.source.same_as(scale)])
     return tvm_ffi.structural_map(sch.mod["main"], (s_tir.SBlock, lambda b: unscaled if b.same_as(normed) else b))
 
 

@@ -90,9 +90,9 @@ def rows_by_output(sch: s_tir.Schedule, names: list[str], matmul: str, rows_per_
     )
     by_output_rows = lambda *i: (*i[:-1], i[-1] // width, i[-1] % width)  # noqa: E731
     sch.transform_block_layout(block, by_output)
-    copy = normed_output(names, matmul)  # a copy of the matmul rows, laid out as they are
-    stages = [block] if copy is None else [block, sch.get_sblock(copy)]
-    if copy is not None:
+    stages = [block]
+    if (copy := normed_output(names, matmul)) is not None:  # a copy of the matmul rows, laid out as they are
+        stages.append(sch.get_sblock(copy))
         ndim = len(sch.get(stages[1]).iter_vars)
         sch.transform_block_layout(stages[1], tirx.IndexMap.from_func(by_output_rows, ndim=ndim))
     for stage in stages:  # each block's layout first: its accesses then simplify
@@ -169,23 +169,18 @@ def with_output_scaled(func: tirx.PrimFunc, block_name: str, scale: tirx.Buffer)
     def scaled(block: s_tir.SBlock) -> s_tir.SBlock:
         if block.name_hint != block_name:
             return block
-        store = block.body
-        indices = store.indices[: len(scale.shape)]
+        indices = block.body.indices[: len(scale.shape)]
         read = tirx.BufferRegion(scale, [tvm.ir.Range.from_min_extent(i, 1) for i in indices])
-        value = store.value * tirx.BufferLoad(scale, indices)
-        return s_tir.SBlock(
-            block.iter_vars,
-            [*block.reads, read],
-            block.writes,
-            block.name_hint,
-            tirx.BufferStore(store.buffer, value, store.indices),
-            block.init,
-            block.alloc_buffers,
-            block.match_buffers,
-            block.annotations,
-        )
+        return storing(block, block.body.value * tirx.BufferLoad(scale, indices), [*block.reads, read])
 
     return tvm_ffi.structural_map(func, (s_tir.SBlock, scaled))
+
+
+def storing(block: s_tir.SBlock, value: tvm.ir.PrimExpr, reads: list) -> s_tir.SBlock:
+    """`block` (a single store) storing `value` where it stored before, reading `reads`."""
+    store = tirx.BufferStore(block.body.buffer, value, block.body.indices)
+    attrs = (block.init, block.alloc_buffers, block.match_buffers, block.annotations)
+    return s_tir.SBlock(block.iter_vars, reads, block.writes, block.name_hint, store, *attrs)
 
 
 class RowPerThreadGEMV(dl.ScheduleRule):
