@@ -4,7 +4,8 @@ A GGUF is a header (magic, version, tensor and metadata counts), metadata key/va
 infos (name, dimensions innermost first, ggml type, offset), padding to the alignment, then the
 tensor data. A file from the internet may lie anywhere in it, so each count is bounded by the
 bytes left in the file before anything is allocated for it, and tensors must lie, aligned and
-apart, inside the file. Tensor data stays in the file (memory-mapped views).
+apart, inside the file. Tensor data stays in the file (memory-mapped views); a numeric metadata
+array is one numpy array of the file's bytes (as Python numbers a float array took 10x its size).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class GGUFTensor:
 @dataclass
 class GGUFFile:
     path: Path
-    metadata: dict[str, Any]  # strings, numbers, bools, and lists of them
+    metadata: dict[str, Any]  # strings, numbers, bools, lists of strings and numpy arrays of numbers or bools
     tensors: list[GGUFTensor]
 
 
@@ -119,7 +120,7 @@ class Cursor:
             return self.array(what)
         return self.scalar(value_type, what)
 
-    def array(self, what: str) -> list:
+    def array(self, what: str) -> list[str] | np.ndarray:
         item_type = self.value_type(f"the items of {what}")
         if item_type == ValueType.ARRAY:
             raise unreadable(f"{what} is an array of arrays", self.path)
@@ -127,7 +128,10 @@ class Cursor:
             return [self.string(f"an item of {what}") for _ in range(self.count(f"items of {what}", STRING_MIN_BYTES))]
         dtype = np.dtype(SCALAR_FORMATS[item_type])
         count = self.count(f"items of {what}", dtype.itemsize)
-        return np.frombuffer(self.take(count * dtype.itemsize, what), dtype).tolist()
+        # A copy: the file's mapping closes once the header is read.
+        values = np.frombuffer(self.take(count * dtype.itemsize, what), dtype).copy()
+        values.flags.writeable = False
+        return values
 
 
 def read_metadata(cursor: Cursor) -> dict[str, Any]:

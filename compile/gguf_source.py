@@ -60,12 +60,22 @@ def model_name_from_gguf_path(path: Path) -> str:
     return QUANTIZATION_SUFFIX.sub("", path.stem)
 
 
+# The numpy dtype kinds a GGUF array of each item kind may hold: an int is a float too, a bool is no number.
+ARRAY_DTYPE_KINDS = {int: "iu", float: "iuf", bool: "b"}
+
+
 def is_kind(value: Any, kind: type | GenericAlias | None) -> bool:
-    """`value` is a `kind` (`list[str]`: a list of str); an int is a float too, a bool is no number."""
+    """`value` is a `kind`: `list[str]` a list of str, `list[int]`/`list[float]`/`list[bool]` a numpy
+    array of such numbers (how GGUFFile keeps numeric arrays); an int is a float too, a bool is no number."""
     if kind is None:
         return True
     if isinstance(kind, GenericAlias):
-        return isinstance(value, list) and all(is_kind(item, kind.__args__[0]) for item in value)
+        item_kind = kind.__args__[0]
+        if isinstance(value, np.ndarray):
+            return value.dtype.kind in ARRAY_DTYPE_KINDS.get(item_kind, "")
+        return isinstance(value, list) and all(is_kind(item, item_kind) for item in value)
+    if kind is list:
+        return isinstance(value, (list, np.ndarray))
     if isinstance(value, bool):
         return kind is bool
     return isinstance(value, (int, float) if kind is float else kind)
@@ -83,11 +93,15 @@ class GGUFMetadata:
         return key in self._values
 
     def get(self, key: str, default: Any = None, kind: type | GenericAlias | None = None) -> Any:
+        """The value of `key`, checked to be a `kind`. A numeric array is a numpy array when `kind`
+        asks for a list of numbers, Python values when no kind is asked (a family's small arrays)."""
         if key not in self._values:
             return default
         value = self._values[key]
+        if kind is None and isinstance(value, np.ndarray):
+            return value.tolist()
         if not is_kind(value, kind):
-            shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+            shown = f"a list of {len(value)}" if isinstance(value, (list, np.ndarray)) else repr(value)
             kind_name = kind if isinstance(kind, GenericAlias) else kind.__name__
             raise KilnError(f"GGUF metadata {key} should be {kind_name}, got {shown}", self.path)
         return value
@@ -211,6 +225,20 @@ QWEN2_SPLIT = (
 )
 
 
+# The longest token of GPT-2's, Llama 3's and Qwen2's vocabularies has 128 characters (Llama 2's
+# and Phi-3's: 16); 8x that leaves room for any real vocabulary and bounds the work per token
+# (the SentencePiece merges try every cut of a token).
+MAX_TOKEN_CHARS = 1024
+
+
+def check_token_lengths(key: str, values: list[str], longest: int, path: Path) -> None:
+    if values and (length := max(map(len, values))) > longest:
+        raise KilnError(
+            f"GGUF metadata {key} holds an entry of {length} characters (at most {longest}: real tokens are short)",
+            path,
+        )
+
+
 @dataclass(frozen=True)
 class GGUFVocabulary:
     """The tokenizer a GGUF describes, as read from its tokenizer.* metadata."""
@@ -218,8 +246,8 @@ class GGUFVocabulary:
     model: str
     pre: str
     tokens: list[str]
-    token_types: list[int]
-    scores: list[float] | None
+    token_types: np.ndarray  # int, one per token
+    scores: np.ndarray | None  # float, one per token
     merges: list[str] | None
     special_ids: dict[str, int]  # "bos_token"/"eos_token"/"unk_token"/"pad_token" → id, when present
     add_bos: bool
@@ -232,7 +260,12 @@ class GGUFVocabulary:
         model = metadata.require("tokenizer.ggml.model", str)
         pre = metadata.get("tokenizer.ggml.pre", "default", str)
         tokens = metadata.require("tokenizer.ggml.tokens", list[str])
-        token_types = metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens), list[int])
+        check_token_lengths("tokenizer.ggml.tokens", tokens, MAX_TOKEN_CHARS, metadata.path)
+        merges = metadata.get("tokenizer.ggml.merges", kind=list[str])
+        check_token_lengths("tokenizer.ggml.merges", merges, 2 * MAX_TOKEN_CHARS + 1, metadata.path)  # "left right"
+        token_types = metadata.get(
+            "tokenizer.ggml.token_type", np.full(len(tokens), TokenType.NORMAL, np.int32), list[int]
+        )
         scores = metadata.get("tokenizer.ggml.scores", kind=list[float])
         for key, values in (("tokenizer.ggml.token_type", token_types), ("tokenizer.ggml.scores", scores)):
             if values is not None and len(values) != len(tokens):
@@ -256,7 +289,7 @@ class GGUFVocabulary:
             tokens=tokens,
             token_types=token_types,
             scores=scores,
-            merges=metadata.get("tokenizer.ggml.merges", kind=list[str]),
+            merges=merges,
             special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
             add_bos=metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre in LLAMA3_PRE_NAMES, bool),
             add_eos=metadata.get("tokenizer.ggml.add_eos_token", False, bool),
@@ -336,11 +369,14 @@ def byte_level_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
 
 def sentencepiece_merges(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:
     """SentencePiece BPE joins the adjacent pair whose joined piece scores highest. As ranked BPE
-    merges that is every split of a piece into two pieces, best-scoring joined piece first."""
+    merges that is every split of a piece into two pieces, best-scoring joined piece first.
+
+    Trying every cut costs len(piece)^2 per piece (each cut copies the piece): MAX_TOKEN_CHARS
+    bounds it (an 80,000-character token took 1.6 s)."""
     pieces = {
         token: (score, index)
         for index, (token, score, token_type) in enumerate(
-            zip(vocabulary.tokens, vocabulary.scores, vocabulary.token_types)
+            zip(vocabulary.tokens, vocabulary.scores.tolist(), vocabulary.token_types.tolist())
         )
         if token_type == TokenType.NORMAL
     }
@@ -408,7 +444,7 @@ def build_tokenizer(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
     tokenizer = TOKENIZER_BUILDERS[vocabulary.model](vocabulary, path)
     # Control tokens (and the unknown token) are special; user-defined ones are not, but like
     # them they are matched whole in the text instead of being cut up by the merges.
-    typed = list(zip(vocabulary.tokens, vocabulary.token_types))
+    typed = list(zip(vocabulary.tokens, vocabulary.token_types.tolist()))
     special = [token for token, kind in typed if kind in (TokenType.CONTROL, TokenType.UNKNOWN)]
     user_defined = [token for token, kind in typed if kind == TokenType.USER_DEFINED]
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special])

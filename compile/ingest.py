@@ -7,6 +7,10 @@ A source is one of
   HF_ENDPOINT, HF_HUB_OFFLINE and the Hugging Face cache), then read as a folder;
 - a GGUF file: read by compile/gguf_source.py, its tokenizer rebuilt into `work_dir`.
 
+Every file read must lie inside the source's folder (a hub download: inside its repository's
+folder in the Hugging Face cache, whose snapshots link into `blobs/`): git, zip and tar keep
+symlinks, and a link out would carry a local file (a token, a key) into the compiled output.
+
 Whatever the source, the result looks the same: a Hugging Face-style config, tensors under
 Hugging Face names as float32 numpy arrays in Hugging Face layout, and a tokenizer folder.
 Everything that can be checked cheaply (config, tokenizer, weight file headers) is checked
@@ -27,6 +31,7 @@ from typing import Callable, Protocol
 import numpy as np
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError
+from packaging.version import InvalidVersion, Version
 from tqdm import tqdm
 
 from kiln.chat_template import ChatTemplate
@@ -44,6 +49,15 @@ TOKENIZER_SIDE_FILES = (
     "chat_template.json",
 )
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# torch.load(weights_only=True) runs code from a crafted pickle before 2.10 (CVE-2025-32434 up to
+# 2.5.1, CVE-2026-24747 up to 2.9).
+SAFE_UNPICKLING_TORCH = Version("2.10")
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    revision: str | None = None  # the hub commit, branch or tag to download (default: main)
+    allow_pickle: bool = False  # read pytorch_model*.bin even with a torch older than 2.10
 
 
 class TensorReader(Protocol):
@@ -62,6 +76,7 @@ class SourceModel:
     tokenizer_dir: Path  # tokenizer.json and/or tokenizer.model, tokenizer_config.json, ...
     source_hash: str  # see `hash_source_files`
     tensors: TensorReader = field(repr=False)
+    revision: str | None = None  # the commit a hub download was made from
 
     def tensor_names(self) -> list[str]:
         return self.tensors.names()
@@ -69,6 +84,39 @@ class SourceModel:
     def load_tensor(self, name: str) -> np.ndarray:
         """float32, Hugging Face layout ([out, in] for a Linear)."""
         return self.tensors.load(name)
+
+
+# ---- containment -----------------------------------------------------------------------------
+
+
+def source_root(folder: Path) -> Path:
+    """The folder every file of a source must lie in: the folder itself, or for a snapshot in the
+    Hugging Face cache (models--org--name/snapshots/<commit>) its repository's folder, whose
+    blobs/ the snapshot's files link to."""
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent
+    return folder
+
+
+def contained_file(path: Path, root: Path) -> Path:
+    """`path` with every link followed, if that lies inside `root` (a link within is fine)."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        raise KilnError(
+            "a link to a file outside the model folder: Kiln reads only the source's own files "
+            "(copy the file in instead)",
+            path,
+        )
+    return resolved
+
+
+def check_contained(folder: Path, names: tuple[str, ...]) -> None:
+    """Each of the files `names` in `folder` that exists (a dangling link counts) lies inside the source."""
+    root = source_root(folder)
+    for name in names:
+        if (folder / name).is_symlink() or (folder / name).exists():
+            contained_file(folder / name, root)
 
 
 # ---- safetensors -----------------------------------------------------------------------------
@@ -204,6 +252,32 @@ class SafetensorsTensors:
 # ---- PyTorch checkpoints ---------------------------------------------------------------------
 
 
+def torch_unpickles_safely(torch_version: str) -> bool:
+    """Whether this torch's `torch.load(weights_only=True)` has the fixes for loading a hostile
+    pickle (a pre-release of 2.10 counts as older)."""
+    try:
+        return Version(torch_version) >= SAFE_UNPICKLING_TORCH
+    except InvalidVersion:
+        return False
+
+
+def refuse_unsafe_pickle(path: Path | str, options: IngestOptions) -> None:
+    """pytorch_model*.bin is a pickle: only with a torch that loads one safely, or --allow-pickle."""
+    if options.allow_pickle:
+        return
+    try:
+        import torch
+    except ImportError:
+        return  # PyTorchTensors says torch is needed
+    if not torch_unpickles_safely(torch.__version__):
+        raise KilnError(
+            f"PyTorch weights (pytorch_model*.bin) are a pickle, and torch {torch.__version__} can run code "
+            f"from a crafted one (CVE-2025-32434, CVE-2026-24747): install torch>={SAFE_UNPICKLING_TORCH}, "
+            "convert the weights to safetensors, or pass --allow-pickle for a file you trust",
+            path,
+        )
+
+
 class PyTorchTensors:
     def __init__(self, files: list[Path]):
         try:
@@ -233,6 +307,7 @@ class WeightFormat:
     index: str  # maps tensor names to shard files, when the weights are sharded
     shards: str  # glob for the weight files when there is no index
     reader: Callable[[list[Path]], TensorReader]
+    pickled: bool = False  # read by unpickling (see `refuse_unsafe_pickle`)
 
     def shard_files(self, folder: Path) -> list[Path]:
         index_path = folder / self.index
@@ -254,7 +329,7 @@ class WeightFormat:
 
 WEIGHT_FORMATS = (
     WeightFormat("model.safetensors.index.json", "model*.safetensors", SafetensorsTensors),
-    WeightFormat("pytorch_model.bin.index.json", "pytorch_model*.bin", PyTorchTensors),
+    WeightFormat("pytorch_model.bin.index.json", "pytorch_model*.bin", PyTorchTensors, pickled=True),
 )
 
 
@@ -270,7 +345,16 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
+FOLDER_FILES = (
+    "config.json",
+    *TOKENIZER_FILES,
+    *TOKENIZER_SIDE_FILES,
+    *(weight_format.index for weight_format in WEIGHT_FORMATS),
+)
+
+
+def read_hf_folder(folder: Path, options: IngestOptions, name: str | None = None) -> SourceModel:
+    check_contained(folder, FOLDER_FILES)
     config_path = folder / "config.json"
     config = read_config(config_path)
     if not (folder / "tokenizer.json").is_file():
@@ -290,6 +374,9 @@ def read_hf_folder(folder: Path, name: str | None = None) -> SourceModel:
             break
     else:
         raise KilnError("no weights (model*.safetensors or pytorch_model*.bin)", folder)
+    check_contained(folder, tuple(shard.name for shard in shard_files))
+    if weight_format.pickled:
+        refuse_unsafe_pickle(shard_files[0], options)
     tensors = weight_format.reader(shard_files)
     index_files = [folder / weight_format.index] if (folder / weight_format.index).is_file() else []
     return SourceModel(
@@ -313,23 +400,35 @@ def check_tokenizer(folder: Path) -> None:
 # ---- hub ids ---------------------------------------------------------------------------------
 
 
+def names_a_local_path(source: str) -> bool:
+    """Whether the source is a local path: it exists, or its first part does (a mistyped
+    models/foo beside a models/ folder must not reach the hub)."""
+    return Path(source).exists() or Path(source.split("/", 1)[0]).exists()
+
+
 def looks_like_hub_id(source: str) -> bool:
-    return HUB_ID.fullmatch(source) is not None and not Path(source).exists()
+    """org/name with one slash, not starting with ./ or /, whose org is no local file or folder."""
+    return HUB_ID.fullmatch(source) is not None and not names_a_local_path(source)
 
 
-def read_hub_model(repo_id: str, work_dir: Path) -> SourceModel:
-    """Download only what a build reads; safetensors first, PyTorch weights only when a repo has no safetensors."""
+def read_hub_model(repo_id: str, work_dir: Path, options: IngestOptions) -> SourceModel:
+    """Download only what a build reads; safetensors first, PyTorch weights only when a repo has no
+    safetensors (and `refuse_unsafe_pickle` allows them)."""
     wanted = ["config.json", *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES]
     try:
         for weight_format in WEIGHT_FORMATS:
+            if weight_format.pickled:
+                refuse_unsafe_pickle(repo_id, options)
             patterns = [*wanted, weight_format.index, weight_format.shards]
-            folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
+            folder = Path(snapshot_download(repo_id, revision=options.revision, allow_patterns=patterns))
             if any(folder.glob(weight_format.shards)):
                 break
     except (OSError, HFValidationError) as error:  # the hub's HTTP and cache errors are OSErrors
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
         raise KilnError(f"cannot get it from the Hugging Face hub: {first_line}", repo_id) from error
-    return read_hf_folder(folder, name=repo_id.split("/")[1])
+    model = read_hf_folder(folder, options, name=repo_id.split("/")[1])
+    model.revision = folder.name  # a snapshot's folder is named by its commit
+    return model
 
 
 # ---- GGUF files ------------------------------------------------------------------------------
@@ -339,8 +438,9 @@ def is_gguf_file(source: str) -> bool:
     return Path(source).is_file() and Path(source).suffix.lower() == ".gguf"
 
 
-def read_gguf_file(source: str, work_dir: Path) -> SourceModel:
+def read_gguf_file(source: str, work_dir: Path, _options: IngestOptions) -> SourceModel:
     path = Path(source)
+    contained_file(path, source_root(path.parent))
     model = GGUFModel(path)
     tokenizer_dir = work_dir / "tokenizer"
     model.write_tokenizer_files(tokenizer_dir)
@@ -381,24 +481,31 @@ def hash_source_files(root: Path, files: list[Path]) -> str:
 @dataclass(frozen=True)
 class SourceKind:
     matches: Callable[[str], bool]
-    read: Callable[[str, Path], SourceModel]
+    read: Callable[[str, Path, IngestOptions], SourceModel]
+    downloaded: bool = False  # a `--revision` applies to it
 
 
 SOURCE_KINDS: dict[str, SourceKind] = {
     "Hugging Face folder": SourceKind(
-        lambda source: Path(source).is_dir(), lambda source, _work_dir: read_hf_folder(Path(source))
+        lambda source: Path(source).is_dir(),
+        lambda source, _work_dir, options: read_hf_folder(Path(source), options),
     ),
     "GGUF file": SourceKind(is_gguf_file, read_gguf_file),
-    "Hugging Face hub id": SourceKind(looks_like_hub_id, read_hub_model),
+    "Hugging Face hub id": SourceKind(looks_like_hub_id, read_hub_model, downloaded=True),
 }
 
 
-def ingest(source: str | Path, work_dir: Path) -> SourceModel:
+def ingest(source: str | Path, work_dir: Path, options: IngestOptions = IngestOptions()) -> SourceModel:
     """Read `source` (a folder, a .gguf file or a hub id); `work_dir` holds files made on the way."""
     source = str(source)
-    for kind in SOURCE_KINDS.values():
+    for kind_name, kind in SOURCE_KINDS.items():
         if kind.matches(source):
-            return kind.read(source, Path(work_dir))
+            if options.revision is not None and not kind.downloaded:
+                raise KilnError(f"--revision pins a hub download, and this is a {kind_name}", source)
+            return kind.read(source, Path(work_dir), options)
     if Path(source).exists():
         raise KilnError(f"not a model source (expected one of: {', '.join(SOURCE_KINDS)})", source)
+    if HUB_ID.fullmatch(source):
+        local_folder = source.split("/", 1)[0]
+        raise KilnError(f"no such file or folder (not a hub id: {local_folder} is a local path here)", source)
     raise KilnError("no such file or folder", source)

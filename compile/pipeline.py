@@ -29,7 +29,7 @@ from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_
 from .configure import write_chat_config
 from .convert import convert_weights
 from .digests import file_digests
-from .ingest import SourceModel, ingest, looks_like_hub_id
+from .ingest import IngestOptions, SourceModel, ingest, looks_like_hub_id
 from .library import compile_library, library_metadata, param_specs, target_metadata
 from .quantization import Scheme, quantization_named
 from .source_weights import SourceWeights
@@ -52,6 +52,11 @@ class BuildRequest:
     context_window_size: int | None = None
     prefill_chunk_size: int | None = None
     cpu_tuning: str = "portable"
+    revision: str | None = None  # of a hub id
+    allow_pickle: bool = False  # read pytorch_model*.bin with a torch older than 2.10
+
+    def ingest_options(self) -> IngestOptions:
+        return IngestOptions(revision=self.revision, allow_pickle=self.allow_pickle)
 
     def overrides(self) -> dict[str, int]:
         return {
@@ -189,7 +194,7 @@ def build(request: BuildRequest) -> BuildResult:
         (staging / "libs").mkdir(parents=True)
 
         with clock.stage("ingest"):
-            source = ingest(request.source, tmp / "work")
+            source = ingest(request.source, tmp / "work", request.ingest_options())
             arch = architecture_for(source.config, config_file(source))
             config = arch.parse_config(source.config, config_file(source), request.overrides())
 
@@ -240,6 +245,7 @@ def build(request: BuildRequest) -> BuildResult:
             "model_id": model_id,
             "source": public_source_name(request.source),
             "source_hash": source.source_hash,
+            **({"source_revision": source.revision} if source.revision else {}),
             "model_type": arch.model_type,
             "quantization": quantization.name,
             "overrides": request.overrides(),

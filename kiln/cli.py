@@ -49,6 +49,13 @@ def add_compile(sub) -> None:
         "since 2013–2015 — or ARMv8-A), legacy (x86-64-v2: any x86-64 since 2009, 2.5x slower "
         "decode) or host (this machine's CPU; may not run elsewhere)",
     )
+    p.add_argument("--revision", help="of a hub id: the commit, branch or tag to download (default main)")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read pytorch_model*.bin (a pickle) even with a torch older than 2.10, whose loader can run "
+        "code from a crafted file (CVE-2025-32434, CVE-2026-24747): only for files you trust",
+    )
     p.set_defaults(run=run_compile)
 
 
@@ -65,6 +72,8 @@ def run_compile(args) -> int:
             context_window_size=args.context_window_size,
             prefill_chunk_size=args.prefill_chunk_size,
             cpu_tuning=args.cpu_tuning,
+            revision=args.revision,
+            allow_pickle=args.allow_pickle,
         )
     )
     print(result.model_dir)
