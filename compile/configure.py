@@ -113,9 +113,12 @@ def sampling_default(generation: dict, name: str, path: Path) -> float:
     return number
 
 
+NO_TOKEN = -1  # what configs of 2023 wrote for a token the model has none of (often pad_token_id)
+
+
 def token_ids(value, name: str, vocab_size: int, path: Path | None) -> list[int]:
-    """A token id field (an id, a list of ids or null), each id in the vocabulary."""
-    if value is None:
+    """A token id field (an id, a list of ids or null), each id in the vocabulary; -1 is none."""
+    if value is None or value == NO_TOKEN:
         return []
     ids = value if isinstance(value, list) else [value]
     for token_id in ids:

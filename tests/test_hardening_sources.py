@@ -284,7 +284,7 @@ GENERATION_CASES = {
     "eos_token_id beyond the vocabulary": ('{"eos_token_id": 100000}', "eos_token_id should be a token id (0 to"),
     "eos_token_id a string": ('{"eos_token_id": "</s>"}', "eos_token_id should be a token id"),
     "eos_token_id a list with a float": ('{"eos_token_id": [1, 2.0]}', "eos_token_id should be a token id"),
-    "bos_token_id negative": ('{"bos_token_id": -1}', "bos_token_id should be a token id"),
+    "bos_token_id negative": ('{"bos_token_id": -2}', "bos_token_id should be a token id"),
     "another field NaN": ('{"typical_p": NaN}', "typical_p is not a finite number"),
     "a list": ("[1, 2]", "not a JSON object"),
 }
@@ -297,6 +297,14 @@ def test_a_bad_generation_config_is_refused(folder, tmp_path, case):
     with pytest.raises(KilnError) as error:
         configure(folder, tmp_path / "out")
     assert_one_line(error.value, folder / "generation_config.json", problem)
+
+
+def test_a_token_id_of_minus_one_is_no_token(folder, tmp_path):
+    (folder / "generation_config.json").write_text('{"pad_token_id": -1, "eos_token_id": 2}')
+    out_dir = tmp_path / "out"
+    configure(folder, out_dir)
+    chat_config = json.loads((out_dir / "mlc-chat-config.json").read_text())
+    assert chat_config["pad_token_id"] == 0 and chat_config["eos_token_id"] == [2]
 
 
 def no_constants(name: str):
