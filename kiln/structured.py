@@ -105,7 +105,10 @@ class ResponseFormat:
     def from_structural_tag(cls, tags: list[dict], triggers: list[str]) -> ResponseFormat:
         """Free text in which each tag, once its trigger appears, runs from its `begin` through text
         fitting its `schema` to its `end` (XGrammar's structural tag; how tool calls are held)."""
-        return cls("structural_tag", json.dumps({"tags": tags, "triggers": triggers}, ensure_ascii=False))
+        text = json.dumps({"tags": tags, "triggers": triggers}, ensure_ascii=False)
+        if len(text) > MAX_FORMAT_CHARS:
+            raise ResponseFormatError(f"the structural tag is longer than {MAX_FORMAT_CHARS} characters")
+        return cls("structural_tag", text)
 
     @classmethod
     def from_grammar(cls, grammar: Any) -> ResponseFormat:

@@ -10,6 +10,8 @@ depends on `tool_choice`:
   - "required" or a named function: the call's opening is written into the prompt, and the model
     writes the call's JSON held to a schema that allows the named function (or any of them).
 Arguments always fit the function's `parameters` schema, strict or not: XGrammar holds them to it.
+The tools are bounded like a `response_format` (MAX_FORMAT_CHARS of JSON), and so is each format
+they make, whichever call format the model has: a request is refused before a model is touched.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.errors import KilnError
-from kiln.structured import ResponseFormat
+from kiln.structured import MAX_FORMAT_CHARS, ResponseFormat, ResponseFormatError
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
@@ -152,7 +154,21 @@ class ToolRequest:
             if not isinstance(parameters, dict):
                 raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON Schema object")
             functions[name] = parameters
-        return cls(tools, functions, choose(tool_choice, functions))
+        request = cls(tools, functions, choose(tool_choice, functions))
+        request.check_size()
+        return request
+
+    def check_size(self) -> None:
+        """The tools' JSON, and every format they make (for any call format), within MAX_FORMAT_CHARS."""
+        try:
+            if len(json.dumps(self.tools, ensure_ascii=False, separators=(",", ":"))) > MAX_FORMAT_CHARS:
+                raise ToolRequestError(f"the tools are longer than {MAX_FORMAT_CHARS} characters of JSON")
+            for call_format in TOOL_CALL_FORMATS:
+                self.response_format(call_format)
+        except RecursionError:
+            raise ToolRequestError("the tools nest too deeply") from None
+        except ResponseFormatError as e:
+            raise ToolRequestError(f"the tools make a format too long: {e.problem}") from None
 
     def response_format(self, call_format: ToolCallFormat) -> ResponseFormat | None:
         """What holds the reply: calls' arguments to their schemas (auto), or the whole reply to one call."""

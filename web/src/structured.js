@@ -57,7 +57,7 @@ function isObject(value) {
 }
 
 /** A JSON Schema, as an object or as its JSON text (passed on as written: XGrammar reads property order). */
-function fromSchema(schema) {
+export function fromSchema(schema) {
   let text = schema;
   if (typeof schema === "string") {
     if (schema.length > MAX_FORMAT_CHARS) throw problem(`the JSON schema is longer than ${MAX_FORMAT_CHARS} characters`);
@@ -72,6 +72,17 @@ function fromSchema(schema) {
   if (!isObject(schema) && typeof schema !== "boolean") throw problem("the JSON schema must be an object");
   if (text.length > MAX_FORMAT_CHARS) throw problem(`the JSON schema is longer than ${MAX_FORMAT_CHARS} characters`);
   return { kind: "json_schema", text };
+}
+
+/**
+ * Free text in which each tag, once its trigger appears, runs from its `begin` through text fitting
+ * its `schema` to its `end` (XGrammar's structural tag; how tools.js holds tool calls), bounded as
+ * natively.
+ */
+export function structuralTagFrom(tags, triggers) {
+  const text = JSON.stringify({ tags, triggers });
+  if (text.length > MAX_FORMAT_CHARS) throw problem(`the structural tag is longer than ${MAX_FORMAT_CHARS} characters`);
+  return { kind: "structural_tag", text };
 }
 
 function fromGrammar(grammar) {

@@ -1,8 +1,11 @@
 // Tool calls: OpenAI's `tools` and `tool_choice`, as kiln/tools.py defines them natively (see its
 // module doc): the same call formats recognized in the chat template, the same checks and error
 // messages, the same formats holding the reply, and calls read out of the reply the same way.
+// The tools are bounded like a response_format (MAX_FORMAT_CHARS of JSON), and so is each format
+// they make, whichever call format the model has.
 import { messageText } from "./chat-format.js";
 import { EngineError } from "./errors.js";
+import { fromSchema, MAX_FORMAT_CHARS, structuralTagFrom } from "./structured.js";
 
 const FUNCTION_NAME = /^[A-Za-z0-9_-]{1,64}$/;
 const TOOL_CHOICES = ["none", "auto", "required"];
@@ -100,7 +103,23 @@ export function toolRequestFrom(tools, toolChoice) {
     if (!isObject(parameters)) throw badRequest(`tools[${i}].function.parameters must be a JSON Schema object`);
     functions.set(fn.name, parameters);
   });
-  return new ToolRequest(tools, functions, choose(toolChoice, functions));
+  const request = new ToolRequest(tools, functions, choose(toolChoice, functions));
+  checkSize(request);
+  return request;
+}
+
+/** The tools' JSON, and every format they make (for any call format), within MAX_FORMAT_CHARS. */
+function checkSize(request) {
+  try {
+    if (JSON.stringify(request.tools).length > MAX_FORMAT_CHARS) {
+      throw badRequest(`the tools are longer than ${MAX_FORMAT_CHARS} characters of JSON`);
+    }
+    for (const callFormat of TOOL_CALL_FORMATS) request.responseFormat(callFormat);
+  } catch (error) {
+    if (error instanceof RangeError) throw badRequest("the tools nest too deeply");
+    if (error.code !== "bad-response-format") throw error;
+    throw badRequest(`the tools make a format too long: ${error.message}`);
+  }
 }
 
 function choose(toolChoice, functions) {
@@ -129,14 +148,14 @@ class ToolRequest {
     if (this.choice === "auto") {
       const tags = [...this.functions].map(([name, schema]) =>
         ({ begin: callFormat.callPrefix(name), schema, end: `}${callFormat.closing}` }));
-      return { kind: "structural_tag", text: JSON.stringify({ tags, triggers: [callFormat.trigger] }) };
+      return structuralTagFrom(tags, [callFormat.trigger]);
     }
     const names = this.choice === "required" ? [...this.functions.keys()] : [this.choice];
     const calls = names.map((name) => ({
       type: "object", properties: { name: { const: name }, [callFormat.argumentsKey]: this.functions.get(name) },
       required: ["name", callFormat.argumentsKey],
     }));
-    return { kind: "json_schema", text: JSON.stringify(calls.length === 1 ? calls[0] : { anyOf: calls }) };
+    return fromSchema(calls.length === 1 ? calls[0] : { anyOf: calls });
   }
 
   /** Text written into the prompt after the generation prompt: a forced call's opening. */
