@@ -9,14 +9,21 @@ can pick the f16 or f32 variant), its quantization and its browser libraries by 
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compile.targets import BROWSER_TARGETS
-from kiln.errors import KilnError
+from kiln.errors import KilnError, one_line
 from kiln.runtime import PAGE_SIZE, read_json
 
-MODEL_FILES = ("kiln-build.json", "mlc-chat-config.json", "tensor-cache.json")
+log = logging.getLogger(__name__)
+BUILD_RECORD = "kiln-build.json"
+MODEL_FILES = (BUILD_RECORD, "mlc-chat-config.json", "tensor-cache.json")
+# What reading a field of the wrong shape raises (a list where an object belongs, a missing key, a
+# library path the OS refuses, ...).
+FIELD_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, OSError)
 F32_BYTES = 4
 # A GPU budget most phones and integrated GPUs grant a tab; WebLLM's low-resource models fit it.
 LOW_RESOURCE_MB = 2048
@@ -42,14 +49,55 @@ class CompiledModel:
         }
 
 
+def read_object(path: Path) -> dict:
+    """A JSON file that holds an object."""
+    try:
+        value = read_json(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise KilnError(f"unreadable: {one_line(e)}", path) from None
+    if not isinstance(value, dict):
+        raise KilnError("should hold a JSON object", path)
+    return value
+
+
 def read_compiled_model(folder: Path) -> CompiledModel:
-    """The model folder `folder` (its MODEL_FILES must exist)."""
-    build, chat_config, tensor_cache = (read_json(folder / name) for name in MODEL_FILES)
-    return CompiledModel(folder.name, folder, build, chat_config, tensor_cache)
+    """The model folder `folder` (its MODEL_FILES must exist), with every field the app config reads."""
+    build, chat_config, tensor_cache = (read_object(folder / name) for name in MODEL_FILES)
+    model = CompiledModel(folder.name, folder, build, chat_config, tensor_cache)
+    try:
+        model_record(model, "")  # reads every field the server does
+    except FIELD_ERRORS as e:
+        problem = f"a field of its JSON files is missing or malformed ({type(e).__name__}: {one_line(e)})"
+        raise KilnError(problem, folder) from None
+    return model
+
+
+# The broken folders warned of, with the state of their files: the server reads them on every request.
+WARNED_STATES: set[tuple] = set()
+WARNED_LOCK = threading.Lock()
+
+
+def warn_once(folder: Path, error: KilnError) -> None:
+    """Warn of a broken model folder once per state of its files (a change to them warns again)."""
+    state = (folder, *(file_state(folder / name) for name in MODEL_FILES))
+    with WARNED_LOCK:
+        if state in WARNED_STATES:
+            return
+        WARNED_STATES.add(state)
+    log.warning("skipping a broken model folder: %s", error)
+
+
+def file_state(path: Path) -> tuple[int, int] | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_mtime_ns, status.st_size
 
 
 def compiled_models(dist: Path) -> list[CompiledModel]:
-    """Every model folder directly under `dist` (hidden build folders are skipped), by model id."""
+    """Every model folder directly under `dist` (hidden build folders are skipped), by model id.
+    A broken one is left out with a warning, so it never takes the others down with it."""
     if not dist.is_dir():
         raise KilnError("not a folder of compiled models", dist)
     models = []
@@ -57,7 +105,10 @@ def compiled_models(dist: Path) -> list[CompiledModel]:
         if folder.name.startswith(".") or not folder.is_dir():
             continue
         if all((folder / name).is_file() for name in MODEL_FILES):
-            models.append(read_compiled_model(folder))
+            try:
+                models.append(read_compiled_model(folder))
+            except KilnError as e:
+                warn_once(folder, e)
     return models
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -478,7 +479,28 @@ def add_serve(sub) -> None:
         action="append",
         default=[],
         metavar="ORIGIN",
-        help="let pages of ORIGIN (e.g. http://localhost:5173, or *) call /v1 (repeatable)",
+        help="let pages of ORIGIN (e.g. https://app.example, or *) call /v1 and read the models and the "
+        "app config (repeatable; pages on localhost, 127.0.0.1 and [::1] may read the models without it)",
+    )
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=os.environ.get("KILN_API_KEY") or None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1 (default: $KILN_API_KEY, which `ps` does not show); "
+        "needed to serve a --host other than loopback",
+    )
+    key.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve /v1 without a key even on a --host other than loopback (anyone who reaches it may use it)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="let at most N requests wait for a model while it generates; more get 503 with Retry-After (default 64)",
     )
     p.add_argument(
         "--idle-unload",
@@ -514,8 +536,10 @@ def run_serve(args) -> int:
         idle_unload_s=args.idle_unload,
         max_loaded_models=args.max_loaded_models,
         cross_origin_isolation=not args.no_isolation,
+        api_key=None if args.no_api_key else args.api_key,
+        max_queue=args.max_queue,
     )
-    serve(config, args.host, args.port)
+    serve(config, args.host, args.port, without_key=args.no_api_key)
     return 0
 
 

@@ -23,11 +23,8 @@ MIME_TYPES = {
     ".svg": "image/svg+xml",
     ".png": "image/png",
 }
-# Model files are fetched by pages on other origins too (WebLLM apps pointed at `kiln serve`).
-CORS_HEADERS = {
-    "Access-Control-Allow-Origin": "*",
-    "Access-Control-Expose-Headers": "Content-Length, Content-Range, Accept-Ranges, ETag",
-}
+# What a page of another origin allowed by CORS (see origins.py) may read of a model file's headers.
+EXPOSED_HEADERS = {"Access-Control-Expose-Headers": "Content-Length, Content-Range, Accept-Ranges, ETag"}
 
 
 def resolve_inside(root: Path, relative: str) -> Path | None:
@@ -58,5 +55,5 @@ def send_inside(root: Path, relative: str, cors: bool = False) -> Response:
         abort(404)
     response = send_file(path, mimetype=mime_type(path), conditional=True, etag=True)
     if cors:
-        response.headers.update(CORS_HEADERS)
+        response.headers.update(EXPOSED_HEADERS)
     return response

@@ -1,7 +1,8 @@
 """OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions` over the native engine.
 
-One engine per model (see `engines.py`); a model runs one generation at a time and later requests
-wait for it (up to the queue timeout, then 503). Streams are server-sent events. A generation ends
+One engine per model (see `engines.py`), leased by each request until its reply ends; a model runs
+one generation at a time and later requests wait for it (a bounded number of them, each up to the
+queue timeout; then 503 with `Retry-After`). Streams are server-sent events. A generation ends
 when its client goes away: a watcher sees the connection close (a streamed reply also notices
 its next write failing) and interrupts the engine, which frees the model for the next request.
 """
@@ -24,7 +25,7 @@ from kiln.errors import KilnError
 from kiln.tools import ContentBeforeCalls
 
 from .api_request import ApiError, ApiRequest, read_request
-from .engines import NativeEngines
+from .engines import Lease, ModelBusy, NativeEngines
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_MS = 50
@@ -129,7 +130,9 @@ def event_stream(
         yield sse("[DONE]")
     except KilnError as e:
         finish_reason = "error"
-        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        log.error("a generation failed: %s", e)
+        # The problem, not the path: clients learn nothing of the server's folders.
+        yield sse({"error": {"message": e.problem, "type": "server_error", "param": None, "code": None}})
     finally:
         log_if_abandoned(finish_reason, generated)
         deltas.close()
@@ -159,7 +162,7 @@ def start_stream(start, format_param: str = "response_format") -> Iterator:
     try:
         return start()
     except EngineBusy as e:
-        raise ApiError(503, f"{e}; retry later.", error_type="server_error", code="model_busy") from None
+        raise ModelBusy(f"{e.problem}; retry later.") from None
     except ResponseFormatError as e:
         raise ApiError(400, e.problem, format_param) from None
     except KilnError as e:
@@ -251,6 +254,62 @@ def respond(asked: ApiRequest, engine, deltas: Iterator, calls: ContentBeforeCal
     )
 
 
+def answer(lease: Lease, reply) -> Response:
+    """`reply(engine)`, holding the lease until the reply is over: a whole reply's generation is
+    over when `reply` returns; a stream's when its events end or the server closes it unread."""
+    try:
+        response = reply(lease.engine)
+    except BaseException:
+        lease.release()
+        raise
+    if not response.is_streamed:
+        lease.release()
+        return response
+    response.response = released_at_end(response.response, lease)
+    response.call_on_close(lease.release)
+    return response
+
+
+def released_at_end(events: Iterator[str], lease: Lease) -> Iterator[str]:
+    try:
+        yield from events
+    finally:
+        lease.release()
+
+
+def chat_reply(asked: ApiRequest, engine) -> Response:
+    if engine.chat_template is None:
+        raise ApiError(
+            400,
+            f"The model {asked.model!r} has no chat template (it is a base model): it completes "
+            "raw text at /v1/completions, it does not chat.",
+            "model",
+            code="model_cannot_chat",
+        )
+    config = asked.generation_config(engine.chat_config)
+    tools = asked.tools if asked.tools and asked.tools.choice != "none" else None
+    if tools is None:
+        return respond(asked, engine, start_stream(lambda: engine.stream_chat(asked.messages, config)))
+    call_format = engine.tool_call_format
+    if call_format is None:
+        raise ApiError(
+            400,
+            f"The model {asked.model!r} cannot call tools: its chat template does not render "
+            "them (or writes calls in a way Kiln does not read).",
+            "tools",
+            code="model_cannot_call_tools",
+        )
+    config.response_format = tools.response_format(call_format)
+    opening = tools.reply_opening(call_format)
+    deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening), "tools")
+    return respond(asked, engine, deltas, ContentBeforeCalls(call_format, tools.functions, opening))
+
+
+def completion_reply(asked: ApiRequest, engine) -> Response:
+    config = asked.generation_config(engine.chat_config)
+    return respond(asked, engine, start_stream(lambda: engine.stream(asked.prompt, config)))
+
+
 def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
     api = Blueprint("openai_api", __name__, url_prefix="/v1")
 
@@ -273,38 +332,11 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
     @api.post("/chat/completions")
     def chat_completions():
         asked = read_request(chat=True)
-        engine = engines.get(asked.model)
-        if engine.chat_template is None:
-            raise ApiError(
-                400,
-                f"The model {asked.model!r} has no chat template (it is a base model): it completes "
-                "raw text at /v1/completions, it does not chat.",
-                "model",
-                code="model_cannot_chat",
-            )
-        config = asked.generation_config(engine.chat_config)
-        tools = asked.tools if asked.tools and asked.tools.choice != "none" else None
-        if tools is None:
-            return respond(asked, engine, start_stream(lambda: engine.stream_chat(asked.messages, config)))
-        call_format = engine.tool_call_format
-        if call_format is None:
-            raise ApiError(
-                400,
-                f"The model {asked.model!r} cannot call tools: its chat template does not render "
-                "them (or writes calls in a way Kiln does not read).",
-                "tools",
-                code="model_cannot_call_tools",
-            )
-        config.response_format = tools.response_format(call_format)
-        opening = tools.reply_opening(call_format)
-        deltas = start_stream(lambda: engine.stream_chat(asked.messages, config, tools.tools, opening), "tools")
-        return respond(asked, engine, deltas, ContentBeforeCalls(call_format, tools.functions, opening))
+        return answer(engines.lease(asked.model), lambda engine: chat_reply(asked, engine))
 
     @api.post("/completions")
     def completions():
         asked = read_request(chat=False)
-        engine = engines.get(asked.model)
-        config = asked.generation_config(engine.chat_config)
-        return respond(asked, engine, start_stream(lambda: engine.stream(asked.prompt, config)))
+        return answer(engines.lease(asked.model), lambda engine: completion_reply(asked, engine))
 
     return api

@@ -1,13 +1,18 @@
-"""Which requests the server answers (by their Host) and which pages may read its API (by their Origin).
+"""Which requests the server answers (by their Host and API key) and which pages may read its
+answers (by their Origin).
 
 A web page can make a browser send requests to 127.0.0.1 under a name of its own whose DNS record
 it points there (DNS rebinding); the browser then treats the server as the page's own origin. A
-Host check refuses such names, and CORS headers on the API only for the origins the user allows.
+Host check refuses such names, and CORS headers go only to the origins the user allows: on the API
+those named with `--cors-origin`; on the model files and the app config also the pages of this
+machine (`http://localhost:5173`, the harness itself), so a local WebLLM app needs no flag.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+from urllib.parse import urlsplit
 
 from flask import Response, request
 
@@ -60,11 +65,21 @@ def host_allowed(host: str, environ: dict, allowed_names: tuple[str, ...]) -> bo
     return any(rule(name, bound) for rule in HOST_RULES)
 
 
-def allow_cors(response: Response, origins: tuple[str, ...]) -> None:
-    """Echo an allowed page origin (and answer a preflight) on an API response."""
+def is_loopback_origin(origin: str) -> bool:
+    """Whether a page origin is one of this machine's: http(s) on localhost, 127.0.0.0/8 or [::1], any port."""
+    try:
+        parts = urlsplit(origin)
+    except ValueError:  # an unclosed [ of an IPv6 address
+        return False
+    return parts.scheme in ("http", "https") and is_loopback(parts.hostname or "")
+
+
+def allow_cors(response: Response, origins: tuple[str, ...], loopback_pages: bool = False) -> None:
+    """Echo an allowed page origin (and answer a preflight): one of `origins` ("*": any), or with
+    `loopback_pages` any page of this machine."""
     origin = request.headers.get("Origin")
     response.vary.add("Origin")
-    if origin is None or not ("*" in origins or origin in origins):
+    if origin is None or not ("*" in origins or origin in origins or (loopback_pages and is_loopback_origin(origin))):
         return
     response.headers["Access-Control-Allow-Origin"] = origin
     if request.method == "OPTIONS":
@@ -72,3 +87,11 @@ def allow_cors(response: Response, origins: tuple[str, ...]) -> None:
         response.headers["Access-Control-Allow-Headers"] = request.headers.get(
             "Access-Control-Request-Headers", "Authorization, Content-Type"
         )
+
+
+def bearer_token_matches(authorization: str | None, api_key: str) -> bool:
+    """Whether an `Authorization` header is `Bearer <api_key>`, compared in constant time."""
+    scheme, _, token = (authorization or "").partition(" ")
+    # The header arrives decoded as latin-1; a key is printable ASCII (checked when the server starts).
+    given = token.strip().encode("latin-1", errors="replace")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())

@@ -10,6 +10,7 @@ once per target with Kiln's own pipeline (dlight's GPU rules bind the WebGPU ker
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import gguf
@@ -22,6 +23,7 @@ from tvm.script import relax as R
 from random_blocks import HALF_FIELDS, random_blocks
 from web_helpers import browser_page, served
 
+from kiln.compile.digests import file_digests
 from kiln.compile.library import device_source
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
 from kiln.compile.quantization.gguf_blocks import as_bytes, reads_words
@@ -235,6 +237,8 @@ def browser_libraries(cases, tmp_path_factory) -> Path:
         if entry.check_kernels:
             entry.check_kernels(device_source(executable.mod, entry.target().kind.name))
         entry.export(executable, dist / "ggml-blocks" / f"dequantize-{target_name}.{entry.extension}")
+    # `kiln serve` serves the files a folder's build record lists.
+    (dist / "ggml-blocks" / "kiln-build.json").write_text(json.dumps({"files": file_digests(dist / "ggml-blocks")}))
     return dist
 
 

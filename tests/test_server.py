@@ -91,9 +91,10 @@ def test_model_files_have_mime_types_ranges_and_etags(url, tiny_dir):
     unchanged = requests.get(f"{url}models/{MODEL_ID}/libs/{library.name}", headers={"If-None-Match": etag})
     assert unchanged.status_code == 304 and unchanged.content == b""
 
-    chat_config = requests.get(f"{url}models/{MODEL_ID}/resolve/main/mlc-chat-config.json")
+    page = {"Origin": "http://localhost:5173"}  # a page served from this machine
+    chat_config = requests.get(f"{url}models/{MODEL_ID}/resolve/main/mlc-chat-config.json", headers=page)
     assert chat_config.headers["Content-Type"] == "application/json"
-    assert chat_config.headers["Access-Control-Allow-Origin"] == "*"
+    assert chat_config.headers["Access-Control-Allow-Origin"] == page["Origin"]
 
 
 def test_harness_and_engine_modules_are_served(url):
@@ -132,6 +133,10 @@ def traversal_dist(tmp_path, tiny_dir) -> tuple[Path, Path]:
     (model / "leak.txt").symlink_to(outside / "secret.txt")
     (model / "leakdir").symlink_to(outside)
     (model / "inside.json").symlink_to(model / "mlc-chat-config.json")
+    # /models/ serves the files the build record lists: inside.json is one of them.
+    record = json.loads((model / "kiln-build.json").read_text())
+    record["files"]["inside.json"] = record["files"]["mlc-chat-config.json"]
+    (model / "kiln-build.json").write_text(json.dumps(record))
     (dist / ".kiln-build-staging").mkdir()
     (dist / ".kiln-build-staging" / "secret.txt").write_bytes(SECRET)
     web = tmp_path / "web"
@@ -487,7 +492,7 @@ def test_a_host_name_can_be_allowed(tiny_dir):
         assert host_status(base, "other.test").status_code == 403
 
 
-def test_the_api_has_no_cors_by_default_and_model_files_do(url):
+def test_the_api_has_no_cors_by_default_and_model_files_only_for_pages_on_this_machine(url):
     origin = {"Origin": "http://page.example"}
     api = requests.get(f"{url}v1/models", headers=origin)
     assert api.status_code == 200 and "Access-Control-Allow-Origin" not in api.headers
@@ -496,7 +501,10 @@ def test_the_api_has_no_cors_by_default_and_model_files_do(url):
     )
     assert "Access-Control-Allow-Origin" not in preflight.headers
     weights = requests.get(f"{url}models/{MODEL_ID}/tensor-cache.json", headers=origin)
-    assert weights.headers["Access-Control-Allow-Origin"] == "*"
+    assert weights.status_code == 200 and "Access-Control-Allow-Origin" not in weights.headers
+    loopback = {"Origin": "http://127.0.0.1:5173"}
+    weights = requests.get(f"{url}models/{MODEL_ID}/tensor-cache.json", headers=loopback)
+    assert weights.headers["Access-Control-Allow-Origin"] == loopback["Origin"]
 
 
 def test_pages_and_workers_are_cross_origin_isolated_unless_turned_off(url, tiny_dir):
@@ -560,11 +568,11 @@ def test_loading_one_model_does_not_hold_up_another(two_models):
             return super().load(model_id)
 
     engines = SlowLoading(dist, "cpu", queue_timeout_s=60)
-    ready = engines.get(loaded_first)
-    loading = threading.Thread(target=engines.get, args=(slow,))
+    ready = engines.lease(loaded_first).engine
+    loading = threading.Thread(target=engines.lease, args=(slow,))
     loading.start()
     try:
-        again = threading.Thread(target=engines.get, args=(loaded_first,))
+        again = threading.Thread(target=engines.lease, args=(loaded_first,))
         again.start()
         again.join(timeout=60)
         assert not again.is_alive(), "a request to a loaded model waited for another model to load"
@@ -572,7 +580,7 @@ def test_loading_one_model_does_not_hold_up_another(two_models):
     finally:
         gate.set()
         loading.join()
-    assert engines.loaded() == sorted([loaded_first, slow]) and engines.get(loaded_first) is ready
+    assert engines.loaded() == sorted([loaded_first, slow]) and engines.lease(loaded_first).engine is ready
 
 
 def completion(client, model_id: str, **extra):
