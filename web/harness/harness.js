@@ -1,6 +1,7 @@
 // The chat harness page: picks a model from the app config, loads it with the browser engine
 // and chats with it. Model output is only ever set as textContent, never parsed as HTML.
 import { createEngine } from "/web/src/index.js";
+import { appConfigUrl, checkAppConfigOrigins } from "/web/harness/app-config.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
@@ -197,10 +198,13 @@ async function send(text) {
 async function start() {
   setState("idle");
   try {
-    const response = await fetch(params.get("config") ?? "/api/app-config.json", { cache: "no-cache" });
+    // mode "same-origin" also refuses a redirect to another origin.
+    const response = await fetch(appConfigUrl(params.get("config"), location.href), { cache: "no-cache", mode: "same-origin" });
     page.appConfig = await response.json();
+    checkAppConfigOrigins(page.appConfig, location.href);
   } catch (error) {
     showError(new Error(`Could not read the app config: ${error.message}`));
+    $("load-button").disabled = true;
     return;
   }
   const select = $("model-select");

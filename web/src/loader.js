@@ -176,9 +176,23 @@ async function fetchOrFail(url, init) {
   return response;
 }
 
-/** Read a response body into one Uint8Array, reporting each chunk's size to `onBytes`. */
-async function readBody(response, url, onBytes) {
+/** The refusal of a file longer than the `nbytes` tensor-cache.json gives it; `how` says how it showed. */
+function oversizeError(url, nbytes, how) {
+  return new EngineError("integrity", `${url} is longer than the ${nbytes} bytes tensor-cache.json gives it (${how}): ` +
+    "the file is corrupt, was altered, or belongs to another build. Reload the page.");
+}
+
+/**
+ * Read a response body into one Uint8Array, reporting each chunk's size to `onBytes`. With
+ * `nbytes` (the size the tensor cache records) a longer body is refused before reading, when its
+ * Content-Length says so, or as soon as it passes `nbytes`, never held whole.
+ */
+async function readBody(response, url, onBytes, nbytes) {
   const declared = Number(response.headers.get("Content-Length"));
+  if (nbytes !== undefined && declared > nbytes) {
+    await response.body?.cancel().catch(() => {});
+    throw oversizeError(url, nbytes, `its Content-Length is ${declared}`);
+  }
   const chunks = [];
   let received = 0;
   const reader = response.body.getReader();
@@ -190,8 +204,12 @@ async function readBody(response, url, onBytes) {
       throw new EngineError("network", `The download of ${url} broke off: ${error.message}. Reload to resume.`);
     }
     if (step.done) break;
-    chunks.push(step.value);
     received += step.value.length;
+    if (nbytes !== undefined && received > nbytes) {
+      await reader.cancel().catch(() => {});
+      throw oversizeError(url, nbytes, "the download passed them");
+    }
+    chunks.push(step.value);
     onBytes(step.value.length);
   }
   if (declared && received !== declared) {
@@ -391,7 +409,7 @@ export class ModelFiles {
     const bytes = await readBody(response, url, (count) => {
       this.doneBytes += count;
       this.report(`Downloading ${name}`);
-    });
+    }, nbytes);
     this.downloadedBytes += bytes.length;
     await this.verified(url, bytes, "server");
     await this.store(url, bytes, response.headers.get("Content-Type"));
@@ -439,12 +457,23 @@ export class ModelFiles {
     }
   }
 
-  /** Drop the caches of other builds of this model (they can never be used again). */
+  /**
+   * Drop the caches of other builds of this model (they can never be used again): those named for
+   * its model id whose every file lies in its folder, so that an app config that reuses the id for
+   * a model elsewhere never clears this one's builds.
+   */
   async forgetOtherBuilds() {
     if (typeof caches === "undefined") return;
     const prefix = `${CACHE_PREFIX}:${this.record.model_id}:`;
     for (const name of await caches.keys()) {
-      if (name.startsWith(prefix) && name !== this.cacheName) await caches.delete(name);
+      if (name.startsWith(prefix) && name !== this.cacheName && await this.holdsOnlyThisModel(name)) {
+        await caches.delete(name);
+      }
     }
+  }
+
+  async holdsOnlyThisModel(cacheName) {
+    const requests = await (await caches.open(cacheName)).keys();
+    return requests.every((request) => request.url.startsWith(this.folderUrl));
   }
 }

@@ -222,7 +222,8 @@ export function serveEngine(scope, loadEngine) {
     if (!engine) throw new EngineError("not-loaded", "The model is not loaded.");
     return engine;
   };
-  const methods = {
+  // A Map, so that a message naming `constructor`, `__proto__` or `toString` finds no method.
+  const methods = new Map(Object.entries({
     load: async ({ appConfig, modelId, device, library, threads }, emit) => {
       engine?.dispose();
       engine = null;
@@ -250,12 +251,13 @@ export function serveEngine(scope, loadEngine) {
       engine?.dispose();
       engine = null;
     },
-  };
+  }));
   scope.onmessage = async ({ data: { id, method, params } }) => {
     const emit = (event) => scope.postMessage({ id, kind: "event", data: event });
     try {
-      if (!(method in methods)) throw new EngineError("bad-request", `unknown method ${method}`);
-      const result = await methods[method](params, emit);
+      const handler = methods.get(method);
+      if (!handler) throw new EngineError("bad-request", `unknown method ${JSON.stringify(method)}`);
+      const result = await handler(params, emit);
       scope.postMessage({ id, kind: "result", data: result });
     } catch (error) {
       scope.postMessage({ id, kind: "error", error: asEngineError(error).toJSON() });
