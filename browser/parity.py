@@ -227,7 +227,7 @@ def compare_prompt(
     prompt: str, native: NativeModel, browser: BrowserModel, tokenizer, max_tokens: int, forced_positions: int | None
 ) -> PromptParity:
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True).ids
-    browser_prompt_ids = [int(t) for t in browser.engine.call("session.encode", prompt)]
+    browser_prompt_ids = [int(t) for t in browser.engine.call("session.encodeText", prompt)]
     native_steps = greedy(native, prompt_ids, max_tokens)
     native_tokens = [int(np.argmax(logits)) for logits in native_steps]
     browser_steps = greedy(browser, prompt_ids, max_tokens, stop_at=native_tokens)

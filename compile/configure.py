@@ -140,11 +140,12 @@ def write_tokenizer_config(tokenizer_dir: Path, out_dir: Path, chat_template: Ch
     write_json(out_dir / "tokenizer_config.json", config)
 
 
-def warn_unexpressed(chat_template: ChatTemplate, conversations: list[str]) -> None:
+def warn_unexpressed(path: Path, conversations: list[str]) -> None:
+    """`path`: the chat template (for a base model, the tokenizer) Kiln's native engine follows."""
     print(
-        f"kiln: warning: {chat_template.path}: the browser and WebLLM lay out a conversation with "
-        f"{' or '.join(conversations)} differently from this chat template (the conv_template of "
-        "mlc-chat-config.json cannot express it); Kiln's native engine follows the template",
+        f"kiln: warning: {path}: the browser and WebLLM lay out a conversation with "
+        f"{' or '.join(conversations)} differently from this file (the conv_template of "
+        "mlc-chat-config.json cannot express it); Kiln's native engine follows the file",
         file=sys.stderr,
         flush=True,
     )
@@ -230,7 +231,7 @@ def write_chat_config(
     model_config = {k: v for k, v in asdict(config).items() if k != "extra"}
     conv_template, unexpressed = derive_conv_template(chat_template, load_tokenizer(tokenizer_dir), eos_ids)
     if unexpressed:
-        warn_unexpressed(chat_template, unexpressed)
+        warn_unexpressed(chat_template.path if chat_template else tokenizer_dir / "tokenizer.json", unexpressed)
     chat_config = {
         "version": CHAT_CONFIG_VERSION,
         "model_type": model_type,

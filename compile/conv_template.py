@@ -329,12 +329,29 @@ def probes_with_other_ids(template: ChatTemplate, tokenizer: Tokenizer, conv: di
     return differing
 
 
-def raw_completion_template(stop_token_ids: list[int]) -> dict:
+RAW_PROBES = ("Kiln-probe-text", " Kiln-probe-text", "Kiln probe\ntext ")
+
+
+def text_encoding_ids(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text it encodes (a BOS, an EOS)."""
+    plain = encode(tokenizer, RAW_PROBES[0])
+    full = tokenizer.encode(RAW_PROBES[0], add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+    if not starts:
+        raise KilnError("the post-processor of tokenizer.json changes the ids of the text it encodes")
+    return full[: starts[0]], full[starts[0] + len(plain) :]
+
+
+def raw_completion_template(stop_token_ids: list[int], prefix_ids: list[int]) -> dict:
+    """MLC's conv_template for raw completion: a user message's text alone, after `prefix_ids` (the BOS
+    the tokenizer adds, which WebLLM prefills only from `system_prefix_token_ids`)."""
     return {
         "name": RAW_COMPLETION,
         "system_template": SYSTEM_PLACEHOLDER,
         "system_message": "",
-        "system_prefix_token_ids": [],
+        "system_prefix_token_ids": list(prefix_ids),
+        "add_role_after_system_message": True,
+        "render_empty_system_message": False,
         "roles": {"user": "", "assistant": ""},
         "seps": [""],
         "role_content_sep": "",
@@ -344,6 +361,22 @@ def raw_completion_template(stop_token_ids: list[int]) -> dict:
     }
 
 
+def derive_raw_completion_template(tokenizer: Tokenizer, stop_token_ids: list[int]) -> tuple[dict, list[str]]:
+    """The raw-completion conv_template, and what of the native prompt (the text encoded with the
+    tokenizer's special tokens) WebLLM's pieces cannot give: ids the post-processor appends."""
+    prefix, suffix = text_encoding_ids(tokenizer)
+    conv = raw_completion_template(stop_token_ids, prefix)
+    differing = [
+        text
+        for text in RAW_PROBES
+        if piecewise_ids(tokenizer, conv, [{"role": "user", "content": text}])
+        != tokenizer.encode(text, add_special_tokens=True).ids
+    ]
+    return conv, [
+        f"a raw text ({differing[0]!r}{', the ids the tokenizer appends' if suffix else ''})"
+    ] if differing else []
+
+
 def derive_conv_template(
     template: ChatTemplate | None, tokenizer: Tokenizer, stop_token_ids: list[int]
 ) -> tuple[dict, list[str]]:
@@ -351,7 +384,7 @@ def derive_conv_template(
     and the probe conversations whose token ids it still gives differently (piece by piece, as WebLLM
     encodes) from the template's."""
     if template is None:
-        return raw_completion_template(stop_token_ids), []
+        return derive_raw_completion_template(tokenizer, stop_token_ids)
     candidates = [f for f in CONV_FAMILIES if all(marker in template.source for marker in f.markers)]
     if not candidates:
         raise KilnError(

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from tiny_llama import (
     CHAT_TEMPLATES,
+    CHATML_TOKENS,
     GEMMA_TOKENS,
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
@@ -267,9 +268,40 @@ def test_a_template_that_drops_system_messages_gets_no_system_block(tmp_path):
     assert conv["name"] == "phi-3" and conv["system_template"] == "" and conv["system_prefix_token_ids"] == [1]
 
 
-def test_a_model_without_a_chat_template_is_for_raw_completion(tmp_path):
-    conv = derive_conv_template(None, None, [2])[0]
-    assert conv["name"] == RAW_COMPLETION and conv["stop_token_ids"] == [2]
+RAW_TEXTS = ["The capital of France is", "  two spaces\nand a line", "ünïcödé 🎮 12345", "x"]
+
+
+@pytest.mark.parametrize(
+    "tokens, prefix",
+    [(CHATML_TOKENS, []), (LLAMA_2_TOKENS, ["<s>"]), (GEMMA_TOKENS, ["<bos>"])],
+    ids=["no-special-tokens", "llama-2-bos", "gemma-bos"],
+)
+def test_a_model_without_a_chat_template_is_for_raw_completion_with_the_tokenizers_bos(tmp_path, tokens, prefix):
+    """WebLLM prefills a base model's BOS only from system_prefix_token_ids: the raw text's ids in
+    WebLLM's pieces are the native engine's, the tokenizer's special tokens included."""
+    write_tokenizer(tmp_path, tokens, None)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    conv, unexpressed = derive_conv_template(None, tokenizer, [2])
+    assert conv["name"] == RAW_COMPLETION and conv["stop_token_ids"] == [2] and unexpressed == []
+    assert conv["system_prefix_token_ids"] == [tokenizer.token_to_id(token) for token in prefix]
+    for text in RAW_TEXTS:
+        pieces = conv_template_pieces(conv, [{"role": "user", "content": text}])
+        assert "".join(pieces) == text
+        ids = conv["system_prefix_token_ids"] + [
+            i for piece in pieces for i in tokenizer.encode(piece, add_special_tokens=False).ids
+        ]
+        assert ids == tokenizer.encode(text, add_special_tokens=True).ids, text
+
+
+def test_a_base_models_eos_after_the_text_is_named_as_what_webllm_cannot_give(tmp_path):
+    write_tokenizer(tmp_path, LLAMA_2_TOKENS, None)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    conv, unexpressed = derive_conv_template(None, tokenizer, [2])
+    assert conv["system_prefix_token_ids"] == [1]
+    assert len(unexpressed) == 1 and "the ids the tokenizer appends" in unexpressed[0]
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer
 
+from test_conv_template import RAW_TEXTS
+from tiny_llama import LLAMA_2_TOKENS, write_tokenizer
 from web_helpers import run_node_module, served
 
 from kiln.compile.conv_template import raw_completion_template
@@ -265,7 +268,7 @@ def test_a_chat_with_a_model_without_a_chat_template_is_an_engine_error():
           console.log(JSON.stringify([error.name, error.code, error.message]));
         }
     """,
-        json.dumps(raw_completion_template([2])),
+        json.dumps(raw_completion_template([2], [])),
     )
     assert result[:2] == ["EngineError", "no-chat-template"]
     assert "no chat template" in result[2]
@@ -540,3 +543,52 @@ def test_the_memory_import_is_read_and_can_be_unshared():
     assert result["sharedTakesShared"] and not result["sharedTakesPlain"]
     assert result["unsharedTakesPlain"]
     assert result["unsharedSpec"]["shared"] is False
+
+
+POST_PROCESSORS = {
+    "none": None,
+    "bos": processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)]),
+    "bos-and-eos": processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]),
+    # Llama 3's: byte-level offsets, then the BOS.
+    "sequence": processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)]),
+        ]
+    ),
+    "bert": processors.BertProcessing(("</s>", 2), ("<s>", 1)),
+    "roberta": processors.RobertaProcessing(("</s>", 2), ("<s>", 1)),
+}
+
+
+def test_a_raw_text_is_encoded_with_the_special_tokens_the_tokenizer_adds_as_natively(tmp_path):
+    """The browser engine's raw prompt (engine.encodeText, what `kiln parity` compares) gets the ids
+    tokenizer.json's post-processor puts around a text, as `tokenizers` with add_special_tokens."""
+    write_tokenizer(tmp_path, LLAMA_2_TOKENS, None)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    jobs, expected = [], []
+    for name, post_processor in POST_PROCESSORS.items():
+        tokenizer.post_processor = post_processor
+        path = tmp_path / f"{name}.json"
+        tokenizer.save(str(path))
+        jobs.append({"tokenizer": str(path), "texts": RAW_TEXTS})
+        expected.append([tokenizer.encode(text, add_special_tokens=True).ids for text in RAW_TEXTS])
+    result = run_node_module(
+        """
+        import { createRequire } from "node:module";
+        import { specialTokensAround } from "./src/chat-format.js";
+        globalThis.require = createRequire(import.meta.url);
+        globalThis.__filename = "node_modules/@mlc-ai/web-tokenizers/lib/index.js";
+        await import("./node_modules/@mlc-ai/web-tokenizers/lib/index.js");
+        const results = [];
+        for (const job of input) {
+          const json = readFileSync(job.tokenizer, "utf8");
+          const tokenizer = await globalThis.tokenizers.Tokenizer.fromJSON(new TextEncoder().encode(json).buffer);
+          const { before, after } = specialTokensAround(JSON.parse(json).post_processor);
+          results.push(job.texts.map((text) => [...before, ...Array.from(tokenizer.encode(text)), ...after]));
+        }
+        console.log(JSON.stringify(results));
+    """,
+        jobs,
+    )
+    assert dict(zip(POST_PROCESSORS, result)) == dict(zip(POST_PROCESSORS, expected))

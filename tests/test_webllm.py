@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 from schema_corpus import SCHEMAS
 
 from tiny_llama import CHAT_TEMPLATES, LLAMA_2_TOKENS, LLAMA_3_TOKENS, PHI_3_TOKENS, QWEN_TOKENS, make_tiny_llama
 from web_helpers import WEB_DIR, browser_page, served
 
+from kiln.browser.model import browser_model
+from kiln.browser.parity import greedy
 from kiln.engine import Engine, GenerationConfig
 
 pytestmark = pytest.mark.browser
@@ -147,3 +150,37 @@ def test_webllm_lays_out_each_familys_chat_as_kiln_does(
     model_dir = builds.model_dir(source, f"tiny-{template}", "q4f32_1", ["cpu", "webgpu"])
     replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
     assert_kiln_replies_the_same(model_dir, conversations, replies)
+
+
+BASE_MODEL_PROMPTS = ["The history of the city is", "Once upon a time"]
+
+
+@pytest.mark.slow
+def test_webllm_prompts_a_base_model_with_the_bos_its_tokenizer_adds_as_kiln_does(
+    driver, tmp_path, builds, tmp_path_factory
+):
+    """A model without a chat template whose tokenizer adds a BOS (Llama 2's, Gemma's): WebLLM lays a
+    raw text out with the `LM` conv_template, which carries the BOS in system_prefix_token_ids; its
+    prompt and greedy text are the native engine's, and so are the browser engine's."""
+    source = make_tiny_llama(
+        tmp_path_factory.mktemp("sources") / "tiny-base", tokens=LLAMA_2_TOKENS, chat_template=None
+    )
+    model_dir = builds.model_dir(source, "tiny-base", "q4f32_1", ["cpu", "webgpu"])
+    engine = Engine(model_dir)
+    expected = [engine.generate(prompt, GenerationConfig(max_tokens=MAX_TOKENS)) for prompt in BASE_MODEL_PROMPTS]
+    bos = LLAMA_2_TOKENS.id(LLAMA_2_TOKENS.bos_token)
+    assert all(result.prompt_tokens[0] == bos for result in expected)
+    assert engine.chat_config["conv_template"]["system_prefix_token_ids"] == [bos]
+
+    conversations = [[{"role": "user", "content": prompt}] for prompt in BASE_MODEL_PROMPTS]
+    replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
+    for reply, result in zip(replies, expected, strict=True):
+        assert reply["text"] == result.text
+        # WebLLM prefills the system_prefix_token_ids but counts only the encoded text.
+        assert reply["usage"]["prompt_tokens"] == len(result.prompt_tokens) - 1
+
+    with browser_model(model_dir, "webgpu", driver=driver) as browser:
+        for prompt, result in zip(BASE_MODEL_PROMPTS, expected, strict=True):
+            assert browser.engine.call("session.encodeText", prompt) == result.prompt_tokens
+            steps = greedy(browser, result.prompt_tokens, len(result.tokens))
+            assert [int(np.argmax(logits)) for logits in steps] == result.tokens

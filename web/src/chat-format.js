@@ -96,3 +96,31 @@ export function piecesFrom(pieces, start) {
   }
   return parts;
 }
+
+/**
+ * The ids a tokenizer.json post-processor puts around one encoded text, as Hugging Face `tokenizers`
+ * does with `add_special_tokens` (a BOS before it, an EOS after it): {before, after}. The tokenizer's
+ * own `encode` leaves them out, as WebLLM's does; the native engine's raw prompts carry them.
+ * @param {any} postProcessor the `post_processor` of tokenizer.json
+ * @returns {{before: number[], after: number[]}}
+ */
+export function specialTokensAround(postProcessor) {
+  switch (postProcessor?.type) {
+    case "TemplateProcessing": {
+      const single = postProcessor.single ?? [];
+      const at = single.findIndex((piece) => piece.Sequence);
+      const ids = (pieces) => pieces.flatMap((piece) => postProcessor.special_tokens[piece.SpecialToken.id].ids);
+      return { before: ids(single.slice(0, at)), after: ids(single.slice(at + 1)) };
+    }
+    case "BertProcessing":
+    case "RobertaProcessing":
+      return { before: [postProcessor.cls[1]], after: [postProcessor.sep[1]] };
+    case "Sequence":
+      // Each processor wraps what the ones before it gave.
+      return (postProcessor.processors ?? []).map(specialTokensAround).reduce(
+        (inner, outer) => ({ before: [...outer.before, ...inner.before], after: [...inner.after, ...outer.after] }),
+        { before: [], after: [] });
+    default:
+      return { before: [], after: [] };
+  }
+}

@@ -5,7 +5,7 @@
 // It drives the library the way kiln/runtime.py does natively: one sequence in TVM's paged KV
 // cache, `embed` then `prefill` (chunked) / `decode` / `prefill_all_logits`, parameters passed
 // as one packed array. Logits come back to the host every step and tokens are chosen there.
-import { encodePrompt, formatChat, piecesFrom } from "./chat-format.js";
+import { encodePrompt, formatChat, piecesFrom, specialTokensAround } from "./chat-format.js";
 import { ChatTemplate, TOKENIZER_CONFIG } from "./chat-template.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { KernelTimer } from "./kernel-timer.js";
@@ -406,6 +406,8 @@ export class Engine {
     this.lastRequest = null;
     this.conversation = null;
     this.chatTemplate = undefined; // the jinja one: undefined until read, null for a model without one
+    this.tokenizerJSON = null;
+    this.textSpecialTokens = null; // {before, after}: the ids the post-processor adds around a raw text
   }
 
   async initialize({ tvmjs, tokenizers, loadXgrammar, loadJinja }, onProgress) {
@@ -462,9 +464,10 @@ export class Engine {
     });
     this.stopTokenIds = new Set([...(this.chatConfig.conv_template.stop_token_ids ?? []),
       ...[this.chatConfig.eos_token_id ?? []].flat()]);
+    this.tokenizerJSON = tokenizerName === "tokenizer.json" ? tokenizerBytes : null;
     this.grammars = new Grammars({
       loadXgrammar, tokenizer: this.tokenizer, chatConfig: this.chatConfig, stopTokenIds: this.stopTokenIds,
-      tokenizerJSON: tokenizerName === "tokenizer.json" ? tokenizerBytes : null,
+      tokenizerJSON: this.tokenizerJSON,
     });
   }
 
@@ -483,6 +486,15 @@ export class Engine {
 
   encode(text) {
     return Array.from(this.tokenizer.encode(text));
+  }
+
+  /** Token ids of a raw text as the native engine encodes it: with the special tokens (a BOS) that the
+   * tokenizer's post-processor adds, read from tokenizer.json on first use. */
+  encodeText(text) {
+    this.textSpecialTokens ??= specialTokensAround(
+      this.tokenizerJSON ? JSON.parse(new TextDecoder().decode(this.tokenizerJSON)).post_processor : null);
+    const { before, after } = this.textSpecialTokens;
+    return [...before, ...this.encode(text), ...after];
   }
 
   decodeText(ids) {

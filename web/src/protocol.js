@@ -188,7 +188,10 @@ export async function createEngine(appConfig, modelId, {
     stats: () => call("stats"),
     /** Token-level access to the model's one sequence, for parity checks and benchmarks. */
     session: {
+      /** A text's ids without special tokens, as WebLLM encodes each piece of a prompt. */
       encode: (text) => call("encode", { text }),
+      /** A raw text's ids with the special tokens the tokenizer adds (a BOS), as natively. */
+      encodeText: (text) => call("encodeText", { text }),
       decodeText: (ids) => call("decodeText", { ids }),
       encodeChat: (messages) => call("encodeChat", { messages }),
       /** Append ids; {top: {ids, logits}} with options.topK, {logits: Float32Array} with options.full. */
@@ -238,6 +241,7 @@ export function serveEngine(scope, loadEngine) {
     resetChat: () => loaded().resetChat(),
     stats: () => loaded().stats(),
     encode: ({ text }) => loaded().encode(text),
+    encodeText: ({ text }) => loaded().encodeText(text),
     decodeText: ({ ids }) => loaded().decodeText(ids),
     encodeChat: ({ messages }) => loaded().encodeChat(messages),
     prefill: ({ ids, options }) => loaded().prefill(ids, options),
