@@ -140,7 +140,11 @@ def memory_needs(model: CompiledModel) -> tuple[int, int]:
     records = [r for shard in model.tensor_cache["records"] for r in shard["records"]]
     weight_bytes = sum(r["nbytes"] for r in records)
     largest_weight = max((r["nbytes"] for r in records), default=0)
-    total = weight_bytes + layers["num_hidden_layers"] * kv_layer_bytes + mlp_bytes + logits_bytes
+    # A model whose layers all have a window has one more layer in its cache (models/decoder.py's
+    # cache_layer_kinds).
+    layer_count = layers["num_hidden_layers"]
+    cache_layers = layer_count + (len(layers.get("windowed_layers") or []) == layer_count)
+    total = weight_bytes + cache_layers * kv_layer_bytes + mlp_bytes + logits_bytes
     return total, max(largest_weight, kv_layer_bytes, mlp_bytes, logits_bytes)
 
 

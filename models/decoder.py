@@ -266,16 +266,17 @@ class DecoderModel(nn.Module):
     ) -> PagedKVCache:
         c = self.config
         rope_scaling = {} if rope_in_model(c) else c.rope_scaling or {}  # for the cache's kernels
+        layer_kinds = cache_layer_kinds(c)
         cache = TIRPagedKVCache(
-            attn_kind=["mha_sliding" if i in c.windowed_layers else "mha" for i in range(c.num_hidden_layers)],
+            attn_kind=layer_kinds,
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
             page_size=page_size,
             support_sliding_window=support_sliding_window,
             layer_sliding_window_size=c.layer_window_size or 1,
-            layer_partition=rx.ShapeExpr([0, c.num_hidden_layers]),
-            num_hidden_layers=c.num_hidden_layers,
+            layer_partition=rx.ShapeExpr([0, len(layer_kinds)]),
+            num_hidden_layers=len(layer_kinds),
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads,
             qk_head_dim=c.head_dim,
@@ -307,6 +308,15 @@ class DecoderModel(nn.Module):
             declare_cache_kernels_noalias()  # after the replacements: Kiln's own decode kernel is one of them too
         leave_out_unused_attention_kernels(cache, windowed=c.sliding_window_size is not None or bool(c.windowed_layers))
         return cache
+
+
+def cache_layer_kinds(config: DecoderConfig) -> list[str]:
+    """The KV cache's kind of each layer: "mha_sliding" for a windowed one. TVM 0.27's cache needs
+    an "mha" layer beside them (it allocates the buffers a "mha_sliding" layer's fused QKV is split
+    into only when one exists, and fails on the first step without), so a model whose layers all
+    have a window gets one more layer in its cache, which no layer of the model uses."""
+    kinds = ["mha_sliding" if i in config.windowed_layers else "mha" for i in range(config.num_hidden_layers)]
+    return kinds if "mha" in kinds else [*kinds, "mha"]
 
 
 def rope_in_model(config: DecoderConfig) -> bool:

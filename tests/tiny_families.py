@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -276,6 +276,23 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
 }
 
 
+def all_local(make: Callable[[], tuple]) -> Callable[[], tuple]:
+    """A Gemma's tiny config with every layer local: a window and no global layer."""
+
+    def made():
+        config, model_class = make()
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        return config, model_class
+
+    return made
+
+
+ALL_LOCAL_FAMILIES: dict[str, TinyFamily] = {
+    f"{name}-all-local": replace(TINY_FAMILIES[name], make=all_local(TINY_FAMILIES[name].make))
+    for name in ("gemma2", "gemma3")
+}
+
+
 def randomize_biases_and_norms(model, seed: int) -> None:
     import torch
 
@@ -292,7 +309,7 @@ def make_tiny_family(name: str, folder: Path, seed: int = 0) -> Path:
     """The family's tiny model as a Hugging Face folder (safetensors, tokenizer, chat template)."""
     import torch
 
-    config, model_class = TINY_FAMILIES[name].make()
+    config, model_class = {**TINY_FAMILIES, **ALL_LOCAL_FAMILIES}[name].make()
     folder.mkdir(parents=True, exist_ok=True)
     write_tokenizer(folder)
     torch.manual_seed(seed)
