@@ -23,7 +23,7 @@ from pathlib import Path
 import tvm
 
 import kiln
-from kiln.errors import KilnError
+from kiln.errors import KilnError, one_line
 from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_for
 
 from .configure import write_chat_config
@@ -86,9 +86,16 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str):
+        """A stage; an exception from outside Kiln (TVM's, a library's) escapes it as a KilnError
+        naming the stage, so the CLI prints one line (`--debug` still shows the traceback)."""
         print(f"kiln: {name} …", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        yield
+        try:
+            yield
+        except KilnError:
+            raise
+        except Exception as e:
+            raise KilnError(f"the {name} stage failed: {type(e).__name__}: {one_line(e) or 'no message'}") from e
         self.timings[name] = round(time.perf_counter() - start, 3)
         print(f"kiln: {name} done in {self.timings[name]:.1f} s", file=sys.stderr, flush=True)
 

@@ -22,7 +22,7 @@ from tvm.runtime import ShapeTuple
 
 import kiln
 from kiln.compile.targets import NATIVE_TARGETS, TARGETS
-from kiln.errors import KilnError
+from kiln.errors import KilnError, one_line
 from kiln.tensor_cache import records, verify_shards
 
 PAGE_SIZE = 16
@@ -236,13 +236,18 @@ class NativeModel:
 
     def _run_step(self, function: str, token_ids: list[int]) -> np.ndarray:
         ids = tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device)
-        embeds = self.vm["embed"](ids, self.params)
-        embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))
-        self._kv_builtin["kv_state_begin_forward"](
-            self.kv_cache, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)])
-        )
-        logits, self.kv_cache = self.vm[function](embeds, self.kv_cache, self.params)
-        self._kv_builtin["kv_state_end_forward"](self.kv_cache)
+        try:
+            embeds = self.vm["embed"](ids, self.params)
+            embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))
+            self._kv_builtin["kv_state_begin_forward"](
+                self.kv_cache, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)])
+            )
+            logits, self.kv_cache = self.vm[function](embeds, self.kv_cache, self.params)
+            self._kv_builtin["kv_state_end_forward"](self.kv_cache)
+        except Exception as e:  # a check that failed in TVM's runtime (its errors are Python's builtin types)
+            raise KilnError(
+                f"the model's {function} step failed in TVM: {one_line(e) or type(e).__name__}", self.model_dir
+            ) from e
         self.cached_tokens += len(token_ids)
         return logits.numpy()[0]
 

@@ -1,0 +1,34 @@
+"""An exception from outside Kiln — a check that failed in TVM, a library's KeyError — reaches the
+user as one line naming where it happened: the build stage, or the model's step at run time."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.compile.pipeline import StageClock
+from kiln.errors import KilnError
+from kiln.runtime import SEQUENCE_ID, NativeModel
+
+
+def test_an_exception_in_a_build_stage_is_one_line_naming_the_stage():
+    clock = StageClock()
+    with pytest.raises(KilnError, match=r"^the compile cpu stage failed: KeyError: 'beta_fast'$") as failure:
+        with clock.stage("compile cpu"):
+            raise KeyError("beta_fast")
+    assert isinstance(failure.value.__cause__, KeyError)  # --debug shows its traceback
+
+
+def test_a_kiln_error_in_a_build_stage_passes_through_unchanged():
+    with pytest.raises(KilnError, match=r"^config.json: broken$"):
+        with StageClock().stage("ingest"):
+            raise KilnError("broken", "config.json")
+
+
+@pytest.mark.parametrize("tokens", [[5, 6, 7], [5]], ids=["prefill", "decode"])
+def test_a_check_that_fails_in_tvms_runtime_is_a_kiln_error_naming_the_step(tiny_build, tokens):
+    model = NativeModel(tiny_build("q4f32_1"))
+    model._kv_builtin["kv_state_remove_sequence"](model.kv_cache, SEQUENCE_ID)  # the step's sequence is gone
+    step = "prefill" if len(tokens) > 1 else "decode"
+    with pytest.raises(KilnError, match=rf"the model's {step} step failed in TVM: .*cannot be found") as failure:
+        model.prefill(tokens)
+    assert str(failure.value).startswith(str(model.model_dir))
