@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from web_helpers import RequestLog, browser_page, served
+from web_helpers import RequestLog, browser_page, served, wait_for_page_state
 
 from kiln.runtime import NativeModel
 from kiln.browser.driver import BrowserEngineError, PageEngine
@@ -56,12 +56,9 @@ def streamed_text(chunks: list[dict]) -> str:
 
 
 def wait_for_state(page, state: str, timeout_s: float = 300) -> None:
-    page.wait_for_function(
-        f"document.body.dataset.state === {json.dumps(state)} || document.body.dataset.state === 'error'",
-        timeout=timeout_s * 1000,
-    )
+    reached = wait_for_page_state(page, state, "error", timeout_ms=timeout_s * 1000)
     if state != "error":
-        assert page.evaluate("document.body.dataset.state") == state, page.inner_text("#error")
+        assert reached == state, page.inner_text("#error")
 
 
 def check_greedy_parity(engine: PageEngine, model_dir: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from web_helpers import ARTIFACTS_DIR, RequestLog, browser_page, served
+from web_helpers import ARTIFACTS_DIR, RequestLog, browser_page, served, wait_for_page_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -28,8 +28,7 @@ def url(smollm2_build) -> str:
 
 def load(page) -> None:
     page.click("#load-button")
-    page.wait_for_function("['ready', 'error'].includes(document.body.dataset.state)", timeout=LOAD_TIMEOUT_MS)
-    assert page.evaluate("document.body.dataset.state") == "ready", page.inner_text("#error")
+    assert wait_for_page_state(page, "ready", "error", timeout_ms=LOAD_TIMEOUT_MS) == "ready", page.inner_text("#error")
 
 
 def ask(page, screenshot: Path | None = None) -> str:
@@ -41,15 +40,13 @@ def ask(page, screenshot: Path | None = None) -> str:
     page.keyboard.press("Enter")
     reply = page.locator("#transcript .turn.assistant .content").last
     if screenshot is not None:
-        page.wait_for_function(
-            "document.querySelector('#transcript .turn.assistant:last-child .content').textContent.length > 0",
-            timeout=REPLY_TIMEOUT_MS,
-        )
+        page.wait_for_selector("#transcript .turn.assistant:last-child .content:not(:empty)", timeout=REPLY_TIMEOUT_MS)
         if page.evaluate("document.body.dataset.state") == "generating":
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True)
-    page.wait_for_function("['ready', 'error'].includes(document.body.dataset.state)", timeout=REPLY_TIMEOUT_MS)
-    assert page.evaluate("document.body.dataset.state") == "ready", page.inner_text("#error")
+    assert wait_for_page_state(page, "ready", "error", timeout_ms=REPLY_TIMEOUT_MS) == "ready", page.inner_text(
+        "#error"
+    )
     return reply.inner_text()
 
 

@@ -73,6 +73,15 @@ def browser_page(driver, profile_dir: Path, url: str, webgpu: bool = True):
         yield context, page
 
 
+def wait_for_page_state(page, *states: str, timeout_ms: float) -> str:
+    """Wait until the harness's `body[data-state]` is one of `states`; return the state. A selector,
+    not a script: the harness's Content-Security-Policy lets no page script be evaluated from a string."""
+    page.wait_for_selector(
+        ", ".join(f'body[data-state="{state}"]' for state in states), state="attached", timeout=timeout_ms
+    )
+    return page.get_attribute("body", "data-state")
+
+
 class RequestLog:
     """URLs a browser context requested (workers' fetches included)."""
 
