@@ -27,6 +27,7 @@ from .attention_softcap import soft_cap_attention_kernels
 from .cache_kernels import declare_cache_kernels_noalias, leave_out_unused_attention_kernels
 from .cpu_decode_attention import replace_decode_attention_kernel
 from .gpu_decode_attention import narrow_webgpu_decode_kernels
+from .gpu_merge_state import replace_gpu_merge_state_kernel
 from .gguf import GGUFMapping
 from .paged_prefill_fix import fix_paged_prefill_kernels
 from .layers import gather_positions, last_position
@@ -302,6 +303,7 @@ class DecoderModel(nn.Module):
             self.dtype,
             rope_scaling,
         )
+        replace_gpu_merge_state_kernel(self.dtype)
         if c.attention_logit_softcap is not None:
             soft_cap_attention_kernels(c.attention_logit_softcap)
         if tvm.target.Target.current().kind.name == "llvm":

@@ -25,6 +25,7 @@ from tiny_families import (
     write_family_gguf,
 )
 
+from kiln.browser.model import browser_model
 from kiln.compile.library import target_metadata
 from kiln.compile.targets import TARGETS, target_named
 from kiln.models import MODELS
@@ -341,6 +342,23 @@ def test_browser_parity_on_the_family(family, backend, builds, family_source):
     assert report["browser"] == backend
     assert_contract_holds(code, report, prompts=9, max_tokens=16)
     assert max(report["max_logit_abs_diff"], report["forced_max_logit_abs_diff"]) < 1e-3, report
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("backend", ["webgpu", "wasm"])
+def test_a_prefill_after_a_cached_prefix_matches_native(backend, builds, family_source, driver):
+    """A chat's next turn is prefilled after the cached earlier ones: the KV cache merges attention
+    over the new tokens with attention over the cached ones. Gemma 3's heads are 32 wide, more than
+    the 4 lanes SwiftShader runs in lockstep, where TVM's GPU merge kernel raced (logits 2.4 away on
+    the tiny Qwen3; models/gpu_merge_state.py)."""
+    model_dir = builds.model_dir(family_source("gemma3"), "tiny-gemma3", "q4f32_1", ["cpu", "webgpu", "wasm"])
+    first, second = PROMPTS[0], PROMPTS[1]
+    native = NativeModel(model_dir)
+    native.prefill(first)
+    expected = native.prefill(second)
+    with browser_model(model_dir, backend, driver=driver) as browser:
+        browser.prefill(first)
+        assert np.abs(browser.prefill(second) - expected).max() < 1e-3
 
 
 @pytest.mark.browser
