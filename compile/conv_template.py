@@ -372,9 +372,10 @@ def derive_raw_completion_template(tokenizer: Tokenizer, stop_token_ids: list[in
         if piecewise_ids(tokenizer, conv, [{"role": "user", "content": text}])
         != tokenizer.encode(text, add_special_tokens=True).ids
     ]
-    return conv, [
-        f"a raw text ({differing[0]!r}{', the ids the tokenizer appends' if suffix else ''})"
-    ] if differing else []
+    if not differing:
+        return conv, []
+    appended = ", and the ids the tokenizer appends to it" if suffix else ""
+    return conv, [f"a raw text ({differing[0]!r}{appended})"]
 
 
 def derive_conv_template(

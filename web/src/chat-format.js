@@ -108,9 +108,9 @@ export function specialTokensAround(postProcessor) {
   switch (postProcessor?.type) {
     case "TemplateProcessing": {
       const single = postProcessor.single ?? [];
-      const at = single.findIndex((piece) => piece.Sequence);
       const ids = (pieces) => pieces.flatMap((piece) => postProcessor.special_tokens[piece.SpecialToken.id].ids);
-      return { before: ids(single.slice(0, at)), after: ids(single.slice(at + 1)) };
+      const at = single.findIndex((piece) => piece.Sequence);
+      return at < 0 ? { before: ids(single), after: [] } : { before: ids(single.slice(0, at)), after: ids(single.slice(at + 1)) };
     }
     case "BertProcessing":
     case "RobertaProcessing":
