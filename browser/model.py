@@ -71,9 +71,12 @@ def check_browser_library(model_dir: Path, backend: str) -> None:
 
 
 @contextmanager
-def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterator[BrowserModel]:
+def browser_model(
+    model_dir: Path, backend: str = "auto", driver=None, threads: int | None = None
+) -> Iterator[BrowserModel]:
     """Serve `model_dir` to a fresh headless Chromium and load it there (`backend` auto picks
-    WebGPU when Chromium has it, else the CPU wasm library)."""
+    WebGPU when Chromium has it, else the CPU wasm library; `threads`: the wasm library's, default
+    the engine's choice)."""
     model_dir = Path(model_dir)
     if backend not in BACKENDS:
         raise KilnError(f"the browser runs a {' or '.join(BROWSER_TARGETS)} library (or auto), not {backend!r}")
@@ -81,7 +84,7 @@ def browser_model(model_dir: Path, backend: str = "auto", driver=None) -> Iterat
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
     check_browser_library(model_dir, backend)
     with page_engine(model_dir.resolve().parent, webgpu=backend != "wasm", driver=driver) as engine:
-        yield BrowserModel(engine, model_dir, engine.load(model_dir.name, backend))
+        yield BrowserModel(engine, model_dir, engine.load(model_dir.name, backend, threads=threads))
 
 
 @contextmanager

@@ -180,21 +180,31 @@ int __wrap_TVMBackendParallelBarrier(int task_id, TVMParallelGroupEnv* penv) {
 }
 
 // The runtime's workspace pool is not thread-safe: a helper bumps through its own arena instead,
-// emptied at each task's start (workspaces live within one task).
+// emptied at each task's start (workspaces live within one task). A workspace the arena cannot hold
+// (a real-sized model's prefill asks for more than SmolLM2's) comes from the heap, whose allocator
+// is the thread-safe one, and goes back to it when the kernel frees it.
+static bool in_arena(const Helper* helper, void* ptr) {
+  return (uintptr_t)ptr >= helper->arena && (uintptr_t)ptr < helper->arena + KILN_ARENA_BYTES;
+}
+
 void* __wrap_TVMBackendAllocWorkspace(int device_type, int device_id, uint64_t nbytes, int dtype_code,
                                       int dtype_bits) {
   int index = current_helper();
   if (index < 0) return __real_TVMBackendAllocWorkspace(device_type, device_id, nbytes, dtype_code, dtype_bits);
   Helper* helper = &pool.helper[index];
   uintptr_t size = round_up(nbytes, KILN_WORKSPACE_ALIGN);
-  if (helper->arena_used + size > KILN_ARENA_BYTES) return NULL;  // the kernel reports the failure
+  if (helper->arena_used + size > KILN_ARENA_BYTES) {
+    return allocate(KILN_WORKSPACE_ALIGN, size);  // NULL, out of memory: the kernel reports it
+  }
   void* workspace = (void*)(helper->arena + helper->arena_used);
   helper->arena_used += size;
   return workspace;
 }
 
 int __wrap_TVMBackendFreeWorkspace(int device_type, int device_id, void* ptr) {
-  if (current_helper() < 0) return __real_TVMBackendFreeWorkspace(device_type, device_id, ptr);
+  int index = current_helper();
+  if (index < 0) return __real_TVMBackendFreeWorkspace(device_type, device_id, ptr);
+  if (!in_arena(&pool.helper[index], ptr)) free(ptr);
   return 0;
 }
 
