@@ -51,7 +51,7 @@ class Slot:
 
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while loading or releasing
     engine: object | None = None  # a kiln.engine.Engine
-    requested_at: float = 0.0  # time.monotonic() of the last request for it
+    requested_at: float = 0.0  # time.monotonic() of the last request for it, at its start and at its end
     leases: int = 0  # requests holding the engine (or waiting for it to load); guarded by the pool's lock
 
     def last_used(self) -> float:
@@ -166,8 +166,11 @@ class NativeEngines:
             slot.leases += 1
 
     def _let_go(self, slot: Slot) -> None:
+        """A request ends: the engine's idle time counts from now (its reply may have been read long
+        after the model finished it)."""
         with self.lock:
             slot.leases -= 1
+            slot.requested_at = time.monotonic()
 
     def _load(self, model_id: str):
         try:

@@ -614,7 +614,7 @@ def test_idle_engines_are_released(two_models):
     from kiln.server import ServerConfig, create_app
 
     dist, first, _ = two_models
-    client = create_app(ServerConfig(dist=dist, idle_unload_s=0.2)).test_client()
+    client = create_app(ServerConfig(dist=dist, idle_unload_s=1.0)).test_client()
     assert completion(client, first).status_code == 200 and loaded(client) == [first]
     deadline = time.monotonic() + 30
     while loaded(client) and time.monotonic() < deadline:
