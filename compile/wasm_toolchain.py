@@ -87,6 +87,23 @@ SOURCE_PATCHES = (
         "        device_.device_type == DLDeviceType::kDLCPU ||\n"
         "        device_.device_type == DLDeviceType::kDLWebGPU) {",
     ),
+    # That merged buffer is 32M int32 on the host and 32M on the device whatever the model: 256 MB of
+    # a CPU library's wasm memory, 128 MB of it and 128 MB of GPU buffers on WebGPU. TVM's own sizing
+    # (left unused upstream) counts every table once; twice that covers the per-layer window's copies,
+    # a few KB to a few hundred for one sequence, and each copy is checked against it.
+    SourcePatch(
+        "src/runtime/vm/attn_utils.h",
+        "    int64_t attn_aux_data_cache_size = 32 * 1024 * 1024;",
+        "    int64_t attn_aux_data_cache_size =\n"
+        "        2 * CalculateAttnAuxDataCacheSize(reserved_num_seqs, num_total_pages, prefill_chunk_size);",
+    ),
+    SourcePatch(
+        "src/runtime/vm/attn_utils.h",
+        "  Tensor CopyAttnAuxVecToCache(HostMemoryVector* data) {\n    int64_t n_elem = data->size();\n",
+        "  Tensor CopyAttnAuxVecToCache(HostMemoryVector* data) {\n    int64_t n_elem = data->size();\n"
+        "    TVM_FFI_ICHECK_LE(attn_aux_data_copy_offset_ + n_elem, merged_attn_aux_data_device_->shape[0])\n"
+        '        << "the KV cache\'s auxiliary arrays outgrew their buffer";\n',
+    ),
 )
 
 
