@@ -22,6 +22,7 @@ from kiln.browser.model import browser_model
 SEEDS = [0, 1, 42, 99991, 2**31, 2**32 - 1, 2**32 + 7, 2**53 - 1]
 STEPS = 5
 REAL_VOCAB = 49152  # SmolLM2's: the native nucleus sorts slices of 64, 512, 4096 and 32768 tokens first
+LARGE_VOCAB = 262144  # Gemma's: the JavaScript sampler selects and sorts slices of it (sampler.js)
 NODE_SAMPLER_JS = """
     import { Sampler } from "./src/sampler.js";
     const row = (b64) => new Float32Array(Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)).buffer);
@@ -72,7 +73,7 @@ def cases(count: int) -> list[dict]:
     kinds = ["random", "ties", "near ties", "peaked"]
     out = []
     for i in range(count):
-        vocab = REAL_VOCAB if i % 40 == 0 else int(rng.choice([2, 5, 17, 300, 2000, 5000]))
+        vocab = {0: REAL_VOCAB, 20: LARGE_VOCAB}.get(i % 40) or int(rng.choice([2, 5, 17, 300, 2000, 5000]))
         row = random_row(rng, kinds[i % len(kinds)], vocab)
         likely = np.argsort(-row, kind="stable")[:10]
         out.append(

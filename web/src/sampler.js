@@ -72,25 +72,71 @@ export function expNonPositive(x) {
 }
 
 /** The values of `ids`, largest first (a typed array's sort is native: a comparator's costs 10x more). */
-function descending(ids, values) {
+function descending(ids, valueOf) {
   const sorted = new Float64Array(ids.length);
-  for (let i = 0; i < ids.length; ++i) sorted[i] = values[ids[i]];
+  for (let i = 0; i < ids.length; ++i) sorted[i] = valueOf(ids[i]);
   return sorted.sort().reverse();
 }
 
 /**
- * The first `count` of `ids` from the largest value down, ties lower id first, in id order;
- * `sorted` = descending(ids, values).
+ * The first `count` of `ids` (in id order) from the largest value down, ties lower id first, in id
+ * order; `sorted` holds the largest values of `ids` in descending order, at least `count` of them.
  */
-function firstRanked(ids, values, sorted, count) {
+function firstRanked(ids, valueOf, sorted, count) {
   const last = sorted[count - 1];
   let tiesKept = count - sorted.indexOf(last);
-  return ids.filter((id) => values[id] > last || (values[id] === last && tiesKept-- > 0));
+  const kept = [];
+  for (let i = 0; i < ids.length; ++i) {
+    const value = valueOf(ids[i]);
+    if (value > last || (value === last && tiesKept-- > 0)) kept.push(ids[i]);
+  }
+  return kept;
+}
+
+/** Those of `ids` whose value is at least `threshold`, in id order. */
+function idsFrom(ids, valueOf, threshold) {
+  const kept = [];
+  for (let i = 0; i < ids.length; ++i) if (valueOf(ids[i]) >= threshold) kept.push(ids[i]);
+  return kept;
+}
+
+/** The `count`-th largest value of `ids` (a min-heap of `count` values: no sort of them all). */
+function kthLargest(ids, valueOf, count) {
+  const heap = new Float64Array(count);
+  let size = 0;
+  for (let i = 0; i < ids.length; ++i) {
+    const value = valueOf(ids[i]);
+    if (size < count) {
+      let at = size++;
+      while (at > 0 && heap[(at - 1) >> 1] > value) {
+        heap[at] = heap[(at - 1) >> 1];
+        at = (at - 1) >> 1;
+      }
+      heap[at] = value;
+    } else if (value > heap[0]) {
+      let at = 0;
+      for (;;) {
+        const child = 2 * at + 1;
+        if (child >= count) break;
+        const smaller = child + 1 < count && heap[child + 1] < heap[child] ? child + 1 : child;
+        if (heap[smaller] >= value) break;
+        heap[at] = heap[smaller];
+        at = smaller;
+      }
+      heap[at] = value;
+    }
+  }
+  return heap[0];
 }
 
 /**
  * The token choice of one generation: `settings` = {temperature, topP, topK, repetitionPenalty,
  * presencePenalty, frequencyPenalty, seed}; `promptIds` count for the repetition penalty.
+ *
+ * A row is read where it lies (a view of the model's output) and never copied or sorted whole: the
+ * penalties change only the tokens seen, top_k selects with a heap of k, top_p sorts only the top
+ * tokens that already hold its weight (as kiln/sampling.py does), and the weights go into a buffer
+ * the sampler keeps from step to step. A 262k-word row costs a few passes over it.
  */
 export class Sampler {
   constructor(settings, promptIds) {
@@ -98,6 +144,8 @@ export class Sampler {
     this.random = seededRandom(settings.seed);
     this.seen = new Set(promptIds);
     this.outputCounts = new Map();
+    this.ids = null; // 0 … vocabulary size - 1
+    this.weights = null; // one per token id, reused by every step
   }
 
   /** Count a chosen token for the penalties. */
@@ -106,16 +154,20 @@ export class Sampler {
     this.outputCounts.set(token, (this.outputCounts.get(token) ?? 0) + 1);
   }
 
+  /** The penalized values of the tokens the penalties change, by id (float64). */
   penalized(logits) {
     const { repetitionPenalty, presencePenalty, frequencyPenalty } = this.settings;
-    const penalized = Float64Array.from(logits);
+    const changed = new Map();
     if (repetitionPenalty !== 1) {
       for (const id of this.seen) {
-        penalized[id] = penalized[id] > 0 ? penalized[id] / repetitionPenalty : penalized[id] * repetitionPenalty;
+        const value = logits[id];
+        changed.set(id, value > 0 ? value / repetitionPenalty : value * repetitionPenalty);
       }
     }
-    for (const [id, count] of this.outputCounts) penalized[id] -= presencePenalty + frequencyPenalty * count;
-    return penalized;
+    for (const [id, count] of this.outputCounts) {
+      changed.set(id, (changed.get(id) ?? logits[id]) - (presencePenalty + frequencyPenalty * count));
+    }
+    return changed;
   }
 
   /**
@@ -124,52 +176,97 @@ export class Sampler {
    * device with the library's `apply_bitmask_inplace`: the logits come to the host every step
    * anyway, so masking costs no extra upload or dispatch, and it is the native sampler's code path.
    * -Infinity goes through the steps below as numpy takes it: never the first maximum while a
-   * finite logit is left, weight 0 from expNonPositive, ranked last by topK and topP.
+   * finite logit is left, weight 0 from expNonPositive, ranked last by top_k and top_p.
    */
   sample(logits, allowed = null) {
     const { temperature, topK: k, topP } = this.settings;
-    const penalized = this.penalized(logits);
-    if (allowed) {
-      for (let id = 0; id < penalized.length; ++id) if (!allowed[id]) penalized[id] = -Infinity;
+    const changed = this.penalized(logits);
+    if (temperature < GREEDY_BELOW_TEMPERATURE) return firstMaximum(logits, changed, allowed);
+    const size = logits.length;
+    if (this.ids?.length !== size) {
+      this.ids = Int32Array.from({ length: size }, (_, id) => id);
+      this.weights = new Float64Array(size);
+      this.penalties = new Float64Array(size);
+      this.isPenalized = new Uint8Array(size);
     }
-    if (temperature < GREEDY_BELOW_TEMPERATURE) return argmax(penalized);
-    const scaled = new Float64Array(penalized.length);
-    for (let id = 0; id < scaled.length; ++id) scaled[id] = penalized[id] / temperature;
-    let ids = new Int32Array(scaled.length);
-    for (let id = 0; id < ids.length; ++id) ids[id] = id;
-    if (k > 0 && k < ids.length) ids = firstRanked(ids, scaled, descending(ids, scaled), k);
+    const { penalties, isPenalized, weights } = this;
+    for (const [id, value] of changed) {
+      penalties[id] = value;
+      isPenalized[id] = 1;
+    }
+    const scaledOf = allowed
+      ? (id) => (allowed[id] ? (isPenalized[id] ? penalties[id] : logits[id]) / temperature : -Infinity)
+      : (id) => (isPenalized[id] ? penalties[id] : logits[id]) / temperature;
+    let ids = this.ids;
+    if (k > 0 && k < size) {
+      const candidates = idsFrom(ids, scaledOf, kthLargest(ids, scaledOf, k));
+      ids = firstRanked(candidates, scaledOf, descending(candidates, scaledOf), k);
+    }
     let max = -Infinity;
-    for (const id of ids) max = Math.max(max, scaled[id]);
-    const weights = new Float64Array(scaled.length);
-    for (const id of ids) weights[id] = expNonPositive(scaled[id] - max);
-    if (topP < 1) ids = nucleus(ids, scaled, weights, topP, max);
-    return draw(ids, weights, this.random());
+    for (let i = 0; i < ids.length; ++i) max = Math.max(max, scaledOf(ids[i]));
+    let total = 0;
+    const nearest = []; // within 1 of the largest value: the first tokens top_p sorts
+    for (let i = 0; i < ids.length; ++i) {
+      const scaled = scaledOf(ids[i]);
+      total += weights[ids[i]] = expNonPositive(scaled - max);
+      if (scaled >= max - 1) nearest.push(ids[i]);
+    }
+    if (topP < 1) {
+      ids = nucleus(ids, scaledOf, nearest, topP * total, max);
+      total = 0;
+      for (let i = 0; i < ids.length; ++i) total += weights[ids[i]];
+    }
+    for (const id of changed.keys()) isPenalized[id] = 0;
+    return draw(ids, weights, this.random() * total);
   }
 }
 
 /**
- * The most likely of `ids` whose weight first reaches `topP` of their total, in id order. Tied
- * tokens weigh the same, so the running weight needs only the sorted values, not their ids.
+ * The first maximum of the penalized row (greedy): one pass over the logits, skipping the tokens
+ * the penalties change or the mask forbids, then those changed.
  */
-function nucleus(ids, scaled, weights, topP, max) {
-  let total = 0;
-  for (const id of ids) total += weights[id];
-  const sorted = descending(ids, scaled);
-  let count = 0;
-  let reached = 0;
-  while (count < sorted.length && reached < topP * total) reached += expNonPositive(sorted[count++] - max);
-  return firstRanked(ids, scaled, sorted, count);
+function firstMaximum(logits, changed, allowed) {
+  let best = -1;
+  let bestValue = -Infinity;
+  for (let id = 0; id < logits.length; ++id) {
+    if (logits[id] > bestValue && !changed.has(id) && (!allowed || allowed[id])) {
+      best = id;
+      bestValue = logits[id];
+    }
+  }
+  for (const [id, value] of changed) {
+    if (id < logits.length && (!allowed || allowed[id]) && (value > bestValue || (value === bestValue && id < best))) {
+      best = id;
+      bestValue = value;
+    }
+  }
+  return best < 0 ? 0 : best; // every token at -Infinity: the first one, as numpy's argmax
 }
 
-/** The first of `ids` whose running weight exceeds u × their total (the last if rounding leaves none). */
-function draw(ids, weights, u) {
-  let total = 0;
-  for (const id of ids) total += weights[id];
-  const target = u * total;
+/**
+ * The most likely of `ids` whose weight first reaches `threshold`, in id order. Sorts only the
+ * tokens within a distance of the largest value (`nearest`: those within 1), that distance
+ * doubling until they hold the weight: they are a prefix of the full ranking, so the cut is the one
+ * a full sort would give.
+ */
+function nucleus(ids, scaledOf, nearest, threshold, max) {
+  for (let distance = 1; ; distance *= 2) {
+    const whole = max - distance < EXP_UNDERFLOW || !Number.isFinite(max);
+    const top = whole ? ids : distance === 1 ? nearest : idsFrom(ids, scaledOf, max - distance);
+    const sorted = descending(top, scaledOf);
+    let count = 0;
+    let reached = 0;
+    while (count < sorted.length && reached < threshold) reached += expNonPositive(sorted[count++] - max);
+    if (reached >= threshold || whole) return firstRanked(ids, scaledOf, sorted, count);
+  }
+}
+
+/** The first of `ids` whose running weight exceeds `target` (the last if rounding leaves none). */
+function draw(ids, weights, target) {
   let running = 0;
-  for (const id of ids) {
-    running += weights[id];
-    if (running > target) return id;
+  for (let i = 0; i < ids.length; ++i) {
+    running += weights[ids[i]];
+    if (running > target) return ids[i];
   }
   return ids[ids.length - 1];
 }
