@@ -13,28 +13,30 @@ import statistics
 import threading
 from pathlib import Path
 
+from kiln.app_config import model_needs, read_compiled_model
 from kiln.browser.driver import PRECISE_TIMESTAMP_FLAGS, page_engine
 from kiln.engine import load_tokenizer
 from kiln.errors import KilnError
+from kiln.model_memory import MIB
 from kiln.runtime import read_json
 
 from .native import benchmark_prompt
 
 RSS_SAMPLE_S = 0.25
 SLOWEST_KERNELS_SHOWN = 8
-RUN_JS = """async ({promptIds, decodeTokens}) => {
+# Sampling as chats commonly ask for it (WebLLM's defaults): every token weighed, the top ones sorted.
+TOP_P_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "seed": 0}
+RUN_JS = """async ({promptIds, decodeTokens, sampling}) => {
   const engine = globalThis.kilnDriven;
   await engine.resetChat();
-  const started = performance.now();
-  const first = await engine.session.prefill(promptIds, { topK: 1 });
-  const firstTokenAt = performance.now();
-  let token = first.top.ids[0];
-  for (let i = 1; i < decodeTokens; ++i) token = (await engine.session.decode(token, { topK: 1 })).top.ids[0];
-  const ended = performance.now();
+  const run = await engine.session.generate(promptIds, { max_tokens: decodeTokens, ...sampling });
+  const stepMs = run.model_ms_per_token + run.sample_ms_per_token;
   return {
-    ttft_s: (firstTokenAt - started) / 1000,
-    prefill_tokens_per_s: promptIds.length / ((firstTokenAt - started) / 1000),
-    decode_tokens_per_s: decodeTokens > 1 ? (decodeTokens - 1) / ((ended - firstTokenAt) / 1000) : null,
+    ttft_s: run.prefill_s,
+    prefill_tokens_per_s: promptIds.length / run.prefill_s,
+    decode_tokens_per_s: decodeTokens > 1 ? 1000 / stepMs : null,
+    model_ms_per_token: run.model_ms_per_token,
+    sample_ms_per_token: run.sample_ms_per_token,
   };
 }"""
 # A prefill of the prompt and the decode step after it, with each kernel's GPU time (timestamp
@@ -106,7 +108,7 @@ def bench_browser(
     webgpu = device != "wasm"
     with (
         page_engine(model_dir.resolve().parent, webgpu, extra_args=PRECISE_TIMESTAMP_FLAGS if webgpu else ()) as engine,
-        PeakMemory() as memory,
+        PeakMemory() as rss,
     ):
         page = engine.page
         cold = engine.load(model_id, device, threads=threads)
@@ -114,14 +116,16 @@ def bench_browser(
         warm = engine.load(model_id, device, threads=threads)
         if not warm["stats"]["load"]["from_cache"]:
             raise KilnError("the second load did not come from the browser cache", model_dir)
-        measured = [
-            page.evaluate(RUN_JS, {"promptIds": prompt, "decodeTokens": decode_tokens}) for _ in range(runs + 1)
-        ][1:]  # the first run warms up and is not counted
+        greedy = {"promptIds": prompt, "decodeTokens": decode_tokens, "sampling": {"temperature": 0}}
+        measured = [page.evaluate(RUN_JS, greedy) for _ in range(runs + 1)][1:]  # the first run warms up
+        top_p = page.evaluate(RUN_JS, {**greedy, "sampling": TOP_P_SAMPLING})
         after_runs = page.evaluate("globalThis.kilnDriven.stats()")
         dispatches, issue_ms = after_runs["decode_step_dispatches"], after_runs["decode_step_issue_ms"]
         kernels = page.evaluate(KERNEL_TIMES_JS, {"promptIds": prompt}) if dispatches is not None else None
     stats = warm["stats"]
     layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
+    needs = model_needs(read_compiled_model(model_dir), stats["library_target"])
+    memory = after_runs["memory"]
 
     def median(key: str) -> float | None:
         values = [run[key] for run in measured if run[key] is not None]
@@ -144,7 +148,15 @@ def bench_browser(
         "ttft_s": median("ttft_s"),
         "prefill_tokens_per_s": median("prefill_tokens_per_s"),
         "decode_tokens_per_s": median("decode_tokens_per_s"),
-        "peak_rss_mb": memory.peak_mb,
+        "model_ms_per_token": median("model_ms_per_token"),
+        "sample_ms_per_token": median("sample_ms_per_token"),
+        "top_p_sample_ms_per_token": top_p["sample_ms_per_token"],
+        "peak_rss_mb": rss.peak_mb,
+        "weight_bytes": needs.weights,
+        "accounted_bytes": needs.total,
+        "wasm_memory_bytes": memory["wasm_bytes"],
+        "wasm_maximum_bytes": memory["wasm_maximum_bytes"],
+        "gpu_peak_bytes": memory["gpu_peak_bytes"],
         "bandwidth_fraction": None,
         "decode_step_dispatches": dispatches,
         "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
@@ -172,8 +184,12 @@ def bench_browser(
         f"  time to first token  {report['ttft_s']:8.3f} s",
         f"  prefill              {rate(report['prefill_tokens_per_s'])} tokens/s",
         f"  decode               {rate(report['decode_tokens_per_s'])} tokens/s",
+        f"  a decode step        {report['model_ms_per_token']:8.2f} ms in the model + "
+        f"{report['sample_ms_per_token']:.2f} ms choosing the token (greedy; "
+        f"{report['top_p_sample_ms_per_token']:.2f} ms sampling at temperature 0.7, top_p 0.95)",
         f"  peak RSS             {rate(report['peak_rss_mb'])} MB   "
         "(all Chromium processes, shared pages counted twice)",
+        f"  the model's memory   {held_line(memory)}; accounted for: {needs.describe()}",
     ]
     if dispatches is not None:
         report["lines"].append(
@@ -193,6 +209,15 @@ def bench_browser(
         report["lines"] += kernel_lines("decode step", kernels["decode"])
         report["lines"] += kernel_lines(f"{prompt_tokens}-token prefill", kernels["prefill"])
     return report
+
+
+def held_line(memory: dict) -> str:
+    """What the model holds in the page: its library's wasm memory (the peak: it never shrinks), and
+    on WebGPU the most GPU memory its buffers took."""
+    wasm = f"wasm {memory['wasm_bytes'] / MIB:.0f} MiB"
+    if memory["gpu_peak_bytes"] is not None:
+        return f"GPU buffers {memory['gpu_peak_bytes'] / MIB:.0f} MiB at most, host {wasm}"
+    return f"{wasm} (it may grow to {memory['wasm_maximum_bytes'] / MIB:.0f})"
 
 
 def kernel_lines(step: str, kernels: list[dict]) -> list[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.app_config import float_bytes
+from kiln.app_config import model_needs, read_compiled_model
+from kiln.model_memory import float_bytes
 from kiln.engine import Engine, GenerationConfig
 from kiln.runtime import set_cpu_threads
 from kiln.tensor_cache import records
@@ -94,6 +95,7 @@ def bench_native(
 
     decode_tokens_per_s = median("decode_tokens_per_s")
     bytes_per_token = decode_bytes_per_token(engine, prompt_tokens + decode_tokens / 2)
+    needs = model_needs(read_compiled_model(engine.model_dir), target)
     report = {
         "model_id": engine.model_id,
         "response_format": response_format.kind if response_format else "text",
@@ -107,6 +109,8 @@ def bench_native(
         "prefill_tokens_per_s": median("prefill_tokens_per_s"),
         "decode_tokens_per_s": decode_tokens_per_s,
         "peak_rss_mb": peak_rss_mb,
+        "weight_bytes": needs.weights,
+        "accounted_bytes": needs.total,
         "decode_bytes_per_token": bytes_per_token,
         "decoded_tokens": median("completion_tokens"),
         "mask_ms_per_token": median("mask_ms_per_token"),
@@ -121,7 +125,8 @@ def bench_native(
         f"  prefill              {report['prefill_tokens_per_s']:8.1f} tokens/s",
         f"  decode               {report['decode_tokens_per_s']:8.1f} tokens/s",
         *([f"  token mask           {report['mask_ms_per_token']:8.3f} ms/token"] if response_format else []),
-        f"  peak RSS             {report['peak_rss_mb']:8.0f} MB",
+        f"  peak RSS             {report['peak_rss_mb']:8.0f} MB   (the whole process: Python, TVM, the tokenizer)",
+        f"  the model accounts for {needs.describe()}",
     ]
     if threads:  # a GPU's memory is not the host's: its bandwidth is not measured here
         bandwidth = measure_memory_bandwidth(threads, bandwidth_bytes)

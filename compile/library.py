@@ -6,12 +6,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
+from tvm import relax
 
+from kiln.errors import KilnError
+from kiln.model_memory import MIB, MemoryNeeds
 from kiln.models import DecoderConfig, DecoderModel, export_spec
 
 from .system_lib import system_lib_prefix
 from .targets import TargetEntry, kiln_pipeline
 from .vm_functions import attach_vm_functions
+
+
+# One `prefill_all_logits` call's logits (positions × vocabulary floats) stay within this.
+ALL_LOGITS_BYTES = 64 << 20
+F32_BYTES = 4
+ALLOC_STORAGE_OPS = ("relax.memory.alloc_storage", "relax.vm.alloc_storage")
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,47 @@ def kv_cache_window(config: DecoderConfig) -> int:
     return config.sliding_window_size - 1 if config.sliding_window_size else -1
 
 
+def all_logits_chunk_size(config: DecoderConfig) -> int:
+    """How many positions one `prefill_all_logits` call takes (the engines split longer inputs)."""
+    return max(1, min(config.prefill_chunk_size, ALL_LOGITS_BYTES // (config.vocab_size * F32_BYTES)))
+
+
+def with_planned_memory(mod: tvm.IRModule, config: DecoderConfig) -> tvm.IRModule:
+    """`mod` with every function's memory planned for its longest input (TVM's static planning with
+    `tir_var_upper_bound`, outputs included), so that every call reuses the same blocks. Planned for
+    each call's own length, each new prompt length took new blocks that the VM's pool kept: a chat's
+    wasm memory grew by some 0.3 MB for each token of each new length, without end."""
+    bounds = {"prefill_all_logits": all_logits_chunk_size(config)}
+    for global_var, function in list(mod.functions.items()):
+        if isinstance(function, relax.Function):
+            bound = bounds.get(global_var.name_hint, config.prefill_chunk_size)
+            mod[global_var] = function.with_attrs(
+                {"tir_var_upper_bound": {"seq_len": bound}, "relax.memory_plan_dynamic_func_output": True}
+            )
+    return mod
+
+
+def planned_storage(mod: tvm.IRModule) -> dict[str, list[int]]:
+    """The sizes of the storage blocks each function's memory plan allocates (functions that allocate any)."""
+    planned = {}
+    for global_var, function in mod.functions.items():
+        if not isinstance(function, relax.Function):
+            continue
+        sizes = []
+
+        def visit(expr, sizes=sizes):
+            if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in ALLOC_STORAGE_OPS:
+                size = expr.args[0]
+                # a size known only when the function runs (the sampling helpers') is left out
+                if isinstance(size, relax.ShapeExpr) and isinstance(size.values[0], tvm.tirx.IntImm):
+                    sizes.append(int(size.values[0]))
+
+        relax.analysis.post_order_visit(function.body, visit)
+        if sizes:
+            planned[global_var.name_hint] = sorted(sizes, reverse=True)
+    return planned
+
+
 def library_metadata(model: DecoderModel, quantization: str, params: list[ParamSpec]) -> dict:
     """What `_metadata` returns; WebLLM fetches weights by `params[].name`."""
     config = model.config
@@ -42,6 +92,8 @@ def library_metadata(model: DecoderModel, quantization: str, params: list[ParamS
         "quantization": quantization,
         "context_window_size": config.context_window_size,
         "prefill_chunk_size": config.prefill_chunk_size,
+        # Kiln's: the most positions one `prefill_all_logits` call takes.
+        "all_logits_chunk_size": all_logits_chunk_size(config),
         "sliding_window_size": kv_cache_window(config),
         "attention_sink_size": 0 if config.sliding_window_size else -1,
         # Kiln's: the window of the layers that have one (Gemma's local layers); -1 for none.
@@ -68,14 +120,18 @@ def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) ->
     # Exporting under the target makes TVM pick that target's attention kernels.
     with target:
         mod, _ = model.export_tvm(spec=export_spec(model))
-    mod = attach_vm_functions(mod, metadata, target, model.config.vocab_size)
+    mod = attach_vm_functions(with_planned_memory(mod, model.config), metadata, target, model.config.vocab_size)
     with target:
         return kiln_pipeline(entry)(mod)
 
 
-def compile_library(model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path, model_id: str) -> None:
+def compile_library(
+    model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path, model_id: str
+) -> dict[str, list[int]]:
+    """Write the library for `entry` to `path`; returns its functions' `planned_storage`."""
     target = entry.target()
     mod = scheduled_module(model, entry, metadata)
+    planned = planned_storage(mod)
     if entry.system_lib:
         mod = mod.with_attr("system_lib_prefix", system_lib_prefix(model_id))
     executable = tvm.compile(mod, target, relax_pipeline=None)
@@ -84,6 +140,21 @@ def compile_library(model: DecoderModel, entry: TargetEntry, metadata: dict, pat
     if entry.kernel_source:
         entry.kernel_source_path(path).write_text(device_source(executable.mod, target.kind.name))
     entry.export(executable, path)
+    return planned
+
+
+def check_memory_limits(entry: TargetEntry, needs: MemoryNeeds) -> None:
+    """Refuse a library that could never hold the model (WebGPU's buffers, wasm32's memory)."""
+    for limit, used, what in (
+        (entry.buffer_limit, needs.largest_buffer, "its largest buffer takes"),
+        (entry.memory_limit, needs.total, "it takes"),
+    ):
+        if limit and used > limit.bytes:
+            raise KilnError(
+                f"the model cannot run from a {entry.name} library: {what} {used / MIB:.0f} MiB, more than "
+                f"{limit.bytes / MIB:.0f} MiB ({limit.reason}); the model takes {needs.describe()}. A shorter "
+                "--context-window-size, a smaller --prefill-chunk-size or a 4-bit quantization needs less"
+            )
 
 
 def device_source(module: tvm.runtime.Module, kind: str) -> str:

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.app_config import MODEL_FILES, CompiledModel, memory_needs, read_compiled_model
+from kiln.app_config import MODEL_FILES, CompiledModel, model_needs, read_compiled_model
 from kiln.errors import KilnError
 from kiln.runtime import read_json
 
@@ -109,7 +109,7 @@ def parse_entry(entry, config_path: Path) -> PackagedModel:
         raise KilnError(
             f'model {model_id!r}: without bundle_weight the app downloads the weights, so give "model_url"', config_path
         )
-    vram = entry.get("estimated_vram_bytes", memory_needs(compiled)[0])
+    vram = entry.get("estimated_vram_bytes", model_needs(compiled).total)
     if not isinstance(vram, int) or isinstance(vram, bool) or vram <= 0:
         raise KilnError(f"model {model_id!r}: estimated_vram_bytes must be a positive integer", config_path)
     return PackagedModel(model_id, compiled, bundle_weight, vram, model_url)

@@ -24,13 +24,14 @@ import tvm
 
 import kiln
 from kiln.errors import KilnError, one_line
+from kiln.model_memory import MemoryNeeds, memory_needs
 from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_for
 
 from .configure import write_chat_config
 from .convert import convert_weights
 from .digests import file_digests
 from .ingest import IngestOptions, SourceModel, ingest, looks_like_hub_id
-from .library import compile_library, library_metadata, param_specs, target_metadata
+from .library import check_memory_limits, compile_library, library_metadata, param_specs, target_metadata
 from .quantization import Scheme, quantization_named
 from .source_weights import SourceWeights
 from .staging import staging_folder
@@ -39,6 +40,7 @@ from .targets import TargetEntry, target_named
 
 BUILD_RECORD = "kiln-build.json"
 WEIGHT_FILES_GLOB = ("tensor-cache.json", "params_shard_*.bin")
+STAGED_MODEL_FILES = ("mlc-chat-config.json", "tensor-cache.json")  # what the memory accounting reads
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -179,6 +181,12 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
     return versions
 
 
+def staged_model_needs(staging: Path, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
+    """The memory the model being built takes, run by a library with `planned_storage`."""
+    chat_config, tensor_cache = (json.loads((staging / name).read_text()) for name in STAGED_MODEL_FILES)
+    return memory_needs(chat_config, tensor_cache, planned_storage)
+
+
 def quantized_model(
     source: SourceModel, arch: Architecture, config: DecoderConfig, scheme: Scheme
 ) -> tuple[DecoderModel, SourceWeights, list[str]]:
@@ -224,12 +232,14 @@ def build(request: BuildRequest) -> BuildResult:
         with clock.stage("configure"):
             write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
 
-        libraries = {}
+        libraries, planned = {}, {}
         metadata = library_metadata(model, quantization.name, params)
         for entry in entries:
             path = staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}"
             with clock.stage(f"compile {entry.name}"):
-                compile_library(model, entry, target_metadata(model, metadata, entry), path, model_id)
+                metadata_for_target = target_metadata(model, metadata, entry)
+                planned[entry.name] = compile_library(model, entry, metadata_for_target, path, model_id)
+                check_memory_limits(entry, staged_model_needs(staging, planned[entry.name]))
             libraries[entry.name] = path
 
         built_targets = dict(kept_targets)
@@ -237,6 +247,8 @@ def build(request: BuildRequest) -> BuildResult:
             built_targets[entry.name] = {
                 "library": f"libs/{libraries[entry.name].name}",
                 "seconds": clock.timings[f"compile {entry.name}"],
+                # the storage blocks each function's memory plan allocates (kiln/model_memory.py)
+                "planned_storage": planned[entry.name],
             }
             if entry.tunes_cpu:
                 built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}

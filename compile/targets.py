@@ -193,6 +193,20 @@ def android_target() -> dict:
 
 
 @dataclass(frozen=True)
+class MemoryLimit:
+    """The most a target's library can hold (`bytes`), and what sets that limit."""
+
+    bytes: int
+    reason: str
+
+
+# A browser library's allocation: tvmjs reads a WebGPU buffer's size, and emscripten's sbrk the wasm
+# memory a CPU one grows by, as a signed 32-bit number.
+BROWSER_BUFFER = MemoryLimit(2**31 - 1, "a browser library's allocation size is a signed 32-bit number")
+WASM32_MEMORY = MemoryLimit(2**32, "wasm32 addresses 4 GiB, the CPU library's whole memory")
+
+
+@dataclass(frozen=True)
 class TargetEntry:
     name: str
     describe: str
@@ -214,6 +228,9 @@ class TargetEntry:
     device: str | None = None
     # The browser engine runs it, and the app config lists it.
     browser: bool = False
+    # The most one allocation, and everything the model holds, may take (compile/library.py checks).
+    buffer_limit: MemoryLimit | None = None
+    memory_limit: MemoryLimit | None = None
 
     def target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target())
@@ -260,6 +277,7 @@ TARGETS: dict[str, TargetEntry] = {
             "wasm",
             check_webgpu_limits,
             browser=True,
+            buffer_limit=BROWSER_BUFFER,
         ),
         TargetEntry(
             "webgpu-subgroups",
@@ -271,6 +289,7 @@ TARGETS: dict[str, TargetEntry] = {
             "wasm",
             check_webgpu_limits,
             browser=True,
+            buffer_limit=BROWSER_BUFFER,
         ),
         TargetEntry(
             "wasm",
@@ -280,6 +299,8 @@ TARGETS: dict[str, TargetEntry] = {
             export_threaded_wasm,
             "wasm",
             browser=True,
+            buffer_limit=BROWSER_BUFFER,
+            memory_limit=WASM32_MEMORY,
         ),
         TargetEntry(
             "android",

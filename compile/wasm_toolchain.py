@@ -153,7 +153,7 @@ THREADED_SYSTEM_LIBRARIES = (
     "sockets-mt",
 )
 # The most a page's shared memory can grow to: it is reserved up front, unlike unshared memory.
-THREADED_MAXIMUM_MEMORY = "2GB"
+THREADED_MAXIMUM_MEMORY = "4GB"
 # Debian's emscripten runs its JS tools with node and needs Debian's node modules (acorn).
 DEBIAN_NODE_MODULES = "/usr/share/nodejs"
 STDERR_TAIL_LINES = 25

@@ -4,7 +4,8 @@ WebLLM reads `model` (the model folder's URL; it appends `resolve/main/`), `mode
 `model_lib` (the WebGPU library), `vram_required_MB`, `low_resource_required`,
 `required_features`, `buffer_size_required_bytes` and `overrides`. Kiln's browser engine also
 reads `kiln`: the model's `family` (variants built from the same source share it, so the engine
-can pick the f16 or f32 variant), its quantization and its browser libraries by target.
+can pick the f16 or f32 variant), its quantization, its browser libraries by target and the memory
+each needs (`memory_bytes`, kiln/model_memory.py: `vram_required_MB` is the WebGPU library's).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from kiln.compile.targets import BROWSER_TARGETS
 from kiln.errors import KilnError, one_line
-from kiln.runtime import PAGE_SIZE, read_json
+from kiln.model_memory import MIB, MemoryNeeds, float_bytes, memory_needs
+from kiln.runtime import read_json
 
 log = logging.getLogger(__name__)
 BUILD_RECORD = "kiln-build.json"
@@ -24,7 +26,6 @@ MODEL_FILES = (BUILD_RECORD, "mlc-chat-config.json", "tensor-cache.json")
 # What reading a field of the wrong shape raises (a list where an object belongs, a missing key, a
 # library path the OS refuses, ...).
 FIELD_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, OSError)
-F32_BYTES = 4
 # A GPU budget most phones and integrated GPUs grant a tab; WebLLM's low-resource models fit it.
 LOW_RESOURCE_MB = 2048
 
@@ -112,40 +113,12 @@ def compiled_models(dist: Path) -> list[CompiledModel]:
     return models
 
 
-def float_bytes(quantization: str) -> int:
-    return 2 if "f16" in quantization else F32_BYTES
-
-
-def memory_needs(model: CompiledModel) -> tuple[int, int]:
-    """(bytes the model needs on the GPU, the largest single buffer a kernel binds), estimated
-    for chatting: prefill keeps only the last position's logits.
-
-    Weights are exact; the KV cache is TVM's paged cache for the whole context window; the
-    activations are those of one prefill chunk, dominated by the MLP's gate and up projections.
-    (Forced decoding through `prefill_all_logits` needs rows × vocab × 4 bytes more; the browser
-    engine splits it into calls that fit the device.)
-    """
-    config = model.chat_config
-    layers = config["model_config"]
-    hidden, intermediate = layers["hidden_size"], layers["intermediate_size"]
-    head_dim = layers.get("head_dim") or hidden // layers["num_attention_heads"]
-    kv_heads = layers.get("num_key_value_heads") or layers["num_attention_heads"]
-    element = float_bytes(config["quantization"])
-    # Kiln's engines size the cache to the model's context window, which a sliding-window model's
-    # chat config leaves at -1 for WebLLM (model_config keeps it).
-    pages = -(-layers["context_window_size"] // PAGE_SIZE)
-    kv_layer_bytes = pages * 2 * kv_heads * PAGE_SIZE * head_dim * element
-    mlp_bytes = config["prefill_chunk_size"] * 2 * intermediate * element
-    logits_bytes = config["vocab_size"] * F32_BYTES
-    records = [r for shard in model.tensor_cache["records"] for r in shard["records"]]
-    weight_bytes = sum(r["nbytes"] for r in records)
-    largest_weight = max((r["nbytes"] for r in records), default=0)
-    # A model whose layers all have a window has one more layer in its cache (models/decoder.py's
-    # cache_layer_kinds).
-    layer_count = layers["num_hidden_layers"]
-    cache_layers = layer_count + (len(layers.get("windowed_layers") or []) == layer_count)
-    total = weight_bytes + cache_layers * kv_layer_bytes + mlp_bytes + logits_bytes
-    return total, max(largest_weight, kv_layer_bytes, mlp_bytes, logits_bytes)
+def model_needs(model: CompiledModel, target: str | None = None) -> MemoryNeeds:
+    """The memory `model` takes run by its `target` library (kiln/model_memory.py); without a target,
+    run by the built library whose functions plan the most."""
+    built = model.build.get("targets", {})
+    plans = [built[target]["planned_storage"]] if target else [entry["planned_storage"] for entry in built.values()]
+    return max((memory_needs(model.chat_config, model.tensor_cache, plan) for plan in plans), key=lambda n: n.total)
 
 
 def model_record(model: CompiledModel, models_url: str) -> dict | None:
@@ -156,9 +129,9 @@ def model_record(model: CompiledModel, models_url: str) -> dict | None:
         return None
     folder_url = f"{models_url}{model.model_id}/"
     quantization = model.chat_config["quantization"]
-    total_bytes, largest_buffer = memory_needs(model)
-    vram_mb = round(total_bytes / 2**20, 1)
+    needs = {target: model_needs(model, target) for target in browser_libraries}
     model_lib = next(iter(browser_libraries))  # WebLLM's: webgpu, unless only the subgroup one was built
+    vram_mb = round(needs[model_lib].total / MIB, 1)
     required_features = ["shader-f16"] if float_bytes(quantization) == 2 else []
     if model_lib == "webgpu-subgroups":
         required_features.append("subgroups")
@@ -169,12 +142,14 @@ def model_record(model: CompiledModel, models_url: str) -> dict | None:
         "vram_required_MB": vram_mb,
         "low_resource_required": vram_mb <= LOW_RESOURCE_MB,
         "required_features": required_features,
-        "buffer_size_required_bytes": largest_buffer,
+        "buffer_size_required_bytes": max(n.largest_buffer for n in needs.values()),
         "overrides": {key: model.chat_config[key] for key in ("context_window_size", "prefill_chunk_size")},
         "kiln": {
             "family": model.build.get("source_hash", model.model_id)[:16],
             "quantization": quantization,
             "libraries": {target: folder_url + path for target, path in browser_libraries.items()},
+            # what each library needs: the CPU one must fit in wasm32's memory
+            "memory_bytes": {target: n.total for target, n in needs.items()},
         },
     }
 

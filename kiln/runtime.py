@@ -23,9 +23,9 @@ from tvm.runtime import ShapeTuple
 import kiln
 from kiln.compile.targets import NATIVE_TARGETS, TARGETS
 from kiln.errors import KilnError, one_line
+from kiln.model_memory import PAGE_SIZE
 from kiln.tensor_cache import records, verify_shards
 
-PAGE_SIZE = 16
 SEQUENCE_ID = 0
 # LLVM's CPU features that are instructions (x86 and ARM); the rest ("slow-lea", "prefer-256-bit",
 # …) only tune code generation and are no requirement.
@@ -150,6 +150,7 @@ class NativeModel:
         self.params = self._load_params([p["name"] for p in self.metadata["params"]])
         self.context_window_size = int(self.metadata["context_window_size"])
         self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
+        self.all_logits_chunk_size = int(self.metadata.get("all_logits_chunk_size", self.prefill_chunk_size))
         self.vocab_size = int(self.chat_config["vocab_size"])
         self._kv_builtin = {
             name: tvm.get_global_func(f"vm.builtin.{name}")
@@ -212,22 +213,22 @@ class NativeModel:
             self.cached_tokens -= count
         return self.cached_tokens
 
-    def _chunk_size(self) -> int:
-        """Prefill chunk length. TVM's sliding-window prefill lets every token of a chunk see the
+    def _chunk_size(self, longest: int) -> int:
+        """Prefill chunk length, at most `longest`. TVM's sliding-window prefill lets every token of a chunk see the
         whole kept window, and its GPU kernels for per-layer windows go wrong once the window drops
         cached tokens from a chunk's view (Kiln fixes the CPU kernel: `_metadata` says which): past
         a window, tokens go one at a time there (exact, but decode-speed)."""
-        room = self.prefill_chunk_size
+        room = longest
         if self.sliding_window_size > 0:
             room = self.sliding_window_size + 1 - self.cached_tokens
         elif self.layer_window_size > 0 and self.cached_tokens and not self.layer_window_chunked_prefill:
             room = self.layer_window_size - self.cached_tokens
-        return max(1, min(self.prefill_chunk_size, room))
+        return max(1, min(longest, room))
 
-    def _chunks(self, token_ids: list[int]) -> Iterator[list[int]]:
+    def _chunks(self, token_ids: list[int], longest: int | None = None) -> Iterator[list[int]]:
         start = 0
         while start < len(token_ids):
-            chunk = token_ids[start : start + self._chunk_size()]
+            chunk = token_ids[start : start + self._chunk_size(longest or self.prefill_chunk_size)]
             start += len(chunk)
             yield chunk
 
@@ -274,4 +275,5 @@ class NativeModel:
     def all_logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position, [len(token_ids), vocab] (forced decoding in one pass)."""
         self._check_room(len(token_ids))
-        return np.concatenate([self._step("prefill_all_logits", chunk) for chunk in self._chunks(token_ids)], axis=0)
+        chunks = self._chunks(token_ids, self.all_logits_chunk_size)
+        return np.concatenate([self._step("prefill_all_logits", chunk) for chunk in chunks], axis=0)

@@ -39,7 +39,8 @@ class SessionBuilds:
     def __init__(self, dist: Path):
         self.dist = dist
 
-    def model_dir(self, source: Path, name: str, quantization: str, targets: list[str]) -> Path:
+    def model_dir(self, source: Path, name: str, quantization: str, targets: list[str], **overrides) -> Path:
+        """`overrides`: BuildRequest's (context_window_size, …), for a build under a name of its own."""
         model_id = f"{name}-{quantization}"
         model_dir = self.dist / model_id
         record = model_dir / "kiln-build.json"
@@ -49,7 +50,12 @@ class SessionBuilds:
         if missing:
             build(
                 BuildRequest(
-                    source=str(source), quantization=quantization, targets=missing, output=self.dist, model_id=model_id
+                    source=str(source),
+                    quantization=quantization,
+                    targets=missing,
+                    output=self.dist,
+                    model_id=model_id,
+                    **overrides,
                 )
             )
         return model_dir

@@ -455,3 +455,85 @@ def test_a_lost_gpu_is_a_clear_error(driver, tmp_path, url):
         context.new_cdp_session(page).send("Browser.crashGpuProcess")
         wait_for_state(page, "error", timeout_s=60)
         assert "GPU device was lost" in page.inner_text("#error")
+        # Chromium starts a new GPU process: loading again gets a new device.
+        page.click("#load-button")
+        wait_for_state(page, "ready")
+
+
+# A KV cache layer (pages × 2 × 2 KV heads × 16 tokens × head_dim 16 × 4 bytes) of exactly 1 GiB: the
+# maxBufferSize SwiftShader grants, which its Vulkan then cannot allocate; on the CPU, two such layers
+# take the library's wasm memory past 2 GiB.
+CONTEXT_FOR_A_1_GIB_CACHE_LAYER = ((1 << 30) // (2 * 2 * 16 * 16 * 4) - 1) * 16
+
+
+@pytest.fixture(scope="module")
+def huge_cache_dist(builds, tiny_source, tiny_dir, tmp_path_factory):
+    """A folder holding the tiny model and the tiny model with a 4M-token context (1 GiB a cache layer)."""
+    huge = builds.model_dir(
+        tiny_source,
+        "tiny-llama-1-gib-cache",
+        "q4f32_1",
+        ["cpu", "wasm", "webgpu"],
+        context_window_size=CONTEXT_FOR_A_1_GIB_CACHE_LAYER,
+    )
+    dist = tmp_path_factory.mktemp("huge-cache")
+    for folder in (huge, tiny_dir):
+        shutil.copytree(folder, dist / folder.name)
+    return dist, huge.name
+
+
+def test_a_gpu_allocation_that_fails_is_out_of_memory_and_the_engine_loads_again(
+    driver, tmp_path, huge_cache_dist, tiny_dir
+):
+    dist, huge = huge_cache_dist
+    with served(dist) as url, browser_page(driver, tmp_path / "profile", url) as (_, page):
+        engine = PageEngine(page)
+        with pytest.raises(BrowserEngineError) as failed:
+            engine.load(huge, device="webgpu")
+        assert failed.value.code == "out-of-memory"
+        assert "could not allocate 1024 MiB" in str(failed.value)
+        engine.load(MODEL_ID, device="webgpu")
+        check_greedy_parity(engine, tiny_dir)
+
+
+def test_the_cpu_library_runs_past_2_gib_of_memory(driver, tmp_path, huge_cache_dist):
+    """tvmjs read addresses past 2 GiB as negative numbers (web/src/wasm-memory.js)."""
+    dist, huge = huge_cache_dist
+    prompt = list(range(5, 21))
+    expected = native_greedy(dist / huge, prompt, GREEDY_TOKENS)
+    with served(dist) as url, browser_page(driver, tmp_path / "profile", url, webgpu=False) as (_, page):
+        engine = PageEngine(page)
+        engine.load(huge, device="wasm", threads=2)
+        generated = engine.call("session.generate", prompt, {"max_tokens": GREEDY_TOKENS, "temperature": 0})
+        assert generated["token_ids"] == expected
+        assert engine.call("stats")["memory"]["wasm_bytes"] > 2 << 30
+
+
+PAST_2_GIB_JS = """
+import tvmjs from "@mlc-ai/web-runtime";
+import { instantiateLibrary } from "./src/wasm-threads.js";
+
+const { tvm } = await instantiateLibrary(tvmjs, new Uint8Array(readFileSync(input.library)));
+tvm.beginScope();
+// wasm memory filled past 2 GiB (in two: one allocation takes at most 2 GiB - 1, as emscripten's sbrk takes it)
+const below = [0, 1].map(() => tvm.empty([(2 ** 30 + 2 ** 28) / 4], "float32", tvm.cpu()));
+// small tensors fill the free room below, until one's object lies past 2 GiB
+const made = [];
+while ((made.at(-1)?.handle ?? 0) <= 2 ** 31 && made.length < 10000) made.push(tvm.empty([3, 5], "float32", tvm.cpu()));
+const past = made.at(-1).copyFrom(Float32Array.from({ length: 15 }, (_, i) => i / 2));
+console.log(JSON.stringify({
+  handle: past.handle, shape: past.shape, values: Array.from(past.toArray()),
+  memory: tvm.memory.memory.buffer.byteLength, below: below.map((tensor) => tensor.shape),
+}));
+"""
+
+
+def test_tvmjs_reads_tensors_past_2_gib_of_wasm_memory(tiny_dir):
+    """With wasm memory filled past 2 GiB, a new tensor's object and data lie past it: tvmjs read such
+    addresses as negative numbers (web/src/wasm-memory.js)."""
+    from web_helpers import run_node_module
+
+    library = json.loads((tiny_dir / "kiln-build.json").read_text())["targets"]["wasm"]["library"]
+    result = run_node_module(PAST_2_GIB_JS, {"library": str(tiny_dir / library)})
+    assert result["handle"] > 2**31 and result["memory"] > 2**31
+    assert result["shape"] == [3, 5] and result["values"] == [i / 2 for i in range(15)]

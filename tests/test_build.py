@@ -530,3 +530,9 @@ def test_a_chat_template_that_does_not_render(broken_source, tmp_path, run_compi
     assert_clean_failure(
         run_compile(broken_source, tmp_path / "out"), tmp_path / "out", "tokenizer_config.json", "no system role here"
     )
+
+
+def test_a_wasm_library_that_could_not_hold_its_model_is_refused(tiny_source, tmp_path, run_compile):
+    """8.5M tokens of KV cache: 2 layers of 2.1 GiB, past what wasm32 (and one allocation) can hold."""
+    result = run_compile(tiny_source, tmp_path / "out", "-t", "wasm", "--context-window-size", "8500000")
+    assert_clean_failure(result, tmp_path / "out", "cannot run from a wasm library", "MiB", "--context-window-size")

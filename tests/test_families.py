@@ -398,7 +398,7 @@ def test_a_checkpoint_tensor_the_family_does_not_use_is_refused(family_source, t
 
 
 def test_the_app_config_sizes_a_sliding_window_models_cache_for_its_context(family_build):
-    from kiln.app_config import memory_needs, read_compiled_model
+    from kiln.app_config import model_needs, read_compiled_model
 
     model = read_compiled_model(family_build("mistral", "q0f32"))
     weights = sum(r["nbytes"] for shard in model.tensor_cache["records"] for r in shard["records"])
@@ -411,7 +411,7 @@ def test_the_app_config_sizes_a_sliding_window_models_cache_for_its_context(fami
         * config["head_dim"]
         * 4
     )
-    assert memory_needs(model)[0] >= weights + kv_cache
+    assert model_needs(model).total >= weights + kv_cache
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import { encodePrompt, formatChat, piecesFrom, specialTokensAround } from "./cha
 import { ChatTemplate, TOKENIZER_CONFIG } from "./chat-template.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { KernelTimer } from "./kernel-timer.js";
-import { ModelFiles, chooseBackend, requestDevice } from "./loader.js";
+import { ModelFiles, chooseBackend, requestDevice, wasmBytes } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
 import { Grammars, responseFormatFrom } from "./structured.js";
 import { ContentBeforeCalls, templateMessages, toolCallFormat, toolRequestFrom } from "./tools.js";
@@ -22,6 +22,29 @@ const KV_BUILTINS = ["kv_state_add_sequence", "kv_state_remove_sequence", "kv_st
   "kv_state_end_forward", "kv_state_popn"];
 
 const seconds = (start, end = performance.now()) => (end - start) / 1000;
+const MiB = 2 ** 20;
+const mib = (bytes) => `${Math.round(bytes / MiB)} MiB`;
+
+/**
+ * The most memory to offer a CPU library whose model needs `needed` bytes (kiln/model_memory.py),
+ * when the browser cannot reserve wasm32's 4 GiB: the accounting leaves out the runtime, its
+ * threads, the kernels' scratch and forced decoding's plan (10-90 MiB at real sizes).
+ */
+export const cpuMemoryFor = (needed) => Math.ceil(needed * 1.25 + 64 * MiB);
+
+/**
+ * The EngineError for a CPU library that exited (its instance is dead): out of memory when what is
+ * left of its memory could not hold the model's largest allocation, else an internal failure.
+ */
+export function cpuLibraryFailure(error, { usedBytes, maximumBytes, largestBuffer, neededBytes }) {
+  if (maximumBytes - usedBytes < largestBuffer) {
+    return new EngineError("out-of-memory", `The model's CPU library ran out of memory: it holds ${mib(usedBytes)} and ` +
+      `may grow to ${mib(maximumBytes)}` + (neededBytes ? `; the model needs about ${mib(neededBytes)}` : "") +
+      ". Close other tabs, or use a smaller model or quantization, then load it again.");
+  }
+  return new EngineError("internal", `The model's CPU library stopped (${error.message}) with ${mib(usedBytes)} of ` +
+    `its ${mib(maximumBytes)} of memory in use. Load the model again.`);
+}
 
 /** Let queued messages (an interrupt) run between steps; the CPU backend never awaits otherwise. */
 function yieldToEventLoop() {
@@ -65,6 +88,7 @@ export class ModelSession {
     tvm.endScope();
     this.contextWindowSize = this.metadata.context_window_size;
     this.prefillChunkSize = this.metadata.prefill_chunk_size;
+    this.allLogitsChunkSize = this.metadata.all_logits_chunk_size ?? this.prefillChunkSize;
     this.slidingWindowSize = this.metadata.sliding_window_size ?? -1;
     this.layerWindowSize = this.metadata.layer_sliding_window_size ?? -1;
     this.layerWindowChunkedPrefill = this.metadata.layer_window_chunked_prefill ?? false;
@@ -107,11 +131,18 @@ export class ModelSession {
     this.cachedIds = [];
   }
 
+  /**
+   * One weight on the device. On the CPU the bytes go straight into the tensor's wasm memory: passed
+   * through tvmjs's call, they would be staged in a call stack that grows to the largest weight and
+   * keeps that size (a 262k-word embedding: 84-168 MB of wasm memory for good).
+   */
   upload(record, bytes) {
     const tvm = this.tvm;
     return tvm.withNewScope(() => {
       const tensor = tvm.detachFromCurrentScope(tvm.empty(record.shape, record.dtype, this.device));
-      if (this.backend === "webgpu" && bytes.length % 4 !== 0) {
+      if (this.backend !== "webgpu") {
+        tvm.memory.storeRawBytes(tensor.getCPUDataAddress(), bytes);
+      } else if (bytes.length % 4 !== 0) {
         // WebGPU buffer writes must be whole 4-byte words: stage odd-sized tensors on the CPU.
         tensor.copyFrom(tvm.empty(record.shape, record.dtype, tvm.cpu()).copyFromRawBytes(bytes));
       } else {
@@ -171,12 +202,17 @@ export class ModelSession {
     }
   }
 
-  /** Run `functionName` on `ids` (at most one prefill chunk); logits as [rows, vocab] on the host. */
+  /**
+   * Run `functionName` on `ids` (at most one prefill chunk); logits as [rows, vocab] on the host.
+   * The rows are views of the step's output in wasm memory, read where they lie: they hold until the
+   * next step, which frees them (copy a row to keep it).
+   */
   async step(functionName, ids) {
     const tvm = this.tvm;
     const started = performance.now();
+    this.logits?.dispose();
+    this.logits = null;
     tvm.beginScope();
-    let logits;
     try {
       const idsTensor = tvm.empty([ids.length], "int32", this.device).copyFrom(Int32Array.from(ids));
       const embeds = this.functions.embed(idsTensor, this.params);
@@ -185,7 +221,7 @@ export class ModelSession {
       const result = this.functions[functionName](batch, this.kvCache, this.params);
       this.kvBuiltins.kv_state_end_forward(this.kvCache);
       const deviceLogits = result.get(0);
-      logits = tvm.detachFromCurrentScope(this.backend === "webgpu"
+      this.logits = tvm.detachFromCurrentScope(this.backend === "webgpu"
         ? tvm.empty(deviceLogits.shape, deviceLogits.dtype, tvm.cpu()).copyFrom(deviceLogits)
         : deviceLogits);
     } finally {
@@ -194,10 +230,11 @@ export class ModelSession {
     this.cachedIds.push(...ids);
     this.lastStepIssueMs = performance.now() - started; // the VM and tvmjs encoding the step, before the GPU runs it
     await this.device.sync();
-    const flat = logits.toArray();
-    const vocab = logits.shape[logits.shape.length - 1];
-    logits.dispose();
-    return Array.from({ length: flat.length / vocab }, (_, row) => flat.subarray(row * vocab, (row + 1) * vocab));
+    const { shape } = this.logits;
+    const vocab = shape[shape.length - 1];
+    const rows = shape.reduce((product, size) => product * size, 1) / vocab; // prefill: the last position's only
+    const flat = new Float32Array(tvm.memory.memory.buffer, this.logits.getCPUDataAddress(), rows * vocab);
+    return Array.from({ length: rows }, (_, row) => flat.subarray(row * vocab, (row + 1) * vocab));
   }
 
   /** Append `ids` to the sequence; the logits after the last one. */
@@ -228,20 +265,20 @@ export class ModelSession {
   }
 
   /**
-   * Logits at every position of `ids` (forced decoding), one row per id. Each call's output is
-   * rows × vocab floats in one buffer, so calls take at most `maxRows` ids (the device's limit).
+   * Logits at every position of `ids` (forced decoding), one row per id, in calls of at most
+   * `all_logits_chunk_size` ids: the library plans each call's memory for that many rows.
    */
-  async allLogits(ids, maxRows) {
+  async allLogits(ids) {
     this.checkRoom(ids.length);
     const rows = [];
-    for (const chunk of this.chunks(ids, Math.min(this.prefillChunkSize, maxRows))) {
-      rows.push(...await this.step("prefill_all_logits", chunk));
+    for (const chunk of this.chunks(ids, this.allLogitsChunkSize)) {
+      rows.push(...(await this.step("prefill_all_logits", chunk)).map((row) => row.slice()));
     }
     return rows;
   }
 
   dispose() {
-    for (const object of [this.kvCache, this.params, ...Object.values(this.functions ?? {}),
+    for (const object of [this.logits, this.kvCache, this.params, ...Object.values(this.functions ?? {}),
       ...Object.values(this.kvBuiltins ?? {}), this.vm]) object?.dispose();
   }
 }
@@ -369,7 +406,9 @@ export class Engine {
    * `runtime` = {tvmjs, tokenizers, loadXgrammar, loadJinja}: the UMD modules of @mlc-ai/web-runtime
    * and web-tokenizers, a loader of @mlc-ai/web-xgrammar's (structured.js `Grammars`) and one of
    * @huggingface/jinja's ES module (chat templates for requests with tools).
-   * `onProgress({phase, text, fraction, loadedBytes, totalBytes})` reports the load. `threads`: for the
+   * `onProgress({phase, text, fraction})` reports the load; while files download it also gives
+   * `loadedBytes`, `totalBytes`, `secondsLeft` (null until bytes arrive) and `files`
+   * ([{name, loadedBytes, totalBytes}], as they started). `threads`: for the
    * CPU wasm library (wasm-threads.js). `library` pins one of the model's libraries by target name
    * (loader.js chooseBackend).
    */
@@ -383,8 +422,9 @@ export class Engine {
     try {
       await engine.initialize(runtime, onProgress);
     } catch (error) {
+      const failure = engine.failed(error);
       engine.dispose();
-      throw engine.failure ?? asEngineError(error);
+      throw failure;
     }
     engine.loadStats.seconds = seconds(started);
     onProgress({ phase: "ready", text: `Loaded ${engine.record.model_id} (${engine.backend})`, fraction: 1 });
@@ -413,8 +453,8 @@ export class Engine {
   async initialize({ tvmjs, tokenizers, loadXgrammar, loadJinja }, onProgress) {
     const progress = new LoadProgress(onProgress, this.backend);
     this.loadJinja = loadJinja;
-    const files = await ModelFiles.open(this.record, (event) => progress.update("fetch", event.fraction, event.text,
-      { loadedBytes: event.loadedBytes, totalBytes: event.totalBytes }));
+    const files = await ModelFiles.open(this.record, ({ fraction, text, ...download }) => progress.update("fetch", fraction,
+      text, download));
     this.files = files; // for the chat template, read on the first request with tools
     this.chatConfig = files.chatConfig;
     const tokenizerName = this.chatConfig.tokenizer_files.find((name) => name === "tokenizer.json" || name === "tokenizer.model");
@@ -426,8 +466,10 @@ export class Engine {
     this.tokenizer = tokenizerName === "tokenizer.json"
       ? await tokenizers.Tokenizer.fromJSON(tokenizerBytes.buffer)
       : await tokenizers.Tokenizer.fromSentencePiece(tokenizerBytes.buffer);
+    const needed = wasmBytes(this.record);
     this.library = await instantiateLibrary(tvmjs, libraryBytes, {
       threads: this.requestedThreads, log: (message) => console.info(message),
+      maximumBytes: needed ? [Infinity, cpuMemoryFor(needed)] : [Infinity],
     });
     this.tvm = this.library.tvm;
 
@@ -437,6 +479,7 @@ export class Engine {
     if (this.backend === "webgpu") {
       this.gpuDevice = await requestDevice(this.adapter, this.record);
       this.gpuDevice.lost.then((info) => this.deviceLost(info));
+      this.watchAllocations(this.gpuDevice);
       this.kernelTimer = KernelTimer.attach(this.gpuDevice); // before tvmjs makes its pipelines
       this.tvm.initWebGPU(this.gpuDevice);
       this.tvm.registerInitProgressCallback(({ progress: fraction, text }) => progress.update("compile", fraction, text));
@@ -456,7 +499,7 @@ export class Engine {
       uploaded += 1;
       progress.update("upload", uploaded / shardCount, `Loaded weight shard ${uploaded}/${shardCount} onto ${this.backend}`);
     });
-    this.throwIfFailed();
+    await this.checked();
     await files.forgetOtherBuilds();
     Object.assign(this.loadStats, {
       build_id: files.buildId, from_cache: files.downloadedBytes === 0,
@@ -471,8 +514,30 @@ export class Engine {
     });
   }
 
+  /**
+   * Report a GPU buffer the device cannot allocate as out-of-memory. The buffer's own error scope
+   * catches the error before tvmjs's would (tvmjs destroys the device, which reads as device-lost).
+   */
+  watchAllocations(device) {
+    const createBuffer = device.createBuffer.bind(device);
+    device.createBuffer = (descriptor) => {
+      device.pushErrorScope("out-of-memory");
+      const buffer = createBuffer(descriptor);
+      // Scopes settle in order: awaiting the last one awaits them all (see `checked`).
+      this.allocationsChecked = device.popErrorScope().then((error) => {
+        if (error === null || this.disposed || this.failure) return;
+        this.failure = new EngineError("out-of-memory", `The GPU could not allocate ${mib(descriptor.size)} ` +
+          `(${error.message}); the model needs about ${Math.round(this.record.vram_required_MB ?? 0)} MiB of GPU memory. ` +
+          "Close other tabs or GPU-heavy pages, or use a smaller model, then load it again.");
+        this.onFatal(this.failure);
+        device.destroy();
+      });
+      return buffer;
+    };
+  }
+
   deviceLost(info) {
-    if (this.disposed) return;
+    if (this.disposed || this.failure) return;
     this.failure = new EngineError("device-lost", `The GPU device was lost (${info.message || info.reason || "no reason given"}). ` +
       "This happens when the GPU runs out of memory or its driver restarts. Reload the page to start again.");
     this.onFatal(this.failure);
@@ -480,6 +545,29 @@ export class Engine {
 
   throwIfFailed() {
     if (this.failure) throw this.failure;
+  }
+
+  /** throwIfFailed, once the GPU has answered for every buffer allocated so far (its errors come later). */
+  async checked() {
+    await this.allocationsChecked;
+    this.throwIfFailed();
+  }
+
+  /**
+   * The EngineError to report for `error`, thrown while loading or running the model. A CPU library
+   * that exited cannot run again: the engine then stays failed (a new load starts a new one).
+   */
+  failed(error) {
+    if (this.failure) return this.failure;
+    if (error?.name !== "ExitStatus" || !this.library?.maximumBytes) return asEngineError(error);
+    this.failure = cpuLibraryFailure(error, {
+      usedBytes: this.tvm.memory.memory.buffer.byteLength,
+      maximumBytes: this.library.maximumBytes,
+      largestBuffer: this.record.buffer_size_required_bytes ?? 0,
+      neededBytes: wasmBytes(this.record),
+    });
+    this.onFatal(this.failure);
+    return this.failure;
   }
 
   // ---- token level: what parity checks drive (see protocol.js `engine.session`) ----
@@ -514,9 +602,11 @@ export class Engine {
     this.generating = true;
     try {
       const rows = await call(this.session);
-      return rows.map((row) => ({ ...(k > 0 ? { top: topK(row, k) } : {}), ...(full ? { logits: row } : {}) }));
+      await this.checked();
+      // A row is a view of wasm memory: posted as is, the whole memory would go with it.
+      return rows.map((row) => ({ ...(k > 0 ? { top: topK(row, k) } : {}), ...(full ? { logits: row.slice() } : {}) }));
     } catch (error) {
-      throw this.failure ?? asEngineError(error);
+      throw this.failed(error);
     } finally {
       this.generating = false;
     }
@@ -528,6 +618,48 @@ export class Engine {
 
   decode(id, options) {
     return this.sessionStep(async (session) => [await session.decode(id)], options).then((rows) => rows[0]);
+  }
+
+  /**
+   * `max_tokens` tokens after `ids` (appended to the sequence), chosen by the sampler with the
+   * request's settings (the chat completion's fields; stop tokens do not end it), and where each
+   * step's time goes: {token_ids, prefill_s, model_ms_per_token (a decode step), sample_ms_per_token}.
+   */
+  async generateTokens(ids, request) {
+    this.throwIfFailed();
+    if (this.generating) throw new EngineError("busy", "A generation is running; interrupt it first.");
+    const settings = generationSettings(request, this.chatConfig);
+    if (settings.maxTokens === null) throw new EngineError("bad-request", "max_tokens is required");
+    this.generating = true;
+    try {
+      const started = performance.now();
+      let logits = await this.session.prefill(ids);
+      await this.checked();
+      const prefillSeconds = seconds(started);
+      const sampler = new Sampler(settings, ids);
+      const tokens = [];
+      let modelMs = 0;
+      let sampleMs = 0;
+      for (;;) {
+        const sampling = performance.now();
+        tokens.push(sampler.sample(logits));
+        sampler.record(tokens.at(-1));
+        sampleMs += performance.now() - sampling;
+        if (tokens.length === settings.maxTokens) break;
+        const stepping = performance.now();
+        logits = await this.session.decode(tokens.at(-1));
+        await this.checked();
+        modelMs += performance.now() - stepping;
+      }
+      return {
+        token_ids: tokens, prefill_s: prefillSeconds,
+        model_ms_per_token: tokens.length > 1 ? modelMs / (tokens.length - 1) : null, sample_ms_per_token: sampleMs / tokens.length,
+      };
+    } catch (error) {
+      throw this.failed(error);
+    } finally {
+      this.generating = false;
+    }
   }
 
   /**
@@ -552,9 +684,7 @@ export class Engine {
   }
 
   allLogits(ids, options) {
-    const bufferLimit = this.gpuDevice?.limits.maxStorageBufferBindingSize ?? Infinity;
-    const maxRows = Math.floor(bufferLimit / (this.chatConfig.vocab_size * Float32Array.BYTES_PER_ELEMENT));
-    return this.sessionStep((session) => session.allLogits(ids, maxRows), options);
+    return this.sessionStep((session) => session.allLogits(ids), options);
   }
 
   rollback(count) {
@@ -707,6 +837,7 @@ export class Engine {
       if (chat.responseFormat) constraint = await this.constraint(chat);
       if (request.stream) onChunk(chunk([{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null, logprobs: null }]));
       const prompt = await this.prefillPrompt(promptIds);
+      await this.checked();
       prefillSeconds = seconds(started);
       prefilled = prompt.prefilled;
       let logits = prompt.logits;
@@ -731,10 +862,10 @@ export class Engine {
         if (finishReason) break;
         logits = await this.session.decode(token);
         await yieldToEventLoop();
-        this.throwIfFailed();
+        await this.checked();
       }
     } catch (error) {
-      throw this.failure ?? asEngineError(error);
+      throw this.failed(error);
     } finally {
       constraint?.dispose();
       this.generating = false;
@@ -808,8 +939,25 @@ export class Engine {
       decode_step_dispatches: this.session?.lastDecodeDispatches ?? null,
       // CPU time to issue that step (on WebGPU): a floor under its time however fast the GPU
       decode_step_issue_ms: this.session?.lastDecodeIssueMs ?? null,
+      memory: this.memoryStats(),
       load: this.loadStats,
       last_request: this.lastRequest,
+    };
+  }
+
+  /**
+   * The memory the model holds: the library's wasm memory (which never shrinks: its peak) and the
+   * most it may grow to, the GPU buffers tvmjs holds now and at most, and what the app config
+   * accounts for (kiln/model_memory.py) on the library running.
+   */
+  memoryStats() {
+    const gpu = this.tvm?.lib.webGPUContext;
+    return {
+      wasm_bytes: this.tvm?.memory.memory.buffer.byteLength ?? null,
+      wasm_maximum_bytes: this.library?.maximumBytes ?? null,
+      gpu_bytes: gpu?.currAllocatedBytes ?? null,
+      gpu_peak_bytes: gpu?.peakAllocatedBytes ?? null,
+      accounted_bytes: this.record.kiln?.memory_bytes?.[this.libraryTarget] ?? null,
     };
   }
 

@@ -16,7 +16,10 @@ const OPTIONAL_FEATURES = ["shader-f16", "subgroups", "timestamp-query"];
 const CACHE_PREFIX = "kiln-model";
 const BUILD_RECORD = "kiln-build.json";
 const PARALLEL_DOWNLOADS = 4;
+const REPORT_EVERY_MS = 100; // download progress, at most this often
 const MB = 1 << 20;
+// wasm32 addresses 4 GiB: all the CPU library's memory (compile/targets.py WASM32_MEMORY).
+export const WASM32_BYTES = 2 ** 32;
 
 /** The folder URL of a model record, the way WebLLM reads it (`<model>/resolve/main/`). */
 export function modelBaseUrl(record) {
@@ -30,8 +33,19 @@ function variantInfo(record) {
   return record.kiln ?? { family: record.model_id, libraries: { webgpu: record.model_lib } };
 }
 
+/** The bytes `record`'s CPU (wasm) library needs (kiln/model_memory.py), 0 when the record does not say. */
+export function wasmBytes(record) {
+  return variantInfo(record).memory_bytes?.wasm ?? 0;
+}
+
 function formatMB(bytes) {
   return `${Math.ceil(bytes / MB)} MB`;
+}
+
+const fileName = (url) => url.slice(url.lastIndexOf("/") + 1);
+
+function formatSeconds(seconds) {
+  return seconds < 90 ? `${Math.ceil(seconds)} s` : `${Math.ceil(seconds / 60)} min`;
 }
 
 /** Why `adapter` cannot run `record`'s WebGPU library, or null when it can. */
@@ -39,9 +53,11 @@ function gpuProblem(adapter, record) {
   const missing = (record.required_features ?? []).filter((feature) => !adapter.features.has(feature));
   if (missing.length > 0) return `the GPU lacks the WebGPU feature ${missing.join(", ")}`;
   const needed = record.buffer_size_required_bytes ?? 0;
-  if (needed > adapter.limits.maxStorageBufferBindingSize) {
-    return `the model binds buffers of ${formatMB(needed)} but this GPU allows at most ` +
-      `${formatMB(adapter.limits.maxStorageBufferBindingSize)} (maxStorageBufferBindingSize)`;
+  for (const limit of ["maxStorageBufferBindingSize", "maxBufferSize"]) {
+    if (needed > adapter.limits[limit]) {
+      return `the model's largest buffer takes ${formatMB(needed)} but this GPU allows at most ` +
+        `${formatMB(adapter.limits[limit])} (${limit})`;
+    }
   }
   for (const [limit, value] of Object.entries(KERNEL_LIMITS)) {
     if (adapter.limits[limit] < value) return `the GPU's ${limit} is ${adapter.limits[limit]}, the kernels need ${value}`;
@@ -118,7 +134,8 @@ export async function chooseBackend(appConfig, modelId, device = "auto", library
     if (found.reason) reasons.push(found.reason);
   }
   const software = adapter && softwareAdapter(adapter);
-  if (software && device === "auto" && family.some((record) => variantInfo(record).libraries.wasm)) {
+  const runsOnCpu = (record) => variantInfo(record).libraries.wasm && wasmBytes(record) <= WASM32_BYTES;
+  if (software && device === "auto" && family.some(runsOnCpu)) {
     reasons.push(`the WebGPU adapter renders in software (${software}), slower than the CPU library`);
     adapter = null;
   }
@@ -140,8 +157,14 @@ export async function chooseBackend(appConfig, modelId, device = "auto", library
   }
   const reason = reasons.join("; ");
   if (device !== "webgpu") {
-    const record = family.find((candidate) => variantInfo(candidate).libraries.wasm);
+    const record = family.find(runsOnCpu) ?? family.find((candidate) => variantInfo(candidate).libraries.wasm);
     if (record) {
+      const needed = wasmBytes(record);
+      if (needed > WASM32_BYTES) {
+        throw new EngineError("out-of-memory", `${record.model_id} needs ${formatMB(needed)} of memory on the CPU, ` +
+          `more than the ${formatMB(WASM32_BYTES)} its wasm library can address${reason ? ` (WebGPU: ${reason})` : ""}. ` +
+          "Use a smaller model or quantization, or a browser with WebGPU.");
+      }
       const libraryUrl = variantInfo(record).libraries.wasm;
       return { record, backend: "wasm", library: "wasm", libraryUrl, adapter: null, fallbackReason: reason || null };
     }
@@ -315,6 +338,11 @@ export class ModelFiles {
     this.doneBytes = 0;
     this.downloadedBytes = 0;
     this.cachedBytes = 0;
+    this.receivedBytes = 0; // downloaded so far, files not yet finished included: the download's rate
+    this.startedAt = performance.now();
+    this.files = new Map(); // name → {name, loadedBytes, totalBytes}, in the order they started
+    this.reportedAt = -Infinity;
+    this.verifiedHere = new Set(); // URLs downloaded and verified by this load: read back without hashing again
   }
 
   url(name) {
@@ -372,14 +400,28 @@ export class ModelFiles {
     }
     if (this.cache && missingBytes > 0 && navigator.storage?.estimate) {
       const estimate = await navigator.storage.estimate();
-      if (estimate.quota - estimate.usage < missingBytes) throw quotaError(missingBytes, estimate);
+      if (estimate.quota - estimate.usage < missingBytes) throw await this.outOfStorage(this.totalBytes);
     }
   }
 
-  report(text) {
+  /** Track `bytes` more of file `name` (of `totalBytes`) and report the load; `done` reports at once. */
+  progress(name, bytes, totalBytes, text, done = false) {
+    const file = this.files.get(name) ?? { name, loadedBytes: 0, totalBytes };
+    file.loadedBytes += bytes;
+    this.files.set(name, file);
+    const now = performance.now();
+    if (!done && now - this.reportedAt < REPORT_EVERY_MS) return;
+    this.reportedAt = now;
+    const rate = this.receivedBytes / ((now - this.startedAt) / 1000);
+    const left = Math.max(0, this.totalBytes - this.doneBytes);
+    const secondsLeft = this.receivedBytes > 0 && rate > 0 ? left / rate : null;
+    const amounts = `${formatMB(this.doneBytes)} of ${formatMB(this.totalBytes)}`;
     this.onProgress({
-      phase: "fetch", text, loadedBytes: this.doneBytes, totalBytes: this.totalBytes,
+      phase: "fetch",
+      text: `${text} (${amounts}${secondsLeft === null ? "" : `, ${formatSeconds(secondsLeft)} left`})`,
+      loadedBytes: this.doneBytes, totalBytes: this.totalBytes, secondsLeft,
       fraction: this.totalBytes ? Math.min(1, this.doneBytes / this.totalBytes) : 0,
+      files: [...this.files.values()].map((entry) => ({ ...entry })),
     });
   }
 
@@ -389,7 +431,7 @@ export class ModelFiles {
     if (!stored) return this.download(url, nbytes);
     const bytes = await this.verified(url, new Uint8Array(await stored.arrayBuffer()), "cache");
     this.count(bytes.length, nbytes, true);
-    this.report(`Read ${url.slice(url.lastIndexOf("/") + 1)} from the browser cache`);
+    this.progress(fileName(url), bytes.length, bytes.length, `Read ${fileName(url)} from the browser cache`, true);
     return bytes;
   }
 
@@ -400,19 +442,26 @@ export class ModelFiles {
     else this.downloadedBytes += bytes;
   }
 
-  /** Download, verify and store one file. */
+  /**
+   * Download, verify and store one file. A download that breaks off stores nothing: the next load
+   * fetches that file again, and finds the files stored before it in the cache.
+   */
   async download(url, nbytes) {
     this.expected(url); // a file without a digest is refused before it is downloaded
-    const name = url.slice(url.lastIndexOf("/") + 1);
+    const name = fileName(url);
     const response = await fetchOrFail(url, { cache: "no-cache" });
-    if (nbytes === undefined) this.totalBytes += Number(response.headers.get("Content-Length")) || 0;
+    const size = nbytes ?? (Number(response.headers.get("Content-Length")) || 0);
+    if (nbytes === undefined) this.totalBytes += size;
     const bytes = await readBody(response, url, (count) => {
       this.doneBytes += count;
-      this.report(`Downloading ${name}`);
+      this.receivedBytes += count;
+      this.progress(name, count, size, `Downloading ${name}`);
     }, nbytes);
     this.downloadedBytes += bytes.length;
     await this.verified(url, bytes, "server");
     await this.store(url, bytes, response.headers.get("Content-Type"));
+    this.verifiedHere.add(url);
+    this.progress(name, 0, size, `Downloaded ${name}`, true);
     return bytes;
   }
 
@@ -425,19 +474,29 @@ export class ModelFiles {
     try {
       await this.cache.put(url, new Response(bytes, { headers }));
     } catch (error) {
-      if (isQuotaError(error)) throw quotaError(bytes.length, await navigator.storage?.estimate?.());
+      if (isQuotaError(error)) throw await this.outOfStorage(this.totalBytes);
       throw error;
     }
+  }
+
+  /**
+   * The quota-exceeded error for a model of `bytes`, once the files this build stored are removed:
+   * without room for all of them they are no model, only taken space.
+   */
+  async outOfStorage(bytes) {
+    this.outOfRoom = true;
+    await caches.delete(this.cacheName);
+    return quotaError(bytes, await navigator.storage?.estimate?.());
   }
 
   /** Store every weight shard not stored yet, PARALLEL_DOWNLOADS downloads at a time. */
   async fetchShards() {
     const queue = this.shardUrls();
     const next = async () => {
-      for (let file = queue.shift(); file; file = queue.shift()) {
+      for (let file = queue.shift(); file && !this.outOfRoom; file = queue.shift()) {
         if (await this.stored(file.url)) {
           this.count(file.nbytes, file.nbytes, true);
-          this.report("Found the weights in the browser cache");
+          this.progress(fileName(file.url), file.nbytes, file.nbytes, "Found the weights in the browser cache");
         } else {
           await this.download(file.url, file.nbytes);
         }
@@ -451,7 +510,8 @@ export class ModelFiles {
     for (const [index, { url }] of this.shardUrls().entries()) {
       const stored = await this.stored(url);
       if (!stored) throw new EngineError("quota-exceeded", "The browser evicted the model's files while it loaded; reload the page.");
-      const bytes = await this.verified(url, new Uint8Array(await stored.arrayBuffer()), "cache");
+      let bytes = new Uint8Array(await stored.arrayBuffer());
+      if (!this.verifiedHere.has(url)) bytes = await this.verified(url, bytes, "cache");
       this.memory.delete(url);
       yield { shard: this.tensorCache.records[index], bytes };
     }

@@ -197,6 +197,8 @@ export async function createEngine(appConfig, modelId, {
       /** Append ids; {top: {ids, logits}} with options.topK, {logits: Float32Array} with options.full. */
       prefill: (ids, options = {}) => call("prefill", { ids, options }),
       decode: (id, options = {}) => call("decode", { id, options }),
+      /** `request.max_tokens` sampled tokens after `ids` and the time per token in the model and in sampling. */
+      generate: (ids, request) => call("generate", { ids, request }),
       /** prefill and decode, plus `kernels`: the GPU time of each kernel of the step (WebGPU with timestamp queries). */
       timePrefill: (ids, options = {}) => call("timePrefill", { ids, options }),
       timeDecode: (id, options = {}) => call("timeDecode", { id, options }),
@@ -246,6 +248,7 @@ export function serveEngine(scope, loadEngine) {
     encodeChat: ({ messages }) => loaded().encodeChat(messages),
     prefill: ({ ids, options }) => loaded().prefill(ids, options),
     decode: ({ id, options }) => loaded().decode(id, options),
+    generate: ({ ids, request }) => loaded().generateTokens(ids, request),
     timePrefill: ({ ids, options }) => loaded().timePrefill(ids, options),
     timeDecode: ({ id, options }) => loaded().timeDecode(id, options),
     allLogits: ({ ids, options }) => loaded().allLogits(ids, options),

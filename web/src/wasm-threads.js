@@ -5,6 +5,8 @@
 // the same module on the same memory. Shared memory needs a cross-origin isolated page (COOP/COEP,
 // which `kiln serve` sends); elsewhere the engine clears the import's shared flag and runs the same
 // file on one thread. A library without imported memory (WebGPU, older builds) loads as before.
+import { EngineError } from "./errors.js";
+import { useUnsignedAddresses } from "./wasm-memory.js";
 
 const MEMORY_IMPORT = 2;
 const SHARED_LIMITS = 0x02;
@@ -16,6 +18,8 @@ const HELPER_START_MS = 10_000;
 // More threads than this gain little on a 135M-1.5B model and cost phones their efficiency cores.
 const DEFAULT_MAX_THREADS = 4;
 const MAX_THREADS = 16; // the pool's helpers (KILN_MAX_HELPERS in compile/kiln_threads.cc) and the caller
+const PAGE_BYTES = 1 << 16;
+const WASM32_PAGES = 1 << 16; // 4 GiB
 
 function readLEB(bytes, offset) {
   let value = 0;
@@ -88,19 +92,24 @@ export function availableThreads(requested) {
 
 /**
  * Instantiate a model library with tvmjs. For a threaded library, start up to `threads` - 1 helpers
- * (when the page allows threads). Returns {tvm, threads, stop}: `threads` counts the calling one.
+ * (when the page allows threads). A library that imports its memory gets the first of `maximumBytes`
+ * (capped at what it declares: wasm32's 4 GiB) that the browser can reserve: a browser reserves
+ * shared memory's maximum up front, which a 32-bit one cannot do for 4 GiB, so the engine offers the
+ * model's own needs next. Returns {tvm, threads, maximumBytes, stop}: `threads` counts the calling
+ * one, `maximumBytes` is the memory's maximum (null for a library that exports its memory).
  */
-export async function instantiateLibrary(tvmjs, bytes, { threads = 1, log = () => {} } = {}) {
+export async function instantiateLibrary(tvmjs, bytes, { threads = 1, log = () => {}, maximumBytes = [Infinity] } = {}) {
   const wasi = tvmjs.createPolyfillWASI();
   const memorySpec = importedMemory(bytes);
-  if (memorySpec === null) return { tvm: await tvmjs.instantiate(bytes, wasi, log), threads: 1, stop() {} };
-
+  if (memorySpec === null) {
+    return { tvm: instantiated(await tvmjs.instantiate(bytes, wasi, log)), threads: 1, maximumBytes: null, stop() {} };
+  }
   const shared = memorySpec.shared && threads > 1;
   if (memorySpec.shared && !shared) {
     bytes = new Uint8Array(bytes); // a copy (a Node Buffer's slice would share its bytes)
     bytes[memorySpec.flagsOffset] &= ~SHARED_LIMITS;
   }
-  const memory = new WebAssembly.Memory({ initial: memorySpec.initial, maximum: memorySpec.maximum, shared });
+  const memory = reserveMemory(memorySpec, shared, maximumBytes);
   let exports = null;
   wasi.imports.env = {
     ...wasi.imports.env,
@@ -114,8 +123,8 @@ export async function instantiateLibrary(tvmjs, bytes, { threads = 1, log = () =
     exports = instance.exports;
     startGlue({ exports: { ...instance.exports, memory } });
   };
-  const tvm = await tvmjs.instantiate(bytes, wasi, log);
-  if (!shared) return { tvm, threads: 1, stop() {} };
+  const tvm = instantiated(await tvmjs.instantiate(bytes, wasi, log));
+  if (!shared) return { tvm, threads: 1, maximumBytes: memory.maximumBytes, stop() {} };
 
   const helpers = await startHelpers(bytes, memory, exports, threads - 1).catch((error) => {
     log(`${error.message}; the library runs on one thread`);
@@ -124,11 +133,34 @@ export async function instantiateLibrary(tvmjs, bytes, { threads = 1, log = () =
   return {
     tvm,
     threads: exports.kiln_threads_count(),
+    maximumBytes: memory.maximumBytes,
     stop() {
       exports.kiln_threads_stop();
       helpers.forEach((worker) => worker.terminate());
     },
   };
+}
+
+/** The library's memory, with the first of `maximumBytes` the browser reserves; its maximum in `maximumBytes`. */
+function reserveMemory(spec, shared, maximumBytes) {
+  const declared = spec.maximum ?? WASM32_PAGES;
+  const tried = [];
+  for (const bytes of maximumBytes) {
+    const maximum = Math.max(spec.initial, Math.min(declared, Math.ceil(bytes / PAGE_BYTES)));
+    try {
+      return Object.assign(new WebAssembly.Memory({ initial: spec.initial, maximum, shared }),
+        { maximumBytes: maximum * PAGE_BYTES });
+    } catch (error) {
+      tried.push(`${maximum * PAGE_BYTES / 2 ** 20} MiB (${error.message})`);
+    }
+  }
+  throw new EngineError("out-of-memory", `The browser could not reserve memory for the model's CPU library: ` +
+    `${tried.join("; ")}. Close other tabs, or use a smaller model.`);
+}
+
+function instantiated(tvm) {
+  useUnsignedAddresses(tvm);
+  return tvm;
 }
 
 async function startHelpers(bytes, memory, exports, count) {

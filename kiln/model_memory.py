@@ -1,0 +1,83 @@
+"""What a compiled model takes in memory once loaded: the one accounting behind the app config's
+`vram_required_MB`, the browser engine's refusal of a model before its download, the compile
+stage's limits and the benchmarks' reports.
+
+A loaded model holds
+- its weights (exact: tensor-cache.json);
+- TVM's paged KV cache, allocated whole at load for the context window: a page more than the window
+  needs (two more with a sliding window), and a layer more for a model whose layers all have a
+  window (models/decoder.py's `cache_layer_kinds`);
+- the KV cache's scratch for one prefill chunk (queries, keys, values, output, two LSE rows);
+- the storage the library's memory plan gives embed, prefill and decode, planned at compile time for
+  their longest input (`planned_storage` in kiln-build.json), so the same whatever the prompt.
+Forced decoding (`prefill_all_logits`, parity checks) adds its own plan. The runtime itself is not
+counted: 7 MiB of the CPU library's wasm memory, plus its helper threads' stacks and arenas and the
+kernels' scratch, 10-30 MiB in all for the real-sized models measured (tests/test_real_sizes.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Tokens per page of TVM's paged KV cache, as the engines create it.
+PAGE_SIZE = 16
+F32_BYTES = 4
+# The functions the engines run in a chat; each one's plan stays in the VM's pool once it has run.
+CHAT_FUNCTIONS = ("embed", "prefill", "decode")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """Bytes a loaded model holds on the device that runs it."""
+
+    weights: int
+    kv_cache: int
+    workspace: int  # the memory plans of CHAT_FUNCTIONS and the KV cache's scratch
+    largest_buffer: int  # the largest single allocation (a WebGPU binding must hold it)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.workspace
+
+    def describe(self) -> str:
+        return (
+            f"{self.total / MIB:.0f} MiB (weights {self.weights / MIB:.0f}, KV cache {self.kv_cache / MIB:.0f}, "
+            f"workspace {self.workspace / MIB:.0f})"
+        )
+
+
+def float_bytes(quantization: str) -> int:
+    return 2 if "f16" in quantization else F32_BYTES
+
+
+def kv_cache_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
+    """(the KV cache's bytes, one layer's: TVM allocates a buffer per layer)."""
+    pages = -(-model_config["context_window_size"] // PAGE_SIZE) + 1 + 2 * bool(model_config.get("sliding_window_size"))
+    layer = pages * 2 * model_config["num_key_value_heads"] * PAGE_SIZE * model_config["head_dim"] * element_bytes
+    layers = model_config["num_hidden_layers"]
+    all_windowed = len(model_config.get("windowed_layers") or []) == layers
+    return (layers + all_windowed) * layer, layer
+
+
+def cache_scratch_bytes(model_config: dict, element_bytes: int) -> int:
+    """The KV cache's buffers for one prefill chunk: queries, keys, values and output, two LSE rows."""
+    chunk, head_dim = model_config["prefill_chunk_size"], model_config["head_dim"]
+    query_heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
+    return chunk * (2 * query_heads + 2 * kv_heads) * head_dim * element_bytes + 2 * chunk * query_heads * F32_BYTES
+
+
+def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
+    """The needs of a model (its mlc-chat-config.json and tensor-cache.json) run by a library whose
+    functions' memory plans are `planned_storage` (one library's entry of kiln-build.json)."""
+    model_config = chat_config["model_config"]
+    element = float_bytes(chat_config["quantization"])
+    weight_sizes = [record["nbytes"] for shard in tensor_cache["records"] for record in shard["records"]]
+    kv_cache, kv_layer = kv_cache_bytes(model_config, element)
+    plans = [size for name in CHAT_FUNCTIONS for size in planned_storage.get(name, [])]
+    return MemoryNeeds(
+        weights=sum(weight_sizes),
+        kv_cache=kv_cache,
+        workspace=sum(plans) + cache_scratch_bytes(model_config, element),
+        largest_buffer=max([*weight_sizes, kv_layer, *plans]),
+    )
