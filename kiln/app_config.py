@@ -115,9 +115,11 @@ def compiled_models(dist: Path) -> list[CompiledModel]:
 
 def model_needs(model: CompiledModel, target: str | None = None) -> MemoryNeeds:
     """The memory `model` takes run by its `target` library (kiln/model_memory.py); without a target,
-    run by the built library whose functions plan the most."""
+    run by the built library whose functions plan the most. A build that recorded no plan (before
+    `planned_storage`) counts none."""
     built = model.build.get("targets", {})
-    plans = [built[target]["planned_storage"]] if target else [entry["planned_storage"] for entry in built.values()]
+    entries = [built[target]] if target else list(built.values())
+    plans = [entry.get("planned_storage", {}) for entry in entries] or [{}]
     return max((memory_needs(model.chat_config, model.tensor_cache, plan) for plan in plans), key=lambda n: n.total)
 
 

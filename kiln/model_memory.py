@@ -51,6 +51,11 @@ def float_bytes(quantization: str) -> int:
     return 2 if "f16" in quantization else F32_BYTES
 
 
+def head_dim(model_config: dict) -> int:
+    """`head_dim`, which configs before Kiln wrote it leave to be derived."""
+    return model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+
+
 def kv_cache_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
     """(the KV cache's bytes, one layer's: TVM allocates a buffer per layer)."""
     pages = -(-model_config["context_window_size"] // PAGE_SIZE) + 1 + 2 * bool(model_config.get("sliding_window_size"))
@@ -60,9 +65,10 @@ def kv_cache_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
     return (layers + all_windowed) * layer, layer
 
 
-def cache_scratch_bytes(model_config: dict, element_bytes: int) -> int:
-    """The KV cache's buffers for one prefill chunk: queries, keys, values and output, two LSE rows."""
-    chunk, head_dim = model_config["prefill_chunk_size"], model_config["head_dim"]
+def cache_scratch_bytes(model_config: dict, chunk: int, element_bytes: int) -> int:
+    """The KV cache's buffers for a prefill chunk of `chunk` tokens: queries, keys, values and output,
+    two LSE rows."""
+    head_dim = model_config["head_dim"]
     query_heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
     return chunk * (2 * query_heads + 2 * kv_heads) * head_dim * element_bytes + 2 * chunk * query_heads * F32_BYTES
 
@@ -70,7 +76,7 @@ def cache_scratch_bytes(model_config: dict, element_bytes: int) -> int:
 def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
     """The needs of a model (its mlc-chat-config.json and tensor-cache.json) run by a library whose
     functions' memory plans are `planned_storage` (one library's entry of kiln-build.json)."""
-    model_config = chat_config["model_config"]
+    model_config = {"head_dim": head_dim(chat_config["model_config"]), **chat_config["model_config"]}
     element = float_bytes(chat_config["quantization"])
     weight_sizes = [record["nbytes"] for shard in tensor_cache["records"] for record in shard["records"]]
     kv_cache, kv_layer = kv_cache_bytes(model_config, element)
@@ -78,6 +84,6 @@ def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[st
     return MemoryNeeds(
         weights=sum(weight_sizes),
         kv_cache=kv_cache,
-        workspace=sum(plans) + cache_scratch_bytes(model_config, element),
+        workspace=sum(plans) + cache_scratch_bytes(model_config, chat_config["prefill_chunk_size"], element),
         largest_buffer=max([*weight_sizes, kv_layer, *plans]),
     )

@@ -213,12 +213,13 @@ class NativeModel:
             self.cached_tokens -= count
         return self.cached_tokens
 
-    def _chunk_size(self, longest: int) -> int:
-        """Prefill chunk length, at most `longest`. TVM's sliding-window prefill lets every token of a chunk see the
-        whole kept window, and its GPU kernels for per-layer windows go wrong once the window drops
-        cached tokens from a chunk's view (Kiln fixes the CPU kernel: `_metadata` says which): past
-        a window, tokens go one at a time there (exact, but decode-speed)."""
-        room = longest
+    def _chunk_size(self, longest: int | None = None) -> int:
+        """Prefill chunk length, at most `longest` (default: the prefill chunk). TVM's sliding-window
+        prefill lets every token of a chunk see the whole kept window, and its GPU kernels for
+        per-layer windows go wrong once the window drops cached tokens from a chunk's view (Kiln
+        fixes the CPU kernel: `_metadata` says which): past a window, tokens go one at a time there
+        (exact, but decode-speed)."""
+        longest = room = longest or self.prefill_chunk_size
         if self.sliding_window_size > 0:
             room = self.sliding_window_size + 1 - self.cached_tokens
         elif self.layer_window_size > 0 and self.cached_tokens and not self.layer_window_chunked_prefill:
@@ -228,7 +229,7 @@ class NativeModel:
     def _chunks(self, token_ids: list[int], longest: int | None = None) -> Iterator[list[int]]:
         start = 0
         while start < len(token_ids):
-            chunk = token_ids[start : start + self._chunk_size(longest or self.prefill_chunk_size)]
+            chunk = token_ids[start : start + self._chunk_size(longest)]
             start += len(chunk)
             yield chunk
 
