@@ -2,7 +2,8 @@
 
 Set KILN_TEST_DIST to a folder to keep builds between runs (a developer's inner loop); by default
 they go to pytest's temporary folder. Builds add targets to one model folder as tests ask for
-them, which also exercises the pipeline's weight reuse.
+them, which also exercises the pipeline's weight reuse. `make test` runs the tests on two pytest-xdist
+workers: they share the builds' folder, and a model is built under a lock, by whichever worker asks first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from assets import smollm2_gguf
 from tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
@@ -44,27 +46,35 @@ class SessionBuilds:
         model_id = f"{name}-{quantization}"
         model_dir = self.dist / model_id
         record = model_dir / "kiln-build.json"
-        previous = json.loads(record.read_text()) if record.exists() else {}
-        current = previous.get("kiln_code_digest") == kiln_code_digest()
-        missing = [t for t in targets if not current or t not in previous.get("targets", {})]
-        if missing:
-            build(
-                BuildRequest(
-                    source=str(source),
-                    quantization=quantization,
-                    targets=missing,
-                    output=self.dist,
-                    model_id=model_id,
-                    **overrides,
+        with FileLock(self.dist / f".{model_id}.lock"):
+            previous = json.loads(record.read_text()) if record.exists() else {}
+            current = previous.get("kiln_code_digest") == kiln_code_digest()
+            missing = [t for t in targets if not current or t not in previous.get("targets", {})]
+            if missing:
+                build(
+                    BuildRequest(
+                        source=str(source),
+                        quantization=quantization,
+                        targets=missing,
+                        output=self.dist,
+                        model_id=model_id,
+                        **overrides,
+                    )
                 )
-            )
         return model_dir
 
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory) -> SessionBuilds:
     kept = os.environ.get("KILN_TEST_DIST")
-    return SessionBuilds(Path(kept) if kept else tmp_path_factory.mktemp("dist"))
+    if kept:
+        return SessionBuilds(Path(kept))
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return SessionBuilds(tmp_path_factory.mktemp("dist"))
+    # Each worker's temporary folder is a subfolder of the run's: the builds go next to them.
+    shared = tmp_path_factory.getbasetemp().parent / "dist"
+    shared.mkdir(exist_ok=True)
+    return SessionBuilds(shared)
 
 
 @pytest.fixture(scope="session")
