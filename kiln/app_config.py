@@ -15,10 +15,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.compile.targets import BROWSER_TARGETS
 from kiln.errors import KilnError, one_line
+from kiln.model_folder import read_json
 from kiln.model_memory import MIB, MemoryNeeds, float_bytes, memory_needs
-from kiln.runtime import read_json
+from kiln.targets import BROWSER_TARGETS
 
 log = logging.getLogger(__name__)
 BUILD_RECORD = "kiln-build.json"

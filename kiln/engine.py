@@ -17,20 +17,21 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from kiln.chat_template import ChatTemplate
+from kiln.completions import ChatCompletionRequest, CompletionRequest, Reply, collected
 from kiln.errors import KilnError
-from kiln.runtime import NativeModel, read_json
+from kiln.model_folder import read_json
+from kiln.runtime import NativeModel
 from kiln.sampling import Sampler
 from kiln.structured import GrammarCompiler, ResponseFormat, TokenConstraint
-from kiln.text import StopStrings, TextStream
-from kiln.tools import ToolCallFormat, messages_for_template, tool_call_format
+from kiln.text import StopStrings, TextStream, load_tokenizer
+from kiln.tools import ContentBeforeCalls, ToolCallFormat, messages_for_template, tool_call_format
 
 
 @dataclass
@@ -108,8 +109,24 @@ class GenerationResult:
         return out
 
 
-class EngineBusy(KilnError):
+class EngineError(KilnError):
+    """A request the engine refuses, with one of the codes all three engines share
+    (ERROR_CODES, the browser engine's web/src/errors.js)."""
+
+    def __init__(self, code: str, problem: str):
+        super().__init__(problem)
+        self.code = code
+
+
+# The codes of web/src/errors.js that the native engine gives (a test holds the two lists together).
+ERROR_CODES = ("bad-request", "no-chat-template", "no-tool-support", "busy")
+
+
+class EngineBusy(EngineError):
     """Another generation is running on this engine."""
+
+    def __init__(self, problem: str):
+        super().__init__("busy", problem)
 
 
 @dataclass
@@ -144,6 +161,7 @@ class Engine:
         self.last_active = time.monotonic()  # when the last generation ended (or the engine loaded)
         self._cached_ids: list[int] = []
         self._conversation: Conversation | None = None
+        self.tokens_generated = 0  # by the running generation, or the last one
 
     # Prompts
 
@@ -200,6 +218,45 @@ class Engine:
         prompt_ids, text = self._chat_prompt_ids(messages, tools, reply_opening)
         stops = [*config.stop, *self.chat_stop_strings]
         return collect(prompt_ids, self._start(prompt_ids, config, stops, conversation_text=text))
+
+    # OpenAI's completions, as the browser engine's chatCompletion gives them (kiln/completions.py)
+
+    def chat_completion(self, request: ChatCompletionRequest) -> dict:
+        return collected(self.chat_completion_chunks(request))
+
+    def chat_completion_chunks(self, request: ChatCompletionRequest) -> Iterator[dict]:
+        """The reply's `chat.completion.chunk`s; the generation starts (and the engine is taken) at
+        this call, so a request the engine refuses fails here rather than mid-stream."""
+        return Reply(True, request.model).chunks(*self._chat_reply(request))
+
+    def completion(self, request: CompletionRequest) -> dict:
+        return collected(self.completion_chunks(request))
+
+    def completion_chunks(self, request: CompletionRequest) -> Iterator[dict]:
+        return Reply(False, request.model).chunks(self.stream(request.prompt, request.config), None)
+
+    def _chat_reply(self, request: ChatCompletionRequest) -> tuple[Iterator[Delta], ContentBeforeCalls | None]:
+        """A chat's started stream, and what reads tool calls out of it when the model may call one."""
+        if self.chat_template is None:
+            raise EngineError(
+                "no-chat-template",
+                f"The model {request.model!r} has no chat template (it is a base model): it completes raw text, "
+                "it does not chat.",
+            )
+        tools = request.tools if request.tools and request.tools.choice != "none" else None
+        if tools is None:
+            return self.stream_chat(request.messages, request.config), None
+        call_format = self.tool_call_format
+        if call_format is None:
+            raise EngineError(
+                "no-tool-support",
+                f"The model {request.model!r} cannot call tools: its chat template does not render them "
+                "(or writes calls in a way Kiln does not read).",
+            )
+        config = replace(request.config, response_format=tools.response_format(call_format))
+        opening = tools.reply_opening(call_format)
+        deltas = self.stream_chat(request.messages, config, tools.tools, opening)
+        return deltas, ContentBeforeCalls(call_format, tools.functions, opening)
 
     @property
     def busy(self) -> bool:
@@ -323,6 +380,7 @@ class Engine:
         constraint: TokenConstraint | None,
     ) -> Iterator[Delta]:
         started = time.perf_counter()
+        self.tokens_generated = 0
         logits, prefilled = self._prefill(prompt_ids)
         prefill_s = time.perf_counter() - started
         sampler = Sampler(config, prompt_ids)
@@ -343,6 +401,7 @@ class Engine:
             last_token_at = time.perf_counter()
             first_token_at = first_token_at or last_token_at
             tokens.append(token)
+            self.tokens_generated = len(tokens)
             unsent_ids.append(token)
             sampler.record(token)
             if constraint:
@@ -411,16 +470,6 @@ def collect(prompt_ids: list[int], deltas: Iterator[Delta]) -> GenerationResult:
     return GenerationResult(
         prompt_ids, tokens, "".join(texts), last.finish_reason, last.usage, logits if last.logits is not None else None
     )
-
-
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise KilnError("missing tokenizer.json: the native engine needs it", path)
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
-        raise KilnError(f"cannot read the tokenizer: {e}", path) from None
 
 
 def check_messages(messages: list[dict]) -> None:

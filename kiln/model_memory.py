@@ -6,7 +6,7 @@ A loaded model holds
 - its weights (exact: tensor-cache.json);
 - TVM's paged KV cache, allocated whole at load for the context window: a page more than the window
   needs (two more with a sliding window), and a layer more for a model whose layers all have a
-  window (models/decoder.py's `cache_layer_kinds`);
+  window (kiln/models/decoder.py's `cache_layer_kinds`);
 - the KV cache's scratch for one prefill chunk (queries, keys, values, output, two LSE rows);
 - the storage the library's memory plan gives embed, prefill and decode, planned at compile time for
   their longest input (`planned_storage` in kiln-build.json), so the same whatever the prompt.

@@ -21,9 +21,10 @@ from tvm import relax
 from tvm.runtime import ShapeTuple
 
 import kiln
-from kiln.compile.targets import NATIVE_TARGETS, TARGETS
 from kiln.errors import KilnError, one_line
+from kiln.model_folder import read_json
 from kiln.model_memory import PAGE_SIZE
+from kiln.targets import NATIVE_TARGETS, TARGETS
 from kiln.tensor_cache import records, verify_shards
 
 SEQUENCE_ID = 0
@@ -69,15 +70,6 @@ def set_cpu_threads(threads: int | None = None) -> int:
         os.environ["TVM_NUM_THREADS"] = str(threads)
     os.environ.setdefault("TVM_NUM_THREADS", str(default_cpu_threads()))
     return int(on_compute_thread(tvm.get_global_func("runtime.NumThreads")))
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise KilnError("missing: not a Kiln model folder", path) from None
-    except json.JSONDecodeError as e:
-        raise KilnError(f"malformed JSON: {e}", path) from None
 
 
 def version_series(version: str | None) -> str | None:

@@ -1,12 +1,27 @@
-"""Token ids to text as it streams: pieces that never split a character, and stop strings."""
+"""A model folder's tokenizer, and token ids to text as it streams: pieces that never split a
+character, and stop strings."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tokenizers import Tokenizer
+
+from kiln.errors import KilnError
 
 # Decoding a new token together with the few before it gives the text a full decode would,
 # for decoders that treat the first token specially (SentencePiece drops its leading space).
 DETOKENIZE_CONTEXT_TOKENS = 4
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise KilnError("missing tokenizer.json: the native engine needs it", path)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
+        raise KilnError(f"cannot read the tokenizer: {e}", path) from None
 
 
 class TextStream:

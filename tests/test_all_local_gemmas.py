@@ -1,6 +1,6 @@
 """Gemmas whose layers are all local (a window, no global layer) against transformers. TVM's
 per-layer windows need a layer without one, so their KV cache gets an extra layer no layer of the
-model uses (models/decoder.py `cache_layer_kinds`): 32 greedy tokens after a prompt inside the
+model uses (kiln/models/decoder.py `cache_layer_kinds`): 32 greedy tokens after a prompt inside the
 window and one past it, natively and in the browser engine on wasm and WebGPU."""
 
 from __future__ import annotations

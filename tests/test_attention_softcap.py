@@ -1,4 +1,4 @@
-"""The attention soft-cap Kiln writes into TVM's paged KV cache kernels (models/attention_softcap.py):
+"""The attention soft-cap Kiln writes into TVM's paged KV cache kernels (kiln/models/kv_cache/attention_softcap.py):
 where it goes in every kernel the cache adds, for the CPU and for WebGPU, and in Kiln's own CPU decode
 kernel; and the refusals of kernels Kiln does not know. Numerics (soft-cap, Kiln's decode kernel, the
 prefill fix) are checked against transformers in test_families.py, natively and in the browser."""
@@ -13,9 +13,9 @@ from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace_cpu
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
 from kiln.errors import KilnError
-from kiln.models.attention_softcap import is_attention_kernel, soft_cap_attention_kernels, soft_capped
-from kiln.models.cpu_decode_attention import decode_attention
-from kiln.models.paged_prefill_fix import fixed
+from kiln.models.kv_cache.attention_softcap import is_attention_kernel, soft_cap_attention_kernels, soft_capped
+from kiln.models.kv_cache.cpu_decode_attention import decode_attention
+from kiln.models.kv_cache.paged_prefill_fix import fixed
 
 TARGETS = {"cpu": "llvm", "webgpu": tvm.target.Target("webgpu", host="llvm")}
 

@@ -15,8 +15,8 @@ import pytest
 
 from web_helpers import RequestLog, browser_page, served, wait_for_page_state
 
-from kiln.runtime import NativeModel
 from kiln.browser.driver import BrowserEngineError, PageEngine
+from kiln.runtime import NativeModel
 
 pytestmark = pytest.mark.browser
 

@@ -204,7 +204,7 @@ def test_float16_scales_are_rounded_before_the_weights():
 
 
 def test_bench_compile_compares_the_gguf_blocks_of_a_gguf_file(tmp_path):
-    from kiln.compile.bench import compared_quantizations
+    from kiln.bench.compile import compared_quantizations
 
     gguf_file = tmp_path / "model.gguf"
     gguf_file.write_bytes(b"")

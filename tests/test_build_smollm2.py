@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kiln.compile.quantization import QUANTIZATIONS
 from kiln.compile.quantization.group import dequantize_group, quantize_group
-from kiln.compile.wasm_toolchain import dawn_node_environment
+from kiln.compile.toolchain.wasm_toolchain import dawn_node_environment
 from kiln.runtime import NativeModel
 
 pytestmark = pytest.mark.slow

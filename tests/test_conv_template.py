@@ -34,7 +34,12 @@ from web_helpers import run_node_module
 
 import kiln.chat_template
 from kiln.chat_template import ChatTemplate
-from kiln.compile.conv_template import RAW_COMPLETION, conv_template_pieces, derive_conv_template, rendered_or_none
+from kiln.compile.chat_config.conv_template import (
+    RAW_COMPLETION,
+    conv_template_pieces,
+    derive_conv_template,
+    rendered_or_none,
+)
 from kiln.errors import KilnError
 
 CONVERSATIONS = {
@@ -327,7 +332,7 @@ def test_templates_no_family_reproduces_are_refused(tmp_path, source, problem):
     "template, warning", [("Qwen-Qwen2.5-7B-Instruct", None), ("Qwen-Qwen3-0.6B", "an empty system message")]
 )
 def test_the_configure_stage_writes_the_template_where_both_engines_find_it(tmp_path, capsys, template, warning):
-    from kiln.compile.configure import write_chat_config
+    from kiln.compile.chat_config.configure import write_chat_config
     from kiln.models import architecture_for
 
     source = model_folder(tmp_path / "source", case(template))

@@ -11,16 +11,17 @@ from tvm import te
 
 from random_blocks import random_blocks
 
-from kiln.compile.cpu_schedule import weight_rows_per_tile
-from kiln.compile.ingest import ingest
-from kiln.compile.library import library_metadata, param_specs, scheduled_module
+from kiln.compile.lower import schedules_for
+from kiln.compile.lower.cpu_schedule import weight_rows_per_tile
+from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, Levels
 from kiln.compile.quantization.group import GroupFormat
-from kiln.compile.targets import TARGETS
+from kiln.compile.source.ingest import ingest
 from kiln.models import architecture_for
 from kiln.models.layers import matmul_transposed
+from kiln.targets import TARGETS
 
 Q4F32 = GroupFormat(4, 32, "float32")
 IN_FEATURES = 64
@@ -36,7 +37,7 @@ def prefill_matmul(out_features: int, target_name: str = "cpu") -> tvm.IRModule:
     module = tvm.IRModule({"main": te.create_prim_func([x, weight, scale, y]).with_attr("global_symbol", "main")})
     entry = TARGETS[target_name]
     with entry.target():
-        return entry.schedules()(module)
+        return schedules_for(entry)(module)
 
 
 @pytest.mark.parametrize("target_name", ["cpu", "wasm"])
@@ -68,7 +69,7 @@ def test_prefill_gives_numpys_products_for_any_number_of_rows():
 
 def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_path):
     """TVM's LLVM code generator puts every load and store of a module in one alias set ("tvm-alias")
-    when a kernel of TVM's KV cache is built without `tirx.noalias` (models/cache_kernels.py): prefill
+    when a kernel of TVM's KV cache is built without `tirx.noalias` (kiln/models/kv_cache/cache_kernels.py): prefill
     then ran at half speed, its partial sums stored to memory at every step."""
     scheme = quantization_named("q4f32_1")
     source = ingest(str(tiny_source), tmp_path)
@@ -90,7 +91,7 @@ def decode_library(args: list[te.Tensor], y: te.Tensor) -> tuple[tvm.runtime.Mod
     module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
     entry = TARGETS["cpu"]
     with entry.target():
-        module = entry.schedules()(module)
+        module = schedules_for(entry)(module)
     return tvm.tirx.build(module, target=entry.target()), module["main"].script()
 
 

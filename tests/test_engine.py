@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.engine import Engine, EngineBusy, GenerationConfig
+from kiln.completions import ChatCompletionRequest, CompletionRequest
+from kiln.engine import ERROR_CODES, Engine, EngineBusy, GenerationConfig
 from kiln.errors import KilnError
 from kiln.sampling import Sampler, exp_nonpositive, nucleus
 from kiln.text import StopStrings, TextStream
@@ -155,6 +157,49 @@ def test_stream_concatenates_to_the_result(fresh):
     assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 20
     assert result.text == fresh.tokenizer.decode(result.tokens, skip_special_tokens=False)
+
+
+def test_a_chat_completion_is_the_chat_s_reply_whole_or_in_chunks(fresh):
+    messages = [{"role": "user", "content": "Hi"}]
+    config = GenerationConfig(max_tokens=12, ignore_eos=True)
+    expected = fresh.generate_chat(messages, config)
+    fresh.reset()
+    whole = fresh.chat_completion(ChatCompletionRequest(messages, config, "tiny"))
+    assert (whole["object"], whole["model"], whole["id"].startswith("chatcmpl-")) == ("chat.completion", "tiny", True)
+    (choice,) = whole["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["finish_reason"] == "length" == expected.finish_reason
+    prompt_tokens = len(expected.prompt_tokens)
+    assert whole["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 12,
+        "total_tokens": prompt_tokens + 12,
+    }
+    fresh.reset()
+    chunks = list(fresh.chat_completion_chunks(ChatCompletionRequest(messages, config, "tiny")))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == expected.text
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert (chunks[-1]["choices"], chunks[-1]["usage"]) == ([], whole["usage"])
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+
+
+def test_a_text_completion_is_the_raw_prompt_s_continuation(fresh):
+    config = GenerationConfig(max_tokens=8, ignore_eos=True)
+    expected = fresh.generate(PROMPT, config)
+    fresh.reset()
+    whole = fresh.completion(CompletionRequest(PROMPT, config, "tiny"))
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == expected.text
+    fresh.reset()
+    chunks = list(fresh.completion_chunks(CompletionRequest(PROMPT, config, "tiny")))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.text
+
+
+def test_the_native_engine_s_error_codes_are_the_browser_engine_s():
+    errors_js = (Path(__file__).parents[1] / "web" / "src" / "errors.js").read_text()
+    browser_codes = set(re.findall(r'^  "([a-z-]+)",', errors_js, re.M))
+    assert set(ERROR_CODES) <= browser_codes and "busy" in browser_codes
+    assert EngineBusy("held").code == "busy"
 
 
 def test_stop_string_ends_the_text_before_it(fresh):

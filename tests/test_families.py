@@ -26,11 +26,11 @@ from tiny_families import (
 )
 
 from kiln.browser.model import browser_model
-from kiln.compile.library import target_metadata
-from kiln.compile.targets import TARGETS, target_named
+from kiln.compile.lower.library import target_metadata
 from kiln.models import MODELS
 from kiln.models.decoder import export_spec, longrope_inv_freq
 from kiln.runtime import NativeModel
+from kiln.targets import TARGETS, target_named
 
 FAMILIES = sorted(TINY_FAMILIES)
 GREEDY_TOKENS = 32
@@ -164,7 +164,7 @@ def test_gemma3s_local_window_is_in_the_library_not_in_the_cache_webllm_sizes(fa
 
 
 def test_past_its_window_a_gemma_prefills_in_chunks_on_the_cpu(family_build):
-    """Kiln fixes TVM's CPU paged prefill kernel (models/paged_prefill_fix.py): without the fix the
+    """Kiln fixes TVM's CPU paged prefill kernel (kiln/models/kv_cache/paged_prefill_fix.py): without the fix the
     tiny Gemma 3's logits were NaN after a two-call prefill, at every split tried. The logits of
     chunked prefills past the window are checked against transformers by the tests above."""
     native = NativeModel(family_build("gemma3", "q0f32"))
@@ -335,7 +335,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 @pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
-    are Kiln's (compile/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits
+    are Kiln's (kiln/compile/lower/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits
     1.2e-2 away, and flipped a token at a top-2 gap of 1.4e-3."""
     model_dir = builds.model_dir(family_source(family), f"tiny-{family}", "q4f32_1", ["cpu", "webgpu", "wasm"])
     code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)
@@ -350,7 +350,7 @@ def test_a_prefill_after_a_cached_prefix_matches_native(backend, builds, family_
     """A chat's next turn is prefilled after the cached earlier ones: the KV cache merges attention
     over the new tokens with attention over the cached ones. Gemma 3's heads are 32 wide, more than
     the 4 lanes SwiftShader runs in lockstep, where TVM's GPU merge kernel raced (logits 2.4 away on
-    the tiny Qwen3; models/gpu_merge_state.py)."""
+    the tiny Qwen3; kiln/models/kv_cache/gpu_merge_state.py)."""
     model_dir = builds.model_dir(family_source("gemma3"), "tiny-gemma3", "q4f32_1", ["cpu", "webgpu", "wasm"])
     first, second = PROMPTS[0], PROMPTS[1]
     native = NativeModel(model_dir)

@@ -24,10 +24,11 @@ from random_blocks import HALF_FIELDS, random_blocks
 from web_helpers import browser_page, served
 
 from kiln.compile.digests import file_digests
-from kiln.compile.library import device_source
+from kiln.compile.lower import kiln_pipeline
+from kiln.compile.lower.library import EXPORTS, KERNEL_CHECKS, device_source
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
 from kiln.compile.quantization.gguf_blocks import as_bytes, reads_words
-from kiln.compile.targets import BROWSER_TARGETS, TARGETS, kiln_pipeline
+from kiln.targets import BROWSER_TARGETS, TARGETS
 
 COLS = 512  # two K-quant blocks, sixteen of the 32-weight ones
 # gguf-py quantizes these types itself (its K-quants only dequantize).
@@ -87,9 +88,9 @@ def function_name(name: str) -> str:
     return f"dequantize_{name.lower()}"
 
 
-def dequantize_module(shapes: dict[str, int], target: tvm.target.Target) -> tvm.IRModule:
+def dequantize_module(shapes: dict[str, int]) -> tvm.IRModule:
     """A Relax function per block type, `dequantize_<type>(words) → float32 [rows, COLS]`, reading
-    the words as a model's kernels read them on `target` (bytes, or words on WebGPU)."""
+    the words as a model's kernels read them on the target being built (bytes, or words on WebGPU)."""
     builder = relax.BlockBuilder()
     for name, rows in shapes.items():
         block_type: BlockType = BLOCK_TYPES[name]
@@ -97,7 +98,7 @@ def dequantize_module(shapes: dict[str, int], target: tvm.target.Target) -> tvm.
         words = relax.Var("words", R.Tensor((rows, row_words), "uint32"))
         with builder.function(function_name(name), [words]):
             with builder.dataflow():
-                stored = words if reads_words(target) else builder.emit(as_bytes(words, rows, row_words))
+                stored = words if reads_words() else builder.emit(as_bytes(words, rows, row_words))
                 weights = builder.emit_output(
                     builder.call_te(
                         lambda w, t=block_type, n=rows: t.dequantize_te(w, n, COLS, "float32"),
@@ -114,7 +115,7 @@ def build(target_name: str, shapes: dict[str, int]):
     entry = TARGETS[target_name]
     target = entry.target()
     with target:
-        scheduled = kiln_pipeline(entry)(dequantize_module(shapes, target))
+        scheduled = kiln_pipeline(entry)(dequantize_module(shapes))
     return tvm.compile(scheduled, target, relax_pipeline=None)
 
 
@@ -234,9 +235,9 @@ def browser_libraries(cases, tmp_path_factory) -> Path:
     for target_name in BROWSER_TARGETS:
         entry = TARGETS[target_name]
         executable = build(target_name, shapes_of(cases))
-        if entry.check_kernels:
-            entry.check_kernels(device_source(executable.mod, entry.target().kind.name))
-        entry.export(executable, dist / "ggml-blocks" / f"dequantize-{target_name}.{entry.extension}")
+        if entry.kernel_check:
+            KERNEL_CHECKS[entry.kernel_check](device_source(executable.mod, entry.target().kind.name))
+        EXPORTS[entry.export](executable, dist / "ggml-blocks" / f"dequantize-{target_name}.{entry.extension}")
     # `kiln serve` serves the files a folder's build record lists.
     (dist / "ggml-blocks" / "kiln-build.json").write_text(json.dumps({"files": file_digests(dist / "ggml-blocks")}))
     return dist

@@ -15,8 +15,8 @@ from test_parity import assert_contract_holds, parity
 from test_webllm import assert_kiln_replies_the_same, webllm_replies
 from tiny_families import MIXED_BLOCK_TYPES, mixed_blocks_config, permute_for_llama_cpp, write_mixed_blocks_gguf
 
-from kiln.compile.gguf_source import GGUFModel
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
+from kiln.compile.source.gguf_source import GGUFModel
 from kiln.runtime import NativeModel
 from kiln.tensor_cache import read_index, records
 

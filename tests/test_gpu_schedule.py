@@ -6,9 +6,10 @@ import pytest
 import tvm
 from tvm import relax, te
 
+from kiln.compile.lower import schedules_for
 from kiln.compile.quantization.group import GroupFormat
-from kiln.compile.targets import TARGETS
 from kiln.models.layers import matmul_transposed
+from kiln.targets import TARGETS
 
 Q4F32 = GroupFormat(4, 32, "float32")
 
@@ -34,7 +35,7 @@ def matmul_wgsl(
     module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
     entry = TARGETS[target]
     with entry.target():
-        module = entry.schedules()(module)
+        module = schedules_for(entry)(module)
     built = tvm.tirx.build(module, target=entry.target())
     return "".join(device.inspect_source() for device in built.imports)
 
@@ -110,7 +111,7 @@ def normed_matmul_wgsl(out_features: int, in_features: int, target: str, swiglu=
     entry = TARGETS[target]
     with entry.target():
         lowering = [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FuseOps(), t.FuseTIR(), t.DeadCodeElimination()]
-        module = tvm.transform.Sequential([*lowering, entry.schedules()])(bb.get())
+        module = tvm.transform.Sequential([*lowering, schedules_for(entry)])(bb.get())
         kernels = {gv.name_hint: f for gv, f in module.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
         built = [
             tvm.tirx.build(tvm.IRModule({"main": f.with_attr("global_symbol", name)}), target=entry.target())

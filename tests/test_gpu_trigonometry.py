@@ -1,4 +1,4 @@
-"""The sin and cos Kiln writes into GPU kernels (compile/gpu_trigonometry.py), run on the CPU
+"""The sin and cos Kiln writes into GPU kernels (kiln/compile/lower/gpu_trigonometry.py), run on the CPU
 against float64: RoPE's angles (position · frequency) up to the longest context, and negatives."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from kiln.compile.gpu_trigonometry import precise_sin_cos
+from kiln.compile.lower.gpu_trigonometry import precise_sin_cos
 
 
 def test_sin_and_cos_are_within_a_few_float32_ulps():

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from flask import Response
@@ -28,7 +29,7 @@ from kiln.errors import KilnError
 from kiln.server import ServerConfig, create_app
 from kiln.server.app import check_exposure, make_kiln_server
 from kiln.server.engines import ModelBusy, NativeEngines
-from kiln.server.openai_api import answer, event_stream, start_stream
+from kiln.server.openai_api import answer, event_stream, started
 
 KEY = "sk-kiln-test-3141592653"
 GOOD, OTHER = "good-q4f32_1", "other-q4f32_1"
@@ -241,7 +242,7 @@ def test_a_full_queue_answers_503_with_retry_after(dist):
     held.append(engines.lease(GOOD))
     # A request that waited its whole queue timeout gets the same answer.
     with pytest.raises(ModelBusy) as timed_out:
-        start_stream(fails(EngineBusy("the engine for good is busy with another generation")))
+        started(fails(EngineBusy("the engine for good is busy with another generation")))
     with create_app(ServerConfig(dist=dist)).test_request_context():
         for error in (full.value, timed_out.value):
             response = error.response()
@@ -348,11 +349,12 @@ def test_model_files_and_the_app_config_are_shared_with_allowed_and_loopback_pag
 def test_a_failing_stream_does_not_tell_the_server_s_paths():
     secret_folder = "/srv/private/dist/good-q4f32_1"
 
-    def deltas():
+    def chunks():
         raise KilnError("the model library failed in decode", secret_folder)
         yield
 
-    events = list(event_stream(deltas(), lambda *args, **kwargs: {}, None, False, nullcontext(), None))
+    engine = SimpleNamespace(tokens_generated=0)
+    events = list(event_stream(chunks(), False, nullcontext(), engine))
     (error,) = [json.loads(e.removeprefix("data: "))["error"] for e in events if '"error"' in e]
     assert error["message"] == "the model library failed in decode"
     assert not any("/srv/private" in event for event in events)

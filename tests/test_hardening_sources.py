@@ -24,10 +24,10 @@ from test_ingest import FAKE_COMMIT, fake_hub
 from test_untrusted_inputs import write_hf_folder
 
 from kiln.cli import main
-from kiln.compile.configure import write_chat_config
-from kiln.compile.gguf_file import read_gguf
-from kiln.compile.gguf_source import MAX_TOKEN_CHARS, GGUFMetadata, write_tokenizer_files
-from kiln.compile.ingest import IngestOptions, ingest, looks_like_hub_id, torch_unpickles_safely
+from kiln.compile.chat_config.configure import write_chat_config
+from kiln.compile.source.gguf_file import read_gguf
+from kiln.compile.source.gguf_source import MAX_TOKEN_CHARS, GGUFMetadata, write_tokenizer_files
+from kiln.compile.source.ingest import IngestOptions, ingest, looks_like_hub_id, torch_unpickles_safely
 from kiln.errors import KilnError
 from kiln.models import architecture_for
 
@@ -346,7 +346,7 @@ def test_a_revision_is_only_for_hub_ids(folder, tmp_path):
 INGEST_REVISION = """
 import json, sys
 from pathlib import Path
-from kiln.compile.ingest import IngestOptions, ingest
+from kiln.compile.source.ingest import IngestOptions, ingest
 model = ingest("org/tiny", Path(sys.argv[1]), IngestOptions(revision=sys.argv[2]))
 print(json.dumps({"revision": model.revision, "path": str(model.path), "hash": model.source_hash}))
 """

@@ -24,10 +24,10 @@ from kiln.chat_template import (
     tojson,
 )
 from kiln.errors import KilnError
-from kiln.structured import MAX_FORMAT_CHARS
-from kiln.tools import messages_for_template
 from kiln.server.api_request import ApiError, read_request
 from kiln.server.app import ServerConfig, create_app
+from kiln.structured import MAX_FORMAT_CHARS
+from kiln.tools import messages_for_template
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 LLAMA_31 = TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja"

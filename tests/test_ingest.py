@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as GGMLType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from assets import LLAMA_CPP_VOCABULARIES, llama_cpp_vocabulary, smollm2_gguf
-from kiln.compile.gguf_source import model_name_from_gguf_path
-from kiln.compile.ingest import ingest
+from kiln.compile.source.gguf_source import model_name_from_gguf_path
+from kiln.compile.source.ingest import ingest
 from kiln.errors import KilnError
 
 VARIED_TEXT = [
@@ -346,8 +346,8 @@ def test_gguf_model_name_drops_the_quantization_suffix(file_name, model_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("vocabulary", LLAMA_CPP_VOCABULARIES)
 def test_gguf_tokenizer_matches_llama_cpp_reference_ids(vocabulary, tmp_path):
-    from kiln.compile.gguf_file import read_gguf
-    from kiln.compile.gguf_source import GGUFMetadata, write_tokenizer_files
+    from kiln.compile.source.gguf_file import read_gguf
+    from kiln.compile.source.gguf_source import GGUFMetadata, write_tokenizer_files
 
     path = llama_cpp_vocabulary(vocabulary)
     write_tokenizer_files(GGUFMetadata(read_gguf(path).metadata, path), tmp_path)
@@ -566,7 +566,7 @@ INGEST_IN_SUBPROCESS = """
 import json, sys
 from pathlib import Path
 import numpy as np
-from kiln.compile.ingest import ingest
+from kiln.compile.source.ingest import ingest
 from kiln.errors import KilnError
 try:
     model = ingest(sys.argv[1], Path(sys.argv[2]))

@@ -20,7 +20,7 @@ from mobile_objects import (
     object_header,
 )
 
-from kiln.compile.system_lib import LIBRARY_BIN_SYMBOL, defined_globals, system_lib_prefix
+from kiln.compile.toolchain.system_lib import LIBRARY_BIN_SYMBOL, defined_globals, system_lib_prefix
 
 MOBILE_TARGETS = ("android", "iphone", "metal")
 EXPECTED_HEADER = {

@@ -15,15 +15,21 @@ import pytest
 import tvm
 from tvm.runtime.vm import VMInstrumentReturnKind
 
-from kiln.compile.ingest import ingest
-from kiln.compile.library import library_metadata, param_specs, scheduled_module
-from kiln.compile.opencl_check import check_opencl_c, check_opencl_kernels, kernel_programs, pocl_context, run_on_opencl
+from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
+from kiln.compile.source.ingest import ingest
+from kiln.compile.toolchain.opencl_check import (
+    check_opencl_c,
+    check_opencl_kernels,
+    kernel_programs,
+    pocl_context,
+    run_on_opencl,
+)
 from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
-from kiln.compile.targets import TARGETS
 from kiln.errors import KilnError
 from kiln.models import architecture_for
 from kiln.runtime import NativeModel
+from kiln.targets import TARGETS
 
 LAYER_TOLERANCE = 1e-4
 PROMPT = [5, 17, 100, 42, 7, 250, 3]

@@ -12,8 +12,8 @@ import pytest
 from mobile_objects import archive_members
 
 from kiln.cli import main
-from kiln.compile.package import package
-from kiln.compile.system_lib import LIBRARY_BIN_SYMBOL, llvm_tool, system_lib_prefix
+from kiln.compile.toolchain.system_lib import LIBRARY_BIN_SYMBOL, llvm_tool, system_lib_prefix
+from kiln.mobile.package import package
 
 PLATFORMS = ["android", "iphone"]
 

@@ -135,7 +135,7 @@ def test_compile_then_serve_the_harness_engine_and_model(installed, elsewhere, t
     record = json.loads((elsewhere / "dist" / "tiny-wheel" / "kiln-build.json").read_text())
     assert record["kiln_version"] == kiln.__version__
     # The wasm target compiles Kiln's thread pool into the web runtime: its source ships in the wheel.
-    pool_source = "from kiln.compile import wasm_toolchain as w; print(w.THREAD_POOL_SOURCE.is_file())"
+    pool_source = "from kiln.compile.toolchain import wasm_toolchain as w; print(w.THREAD_POOL_SOURCE.is_file())"
     assert run([installed / "python", "-c", pool_source], cwd=elsewhere).strip() == "True"
 
     port = free_port()

@@ -15,9 +15,9 @@ import pytest
 
 from web_helpers import run_kiln, run_node_module
 
+from kiln.browser.model import browser_model
 from kiln.engine import Engine, GenerationConfig
 from kiln.sampling import Mulberry32, Sampler, exp_nonpositive
-from kiln.browser.model import browser_model
 
 SEEDS = [0, 1, 42, 99991, 2**31, 2**32 - 1, 2**32 + 7, 2**53 - 1]
 STEPS = 5

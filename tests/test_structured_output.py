@@ -13,7 +13,7 @@ from schema_corpus import SCHEMAS
 from tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
 from web_helpers import run_kiln, served
 
-from kiln.compile.configure import tokenizer_info
+from kiln.compile.chat_config.configure import tokenizer_info
 from kiln.engine import Engine, GenerationConfig
 from kiln.structured import ResponseFormat, ResponseFormatError, TokenTable, utf8_after
 

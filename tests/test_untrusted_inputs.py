@@ -31,9 +31,9 @@ from tokenizers import pre_tokenizers
 from tiny_llama import write_tokenizer
 
 from kiln.chat_template import ChatTemplate
-from kiln.compile.gguf_file import read_gguf
-from kiln.compile.gguf_source import GGUFModel
-from kiln.compile.ingest import SAFETENSORS_ITEM_SIZES, ingest, read_config, read_safetensors_header
+from kiln.compile.source.gguf_file import read_gguf
+from kiln.compile.source.gguf_source import GGUFModel
+from kiln.compile.source.ingest import SAFETENSORS_ITEM_SIZES, ingest, read_config, read_safetensors_header
 from kiln.errors import KilnError
 from kiln.models import architecture_for
 

@@ -13,7 +13,7 @@ import pytest
 
 from web_helpers import run_node_module
 
-from kiln.compile import wasm_toolchain
+from kiln.compile.toolchain import wasm_toolchain
 from kiln.errors import KilnError
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -269,3 +269,13 @@ def test_a_decode_step_on_dawn_in_node_has_the_dispatches_and_barriers_of_the_bu
     assert len(normed) == 3 and all("matmul" in name or "lm_head" in name for name in normed), normed
     assert report["decode_step_barriers"] == sum(k["dispatches"] * k["barriers"] for k in kernels.values())
     assert report["decode_tokens_per_s"] > 0
+
+
+def test_doctor_passes_without_the_optional_kernel_check_only():
+    from kiln.cli import doctor_exit_code
+
+    built = wasm_toolchain.ToolStatus("emscripten", True, "4.0")
+    pocl_missing = wasm_toolchain.ToolStatus("PoCL (OpenCL check)", False, "pyopencl is missing", "pip", optional=True)
+    emcc_missing = wasm_toolchain.ToolStatus("emscripten", False, "not found", "apt-get install emscripten")
+    assert doctor_exit_code([built, pocl_missing]) == 0
+    assert doctor_exit_code([emcc_missing, pocl_missing]) == 1

@@ -20,10 +20,10 @@ from schema_corpus import SCHEMAS
 from tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
 from web_helpers import run_node_module
 
-from kiln.engine import Engine, GenerationConfig
-from kiln.errors import KilnError
 from kiln.browser.model import browser_model
 from kiln.browser.parity import ParityContract
+from kiln.engine import Engine, GenerationConfig
+from kiln.errors import KilnError
 from kiln.structured import ResponseFormat, TokenTable
 
 # The UMD bundles expect CommonJS globals when they run under Node; there `loadXgrammar` reads

@@ -15,9 +15,9 @@ from test_web_structured import NODE_PRELUDE
 from tiny_llama import TOOL_FAMILIES
 from web_helpers import browser_page, run_node_module
 
+from kiln.browser.driver import page_engine
 from kiln.engine import Engine, GenerationConfig
 from kiln.errors import KilnError
-from kiln.browser.driver import page_engine
 from kiln.tools import TOOL_CALL_FORMATS, ContentBeforeCalls, ToolRequest, read_tool_calls
 
 CALL = {

@@ -18,7 +18,7 @@ from test_conv_template import RAW_TEXTS
 from tiny_llama import LLAMA_2_TOKENS, write_tokenizer
 from web_helpers import run_node_module, served
 
-from kiln.compile.conv_template import raw_completion_template
+from kiln.compile.chat_config.conv_template import raw_completion_template
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.compile.webgpu_limits import check_webgpu_limits
+from kiln.compile.lower.webgpu_limits import check_webgpu_limits
 from kiln.errors import KilnError
 
 KERNEL = """// Function: {name}

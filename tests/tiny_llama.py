@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.compile.bench import DEFAULT_TEXT
+from kiln.bench.compile import DEFAULT_TEXT
 
 DATA = Path(__file__).parent / "data"
 CHATML_TEMPLATE = (

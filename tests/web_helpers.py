@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.server import ServerConfig, create_app
 from kiln.browser.driver import chromium, playwright_driver, serving  # noqa: F401 (playwright_driver: for conftest)
+from kiln.server import ServerConfig, create_app
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 ARTIFACTS_DIR = Path(__file__).resolve().parents[1] / "test-artifacts"

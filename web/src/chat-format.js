@@ -6,7 +6,7 @@
 // than for their joined text.)
 //
 // Kiln derives the conv_template from the model's jinja chat template and checks at compile time
-// that both give the same token ids (compile/conv_template.py); the tests compare token ids.
+// that both give the same token ids (kiln/compile/chat_config/conv_template.py); the tests compare token ids.
 import { EngineError } from "./errors.js";
 
 const ROLES = new Set(["system", "user", "assistant"]);

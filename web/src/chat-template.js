@@ -5,7 +5,7 @@
 // (chat-format.js); the jinja template is rendered only for what a conv_template cannot express:
 // tools.
 //
-// Kiln's build writes the template into tokenizer_config.json (compile/configure.py), whichever
+// Kiln's build writes the template into tokenizer_config.json (kiln/compile/chat_config/configure.py), whichever
 // file the checkpoint kept it in, so that is the one file read here.
 //
 // A template is code that came with the model. @huggingface/jinja interprets it without access to

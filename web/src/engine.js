@@ -340,7 +340,7 @@ function numberIn(value, name, low, high, { lowOpen = false } = {}) {
 }
 
 // What a request leaves out comes from the chat config (mlc-chat-config.json) for these fields, as
-// on the native server (server/api_request.py MODEL_DEFAULTS), else from DEFAULTS.
+// on the native server (kiln/server/api_request.py MODEL_DEFAULTS), else from DEFAULTS.
 const MODEL_DEFAULTS = ["temperature", "top_p", "repetition_penalty"];
 const DEFAULTS = { temperature: 1, top_p: 1, top_k: 0, repetition_penalty: 1, presence_penalty: 0, frequency_penalty: 0, ignore_eos: false };
 

@@ -18,7 +18,7 @@ const BUILD_RECORD = "kiln-build.json";
 const PARALLEL_DOWNLOADS = 4;
 const REPORT_EVERY_MS = 100; // download progress, at most this often
 const MB = 1 << 20;
-// wasm32 addresses 4 GiB: all the CPU library's memory (compile/targets.py WASM32_MEMORY).
+// wasm32 addresses 4 GiB: all the CPU library's memory (kiln/targets.py WASM32_MEMORY).
 export const WASM32_BYTES = 2 ** 32;
 
 /** The folder URL of a model record, the way WebLLM reads it (`<model>/resolve/main/`). */

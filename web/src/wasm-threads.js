@@ -1,7 +1,7 @@
 // The CPU wasm library on several threads (docs/wasm-threads.md).
 //
 // Kiln links the `wasm` library on shared, imported memory with a thread pool behind TVM's parallel
-// loops (compile/kiln_threads.cc). Its helpers are Web Workers (wasm-thread.js), each an instance of
+// loops (kiln/compile/toolchain/kiln_threads.cc). Its helpers are Web Workers (wasm-thread.js), each an instance of
 // the same module on the same memory. Shared memory needs a cross-origin isolated page (COOP/COEP,
 // which `kiln serve` sends); elsewhere the engine clears the import's shared flag and runs the same
 // file on one thread. A library without imported memory (WebGPU, older builds) loads as before.
@@ -17,7 +17,7 @@ const QUIET_IMPORTS = ["emscripten_unwind_to_js_event_loop", "emscripten_check_b
 const HELPER_START_MS = 10_000;
 // More threads than this gain little on a 135M-1.5B model and cost phones their efficiency cores.
 const DEFAULT_MAX_THREADS = 4;
-const MAX_THREADS = 16; // the pool's helpers (KILN_MAX_HELPERS in compile/kiln_threads.cc) and the caller
+const MAX_THREADS = 16; // the pool's helpers (KILN_MAX_HELPERS in kiln/compile/toolchain/kiln_threads.cc) and the caller
 const PAGE_BYTES = 1 << 16;
 const WASM32_PAGES = 1 << 16; // 4 GiB
 

@@ -1,4 +1,4 @@
-// Load a model library (.wasm linked by kiln.compile.wasm_toolchain) in Node with tvmjs
+// Load a model library (.wasm linked by kiln.compile.toolchain.wasm_toolchain) in Node with tvmjs
 // (@mlc-ai/web-runtime), on the CPU or on WebGPU (Dawn's Node bindings, npm `webgpu`).
 import { readFile } from "node:fs/promises";
 import tvmjs from "@mlc-ai/web-runtime";

@@ -1,0 +1,236 @@
+"""`kiln bench browser`: the browser engine's speed in headless Chromium (WebGPU, or the CPU
+wasm library), with the keys of `kiln bench native` plus the cold and warm load times.
+
+Cold load is a first visit (download, SHA-256 check, shader compilation, upload); warm load is the
+next visit, from the Cache API — comparable to the native engine's load from disk, so `load_s`
+is the warm one. The prompt is the native benchmark's (the same seeded random ordinary tokens);
+generation is greedy through the engine's token-level API, timed inside the page.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from pathlib import Path
+
+from kiln.app_config import model_needs, read_compiled_model
+from kiln.browser.driver import PRECISE_TIMESTAMP_FLAGS, page_engine
+from kiln.errors import KilnError
+from kiln.model_folder import read_json
+from kiln.model_memory import MIB
+from kiln.text import load_tokenizer
+
+from .native import benchmark_prompt
+
+RSS_SAMPLE_S = 0.25
+SLOWEST_KERNELS_SHOWN = 8
+# Sampling as chats commonly ask for it (WebLLM's defaults): every token weighed, the top ones sorted.
+TOP_P_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "seed": 0}
+RUN_JS = """async ({promptIds, decodeTokens, sampling}) => {
+  const engine = globalThis.kilnDriven;
+  await engine.resetChat();
+  const run = await engine.session.generate(promptIds, { max_tokens: decodeTokens, ...sampling });
+  const stepMs = run.model_ms_per_token + run.sample_ms_per_token;
+  return {
+    ttft_s: run.prefill_s,
+    prefill_tokens_per_s: promptIds.length / run.prefill_s,
+    decode_tokens_per_s: decodeTokens > 1 ? 1000 / stepMs : null,
+    model_ms_per_token: run.model_ms_per_token,
+    sample_ms_per_token: run.sample_ms_per_token,
+  };
+}"""
+# A prefill of the prompt and the decode step after it, with each kernel's GPU time (timestamp
+# queries) and workgroup barriers.
+KERNEL_TIMES_JS = """async ({promptIds}) => {
+  const engine = globalThis.kilnDriven;
+  await engine.resetChat();
+  const prefill = await engine.session.timePrefill(promptIds, { topK: 1 });
+  const decode = await engine.session.timeDecode(prefill.top.ids[0], { topK: 1 });
+  return { prefill: prefill.kernels, decode: decode.kernels };
+}"""
+
+
+class PeakMemory:
+    """The largest total RSS of this process's Chromium processes, sampled in the background.
+
+    RSS double-counts memory the processes share, so this is an upper bound.
+    """
+
+    def __init__(self):
+        self.peak_bytes = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.stopped.wait(RSS_SAMPLE_S):
+            total = 0
+            for process in me.children(recursive=True):
+                try:
+                    if "chrom" in process.name():
+                        total += process.memory_info().rss
+                except psutil.Error:
+                    continue
+            self.peak_bytes = max(self.peak_bytes, total)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join()
+
+    @property
+    def peak_mb(self) -> float | None:
+        return self.peak_bytes / 2**20 if self.peak_bytes else None
+
+
+def bench_browser(
+    model_dir: Path,
+    device: str = "auto",
+    prompt_tokens: int = 32,
+    decode_tokens: int = 16,
+    runs: int = 1,
+    threads: int | None = None,
+) -> dict:
+    """`threads`: of the CPU wasm library (default: the engine's choice); the harness page is cross-origin
+    isolated, as `kiln serve` serves it, so it can have them."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "kiln-build.json").is_file():
+        raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
+    model_id = model_dir.name
+    prompt = benchmark_prompt(
+        load_tokenizer(model_dir), read_json(model_dir / "mlc-chat-config.json")["vocab_size"], prompt_tokens
+    )
+    webgpu = device != "wasm"
+    with (
+        page_engine(model_dir.resolve().parent, webgpu, extra_args=PRECISE_TIMESTAMP_FLAGS if webgpu else ()) as engine,
+        PeakMemory() as rss,
+    ):
+        page = engine.page
+        cold = engine.load(model_id, device, threads=threads)
+        page.reload()
+        warm = engine.load(model_id, device, threads=threads)
+        if not warm["stats"]["load"]["from_cache"]:
+            raise KilnError("the second load did not come from the browser cache", model_dir)
+        greedy = {"promptIds": prompt, "decodeTokens": decode_tokens, "sampling": {"temperature": 0}}
+        measured = [page.evaluate(RUN_JS, greedy) for _ in range(runs + 1)][1:]  # the first run warms up
+        top_p = page.evaluate(RUN_JS, {**greedy, "sampling": TOP_P_SAMPLING})
+        after_runs = page.evaluate("globalThis.kilnDriven.stats()")
+        dispatches, issue_ms = after_runs["decode_step_dispatches"], after_runs["decode_step_issue_ms"]
+        kernels = page.evaluate(KERNEL_TIMES_JS, {"promptIds": prompt}) if dispatches is not None else None
+    stats = warm["stats"]
+    layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
+    needs = model_needs(read_compiled_model(model_dir), stats["library_target"])
+    memory = after_runs["memory"]
+
+    def median(key: str) -> float | None:
+        values = [run[key] for run in measured if run[key] is not None]
+        return statistics.median(values) if values else None
+
+    # workgroup barriers each invocation passes in a decode step, not counting those inside loops
+    barriers = sum(k["dispatches"] * k["barriers"] for k in kernels["decode"]) if kernels else None
+    report = {
+        "model_id": stats["model_id"],
+        "device": stats["backend"],
+        "library": stats["library_target"],
+        "adapter": stats["adapter"],
+        "threads": stats["threads"] if stats["backend"] == "wasm" else None,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "load_s": warm["seconds"],
+        "cold_load_s": cold["seconds"],
+        "warm_load_s": warm["seconds"],
+        "ttft_s": median("ttft_s"),
+        "prefill_tokens_per_s": median("prefill_tokens_per_s"),
+        "decode_tokens_per_s": median("decode_tokens_per_s"),
+        "model_ms_per_token": median("model_ms_per_token"),
+        "sample_ms_per_token": median("sample_ms_per_token"),
+        "top_p_sample_ms_per_token": top_p["sample_ms_per_token"],
+        "peak_rss_mb": rss.peak_mb,
+        "weight_bytes": needs.weights,
+        "accounted_bytes": needs.total,
+        "wasm_memory_bytes": memory["wasm_bytes"],
+        "wasm_maximum_bytes": memory["wasm_maximum_bytes"],
+        "gpu_peak_bytes": memory["gpu_peak_bytes"],
+        "bandwidth_fraction": None,
+        "decode_step_dispatches": dispatches,
+        "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
+        "decode_step_issue_ms": issue_ms,
+        "decode_step_barriers": barriers,
+        "barriers_per_layer": barriers / layers if barriers is not None else None,
+        "decode_step_kernels": kernels and kernels["decode"],
+        "prefill_kernels": kernels and kernels["prefill"],
+    }
+    adapter = stats["adapter"]
+    on = (
+        f"WebGPU ({adapter['vendor']} {adapter['architecture']}, the {report['library']} library)"
+        if adapter
+        else f"CPU wasm ({report['threads']} thread{'s' if report['threads'] > 1 else ''})"
+    )
+
+    def rate(value: float | None) -> str:
+        return "       –" if value is None else f"{value:8.1f}"
+
+    report["lines"] = [
+        f"{report['model_id']} in headless Chromium on {on}: {prompt_tokens} prompt + {decode_tokens} decoded "
+        f"tokens, median of {runs} run(s) after a warm-up",
+        f"  cold load            {report['cold_load_s']:8.2f} s   (download, SHA-256, shaders, upload)",
+        f"  warm load            {report['warm_load_s']:8.2f} s   (from the Cache API)",
+        f"  time to first token  {report['ttft_s']:8.3f} s",
+        f"  prefill              {rate(report['prefill_tokens_per_s'])} tokens/s",
+        f"  decode               {rate(report['decode_tokens_per_s'])} tokens/s",
+        f"  a decode step        {report['model_ms_per_token']:8.2f} ms in the model + "
+        f"{report['sample_ms_per_token']:.2f} ms choosing the token (greedy; "
+        f"{report['top_p_sample_ms_per_token']:.2f} ms sampling at temperature 0.7, top_p 0.95)",
+        f"  peak RSS             {rate(report['peak_rss_mb'])} MB   "
+        "(all Chromium processes, shared pages counted twice)",
+        f"  the model's memory   {held_line(memory)}; accounted for: {needs.describe()}",
+    ]
+    if dispatches is not None:
+        report["lines"].append(
+            f"  GPU dispatches       {dispatches:8d} per decode step ({report['dispatches_per_layer']:.1f} per layer "
+            f"of {layers}, embedding and head included)"
+        )
+        report["lines"].append(
+            f"  CPU time to issue    {issue_ms:8.2f} ms per decode step ({1000 * issue_ms / dispatches:.1f} µs per "
+            "dispatch: the VM and tvmjs encoding it, before the GPU runs it)"
+        )
+    if kernels:
+        in_loops = sorted(k["kernel"] for k in kernels["decode"] if k["loopBarriers"])
+        report["lines"].append(
+            f"  workgroup barriers   {barriers:8d} per decode step ({report['barriers_per_layer']:.1f} per layer), "
+            f"not counting those inside loops (in {', '.join(in_loops) or 'none'})"
+        )
+        report["lines"] += kernel_lines("decode step", kernels["decode"])
+        report["lines"] += kernel_lines(f"{prompt_tokens}-token prefill", kernels["prefill"])
+    return report
+
+
+def held_line(memory: dict) -> str:
+    """What the model holds in the page: its library's wasm memory (the peak: it never shrinks), and
+    on WebGPU the most GPU memory its buffers took."""
+    wasm = f"wasm {memory['wasm_bytes'] / MIB:.0f} MiB"
+    if memory["gpu_peak_bytes"] is not None:
+        return f"GPU buffers {memory['gpu_peak_bytes'] / MIB:.0f} MiB at most, host {wasm}"
+    return f"{wasm} (it may grow to {memory['wasm_maximum_bytes'] / MIB:.0f})"
+
+
+def kernel_lines(step: str, kernels: list[dict]) -> list[str]:
+    gpu_ms = sum(kernel["ms"] for kernel in kernels)
+    return [
+        f"  GPU time             {gpu_ms:8.2f} ms per {step}, slowest kernels:",
+        *(
+            f"    {k['ms']:8.3f} ms  {k['dispatches']:3d}×  {k['kernel']}  ({barrier_count(k)})"
+            for k in kernels[:SLOWEST_KERNELS_SHOWN]
+        ),
+    ]
+
+
+def barrier_count(kernel: dict) -> str:
+    in_loops = f" + {kernel['loopBarriers']} in loops" if kernel["loopBarriers"] else ""
+    return f"{kernel['barriers']} barriers{in_loops}"

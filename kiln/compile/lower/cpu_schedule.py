@@ -1,0 +1,221 @@
+"""Kiln's CPU schedule for its matmul kernels.
+
+Every linear layer is `y[m, o] = sum_k x[m, k] * W[o, k]`, with W possibly dequantized on the
+fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` partial sums (rfactor).
+- decode (one input row): weight rows in parallel, each read from memory exactly once; a
+  quantized float32 weight's decode is written with its scales factored out
+  (quantization/factored_decode.py) and scheduled by `FactoredDecodeGEMV`;
+- prefill (a symbolic number of rows): tiles of up to 12 weight rows in parallel, kept in L1
+  while every input row streams past them; an input row's partial sums against the whole tile
+  stay in registers, so each vector of inputs is loaded once per tile, not once per weight row
+  (SmolLM2's 128-token prefill on 2 threads: 158 -> 310 tokens/s natively, 134 -> 152 in
+  Chromium's wasm, against one weight row at a time). Packed weights are unpacked once per
+  tile, into a buffer of their own, not once per input row.
+dlight's CPU GEMV rule instead vectorizes the output axis around the whole reduction, which LLVM
+scalarizes and unrolls into bodies of thousands of instructions (minutes to compile, slow to run).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+from tvm.target import Target
+
+from kiln.models.stage_names import DEQUANTIZE, GATHERED_ROW_SCALES, GATHERED_ROWS, GROUP_STAGES, LANE_DOTS, MATMUL
+
+MATMUL_BLOCK_NAMES = (MATMUL,)
+INLINED_PRODUCERS = (GATHERED_ROWS, GATHERED_ROW_SCALES)  # an embedding's gathered rows
+VECTOR_LANES = 8
+ACCUMULATORS = 2
+OUTPUTS_PER_STEP = 2
+# The reduction is split in steps of whole 32-weight groups when the width allows: the index of a
+# weight's group (its scale, its block) is then a loop variable, not a division of a vector of
+# lanes, and the weights of one step are one vector load (GGUF blocks, MLC groups).
+ALIGNED_WEIGHTS = 32
+# A prefill tile takes one vector of partial sums per weight row, beside the input's vector and a
+# weight vector: 12 of them fill x86-64's 16 registers of 8 floats (AVX2). Wasm SIMD's registers
+# hold 4 floats, so a browser's JIT has room for half as many: in Chromium 4-row tiles prefilled
+# fastest (8 rows: 1% slower, 12: 7%).
+MOST_WEIGHT_ROWS_PER_TILE = {"native": 12, "wasm": 4}
+
+
+def weight_rows_per_tile(target: Target, width: int) -> int:
+    """The most weight rows a prefill tile of `target` takes that divide `width` (no ragged last tile)."""
+    kind = "wasm" if str(target.attrs.get("mtriple", "")).startswith("wasm") else "native"
+    return next(rows for rows in range(MOST_WEIGHT_ROWS_PER_TILE[kind], 0, -1) if width % rows == 0)
+
+
+def block_names(sch: s_tir.Schedule) -> list[str]:
+    return [sch.get(b).name_hint for b in sch.get_child_blocks(get_root_block(sch))]
+
+
+def one_matmul(func: tirx.PrimFunc) -> tuple[s_tir.Schedule, list[str], str] | None:
+    """A schedule of a kernel with exactly one matmul block, its blocks' names and the matmul's."""
+    if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+        return None
+    sch = s_tir.Schedule(func)
+    names = block_names(sch)
+    matmuls = [n for n in names if n in MATMUL_BLOCK_NAMES]
+    return (sch, names, matmuls[0]) if len(matmuls) == 1 else None
+
+
+def _vectorize_elementwise(sch: s_tir.Schedule, name: str) -> None:
+    """An injective epilogue (e.g. a fused residual add): parallel outer, vector inner."""
+    block = sch.get_sblock(name)
+    fused = sch.fuse(*sch.get_loops(block))
+    outer, inner = sch.split(fused, [None, VECTOR_LANES])
+    sch.parallel(outer)
+    sch.vectorize(inner)
+
+
+class RowParallelMatmul(dl.ScheduleRule):
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if (found := one_matmul(func)) is None:
+            return None
+        sch, names, matmul = found
+        for name in names:
+            if name in INLINED_PRODUCERS:
+                sch.compute_inline(sch.get_sblock(name))
+        block = sch.get_sblock(matmul)
+        *batch, out, reduce = sch.get_loops(block)
+        rows = sch.fuse(*batch) if batch else None
+        single_row = rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1
+        if single_row:
+            if DEQUANTIZE in names:
+                sch.compute_inline(sch.get_sblock(DEQUANTIZE))
+            weight_rows = self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
+        else:
+            weight_rows = self.schedule_many_rows(sch, target, block, rows, out, reduce)
+            if DEQUANTIZE in names:
+                self.unpack_once_per_tile(sch, sch.get_sblock(DEQUANTIZE), weight_rows)
+        for name in GROUP_STAGES:  # a GGUF block type's scales and offsets: once per group of weights
+            if name in names:
+                sch.compute_at(sch.get_sblock(name), weight_rows)
+        if single_row:
+            return sch
+        for name in block_names(sch):
+            # not the matmul's own blocks (update, partial sums, init) nor the unpacked weight tile
+            if not name.startswith(matmul) and name not in (DEQUANTIZE, *GROUP_STAGES):
+                _vectorize_elementwise(sch, name)
+        return sch
+
+    @staticmethod
+    def schedule_single_row(sch: s_tir.Schedule, block, rows, out, reduce, lanes_axis: int) -> s_tir.LoopRV:
+        """Decode: `OUTPUTS_PER_STEP` weight rows at a time in parallel, each dot product in
+        `ACCUMULATORS` vectors of partial sums held in registers (one vector would make every
+        multiply-add wait for the previous one); the lane sum and any epilogue (a fused residual
+        add) run in the same parallel loop, so the kernel is one parallel region."""
+        out_outer, out_inner = sch.split(out, [None, OUTPUTS_PER_STEP])
+        if rows is not None:
+            sch.reorder(out_outer, rows, out_inner)
+        step = ACCUMULATORS * VECTOR_LANES
+        steps = ALIGNED_WEIGHTS // step if sch.get(reduce).extent.value % ALIGNED_WEIGHTS == 0 else 1
+        *_, lanes = sch.split(reduce, [None, steps, step])
+        partial = sch.rfactor(lanes, factor_axis=lanes_axis)
+        *outer_loops, chunks, chunk_steps, partial_lanes = sch.get_loops(partial)
+        outer, *unit_rows, inner = outer_loops
+        accumulator, vector = sch.split(partial_lanes, [ACCUMULATORS, VECTOR_LANES])
+        sch.reorder(outer, *unit_rows, chunks, chunk_steps, inner, accumulator, vector)
+        sch.parallel(outer)
+        sch.unroll(chunk_steps)
+        sch.unroll(inner)
+        sch.unroll(accumulator)
+        sch.vectorize(vector)
+        sch.reverse_compute_at(block, outer)
+        for name in block_names(sch):
+            if name not in (sch.get(block).name_hint, sch.get(partial).name_hint, *GROUP_STAGES):
+                sch.reverse_compute_at(sch.get_sblock(name), outer)
+        return outer
+
+    @staticmethod
+    def unpack_once_per_tile(sch: s_tir.Schedule, dequantize, tiles) -> None:
+        """The tile's weights unpacked into a buffer before the input rows stream past them,
+        a vector of them at a time (in steps of whole groups, as in decode)."""
+        sch.compute_at(dequantize, tiles)
+        weights = sch.get_loops(dequantize)[-1]
+        if sch.get(weights).extent.value % ALIGNED_WEIGHTS == 0:
+            *_, vector = sch.split(weights, [None, ALIGNED_WEIGHTS // VECTOR_LANES, VECTOR_LANES])
+            sch.vectorize(vector)
+
+    @staticmethod
+    def schedule_many_rows(sch: s_tir.Schedule, target: Target, block, rows, out, reduce) -> s_tir.LoopRV:
+        """Each input row meets the whole tile at once: per step of `VECTOR_LANES` inputs it is
+        loaded once and multiplied into one vector of partial sums per weight row, all of them
+        held in registers for the length of the row. Returns the parallel loop over tiles."""
+        tiles, tile_rows = sch.split(out, [None, weight_rows_per_tile(target, sch.get(out).extent.value)])
+        chunks, lanes = sch.split(reduce, [None, VECTOR_LANES])
+        sch.reorder(tiles, rows, chunks, tile_rows, lanes)
+        partial = sch.rfactor(lanes, factor_axis=-1)
+        sch.set_scope(partial, 0, "local")
+        tiles, rows, chunks, tile_rows, lanes = sch.get_loops(partial)[-5:]
+        sch.reverse_compute_at(block, rows)
+        sch.parallel(tiles)
+        sch.unroll(tile_rows)
+        sch.vectorize(lanes)
+        sch.decompose_reduction(partial, chunks)
+        return tiles
+
+
+class FactoredDecodeGEMV(dl.ScheduleRule):
+    """A decode matmul written with its scales factored out (quantization/factored_decode.py):
+    weight rows in parallel, one at a time; per block of columns, the row's lane dots in one
+    vector register (the steps unrolled), then scaled into the row's vector of partial sums. The
+    input's lanes and their sums are computed once before the rows, a K-quant's scales and offsets
+    once per row. One row at a time reads each thread's rows as one ascending stream, which the
+    hardware prefetcher follows; two rows interleaved read two streams a row apart, which it did
+    not follow (with GGUF scales read in place, a Q8_0 matrix streamed from memory 3× slower).
+    SmolLM2 decode on 2 threads against two rows a step: GGUF 138 -> 164 tok/s, q4f32_1 153 -> 180."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        sch = s_tir.Schedule(func)
+        if LANE_DOTS not in (names := block_names(sch)):
+            return None
+        matmul = sch.get_sblock(MATMUL)
+        *unit, _, _, lanes = sch.get_loops(matmul)
+        partial = sch.rfactor(lanes, factor_axis=len(unit))
+        *_, rows, blocks, lanes = sch.get_loops(partial)
+        sch.parallel(rows)
+        sch.vectorize(lanes)
+        dots = sch.get_sblock(LANE_DOTS)
+        sch.compute_at(dots, blocks)
+        *_, lane, step = sch.get_loops(dots)
+        sch.reorder(step, lane)
+        sch.unroll(step)
+        sch.vectorize(lane)
+        sch.decompose_reduction(dots, step)
+        for name in GROUP_STAGES:
+            if name in names:
+                sch.compute_at(sch.get_sblock(name), rows)
+        sch.reverse_compute_at(matmul, rows)
+        for name in names[names.index(MATMUL) + 1 :]:  # a fused residual add
+            sch.reverse_compute_at(sch.get_sblock(name), rows)
+        sch.decompose_reduction(partial, blocks)
+        return sch
+
+
+class RowNorm(dl.ScheduleRule):
+    """A reduction over the last axis feeding an elementwise output of the same rows (rms_norm):
+    rows in parallel, the reduction once per row, the output vectorized. dlight's CPU Reduction
+    rule nests the whole reduction inside the output's element loop when the row count is static
+    (decode), computing the sum of squares once per element instead of once per row."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        sch = s_tir.Schedule(func)
+        blocks = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+        if blocks is None or len(blocks) != 2 or not blocks[0].is_reduction() or not blocks[1].is_injective():
+            return None
+        reduction, output = blocks
+        *row_loops, inner = sch.get_loops(output.block_rv)
+        _, vector = sch.split(inner, [None, VECTOR_LANES])
+        sch.vectorize(vector)
+        if row_loops:  # a static single row has none left after normalization: the reduction runs once
+            rows = sch.fuse(*row_loops)
+            sch.parallel(rows)
+            sch.compute_at(reduction.block_rv, rows)
+        return sch

@@ -1,0 +1,176 @@
+"""The compile stage: a quantized model module → a Relax VM library for one target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from kiln.compile.lower import kiln_pipeline
+from kiln.compile.lower.vm_functions import attach_vm_functions
+from kiln.compile.lower.webgpu_limits import check_webgpu_limits
+from kiln.compile.toolchain.system_lib import export_system_library, system_lib_prefix
+from kiln.compile.toolchain.wasm_toolchain import link_threaded_wasm, link_tvmjs_wasm
+from kiln.errors import KilnError
+from kiln.model_memory import MIB, MemoryNeeds
+from kiln.models import DecoderConfig, DecoderModel, export_spec
+from kiln.targets import TargetEntry
+
+
+# One `prefill_all_logits` call's logits (positions × vocabulary floats) stay within this.
+ALL_LOGITS_BYTES = 64 << 20
+F32_BYTES = 4
+ALLOC_STORAGE_OPS = ("relax.memory.alloc_storage", "relax.vm.alloc_storage")
+
+# A row's `export`: how its executable becomes the library file.
+EXPORTS = {
+    "shared-library": lambda executable, path: executable.export_library(str(path)),
+    "wasm": lambda executable, path: executable.export_library(str(path), fcompile=link_tvmjs_wasm),
+    "threaded-wasm": lambda executable, path: executable.export_library(str(path), fcompile=link_threaded_wasm),
+    "system-library": export_system_library,
+}
+# A row's `kernel_check`, given the generated device source.
+KERNEL_CHECKS = {"webgpu-limits": check_webgpu_limits}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def param_specs(model: DecoderModel, entry: TargetEntry) -> list[ParamSpec]:
+    """The parameters the library expects, in the order its functions take them."""
+    with entry.target():
+        _, params = model.export_tvm(spec=export_spec(model))
+    return [ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
+
+
+def kv_cache_window(config: DecoderConfig) -> int:
+    """The KV cache's sliding window: how many past tokens it keeps besides the current one (the
+    model's window minus one: TVM lets a token see its kept window and itself); -1 for none."""
+    return config.sliding_window_size - 1 if config.sliding_window_size else -1
+
+
+def all_logits_chunk_size(config: DecoderConfig) -> int:
+    """How many positions one `prefill_all_logits` call takes (the engines split longer inputs)."""
+    return max(1, min(config.prefill_chunk_size, ALL_LOGITS_BYTES // (config.vocab_size * F32_BYTES)))
+
+
+def with_planned_memory(mod: tvm.IRModule, config: DecoderConfig) -> tvm.IRModule:
+    """`mod` with every function's memory planned for its longest input (TVM's static planning with
+    `tir_var_upper_bound`, outputs included), so that every call reuses the same blocks. Planned for
+    each call's own length, each new prompt length took new blocks that the VM's pool kept: a chat's
+    wasm memory grew by some 0.3 MB for each token of each new length, without end."""
+    bounds = {"prefill_all_logits": all_logits_chunk_size(config)}
+    for global_var, function in list(mod.functions.items()):
+        if isinstance(function, relax.Function):
+            bound = bounds.get(global_var.name_hint, config.prefill_chunk_size)
+            mod[global_var] = function.with_attrs(
+                {"tir_var_upper_bound": {"seq_len": bound}, "relax.memory_plan_dynamic_func_output": True}
+            )
+    return mod
+
+
+def planned_storage(mod: tvm.IRModule) -> dict[str, list[int]]:
+    """The sizes of the storage blocks each function's memory plan allocates (functions that allocate any)."""
+    planned = {}
+    for global_var, function in mod.functions.items():
+        if not isinstance(function, relax.Function):
+            continue
+        sizes = []
+
+        def visit(expr, sizes=sizes):
+            if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in ALLOC_STORAGE_OPS:
+                size = expr.args[0]
+                # a size known only when the function runs (the sampling helpers') is left out
+                if isinstance(size, relax.ShapeExpr) and isinstance(size.values[0], tvm.tirx.IntImm):
+                    sizes.append(int(size.values[0]))
+
+        relax.analysis.post_order_visit(function.body, visit)
+        if sizes:
+            planned[global_var.name_hint] = sorted(sizes, reverse=True)
+    return planned
+
+
+def library_metadata(model: DecoderModel, quantization: str, params: list[ParamSpec]) -> dict:
+    """What `_metadata` returns; WebLLM fetches weights by `params[].name`."""
+    config = model.config
+    return {
+        "model_type": type(model).__name__,
+        "quantization": quantization,
+        "context_window_size": config.context_window_size,
+        "prefill_chunk_size": config.prefill_chunk_size,
+        # Kiln's: the most positions one `prefill_all_logits` call takes.
+        "all_logits_chunk_size": all_logits_chunk_size(config),
+        "sliding_window_size": kv_cache_window(config),
+        "attention_sink_size": 0 if config.sliding_window_size else -1,
+        # Kiln's: the window of the layers that have one (Gemma's local layers); -1 for none.
+        "layer_sliding_window_size": config.layer_window_size or -1,
+        "tensor_parallel_shards": 1,
+        "kv_state_kind": "kv_cache",
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in params],
+    }
+
+
+def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> dict:
+    """`_metadata` for one target. Kiln fixes TVM's CPU kernel of prefill over cached tokens
+    (kiln/models/kv_cache/paged_prefill_fix.py), so float32 CPU and wasm libraries prefill in chunks past a
+    per-layer window. Elsewhere the engines prefill one token at a time past it: TVM's GPU kernels
+    still go wrong there (a WebGPU build diverged at the window), and in float16 chunks widened the
+    tiny Gemma 3's error against float32 arithmetic from 0.09 to 0.14 (its check allows 0.1)."""
+    chunked = model.dtype == "float32" and entry.cpu_kernels
+    return {**metadata, "layer_window_chunked_prefill": chunked}
+
+
+def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
+    """The model's Relax functions and scheduled kernels for `entry`, ready for code generation."""
+    target = entry.target()
+    # Exporting under the target makes TVM pick that target's attention kernels.
+    with target:
+        mod, _ = model.export_tvm(spec=export_spec(model))
+    mod = attach_vm_functions(with_planned_memory(mod, model.config), metadata, target, model.config.vocab_size)
+    with target:
+        return kiln_pipeline(entry)(mod)
+
+
+def compile_library(
+    model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path, model_id: str
+) -> dict[str, list[int]]:
+    """Write the library for `entry` to `path`; returns its functions' `planned_storage`."""
+    target = entry.target()
+    mod = scheduled_module(model, entry, metadata)
+    planned = planned_storage(mod)
+    if entry.system_lib:
+        mod = mod.with_attr("system_lib_prefix", system_lib_prefix(model_id))
+    executable = tvm.compile(mod, target, relax_pipeline=None)
+    if entry.kernel_check:
+        KERNEL_CHECKS[entry.kernel_check](device_source(executable.mod, target.kind.name))
+    if entry.kernel_source:
+        entry.kernel_source_path(path).write_text(device_source(executable.mod, target.kind.name))
+    EXPORTS[entry.export](executable, path)
+    return planned
+
+
+def check_memory_limits(entry: TargetEntry, needs: MemoryNeeds) -> None:
+    """Refuse a library that could never hold the model (WebGPU's buffers, wasm32's memory)."""
+    for limit, used, what in (
+        (entry.buffer_limit, needs.largest_buffer, "its largest buffer takes"),
+        (entry.memory_limit, needs.total, "it takes"),
+    ):
+        if limit and used > limit.bytes:
+            raise KilnError(
+                f"the model cannot run from a {entry.name} library: {what} {used / MIB:.0f} MiB, more than "
+                f"{limit.bytes / MIB:.0f} MiB ({limit.reason}); the model takes {needs.describe()}. A shorter "
+                "--context-window-size, a smaller --prefill-chunk-size or a 4-bit quantization needs less"
+            )
+
+
+def device_source(module: tvm.runtime.Module, kind: str) -> str:
+    """The generated kernel source (WGSL, CUDA, ...) among a library's imported modules."""
+    if module.kind == kind:
+        return module.inspect_source()
+    return "".join(device_source(imported, kind) for imported in module.imports)

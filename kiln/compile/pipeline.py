@@ -1,0 +1,298 @@
+"""The build, as a straight line: ingest → quantize → convert → configure → compile → package.
+
+Everything is built in a hidden temporary folder next to the output and renamed into place at
+the end, so a failed build leaves no `DIR/<model-id>/` behind (and never damages an existing one).
+A rebuild of the same source and quantization for another target reuses the converted weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tvm
+
+import kiln
+from kiln.compile.chat_config.configure import write_chat_config
+from kiln.compile.digests import file_digests
+from kiln.compile.quantization.convert import convert_weights
+from kiln.compile.source.ingest import IngestOptions, SourceModel, ingest, looks_like_hub_id
+from kiln.errors import KilnError, one_line
+from kiln.model_memory import MemoryNeeds, memory_needs
+from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_for
+from kiln.compile.lower.library import (
+    check_memory_limits,
+    compile_library,
+    library_metadata,
+    param_specs,
+    target_metadata,
+)
+from kiln.compile.quantization import Scheme, quantization_named
+from kiln.compile.source.source_weights import SourceWeights
+from kiln.compile.staging import staging_folder
+from kiln.compile.toolchain.system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
+from kiln.targets import TargetEntry, target_named
+
+BUILD_RECORD = "kiln-build.json"
+WEIGHT_FILES_GLOB = ("tensor-cache.json", "params_shard_*.bin")
+STAGED_MODEL_FILES = ("mlc-chat-config.json", "tensor-cache.json")  # what the memory accounting reads
+MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass
+class BuildRequest:
+    source: str
+    quantization: str
+    targets: list[str]
+    output: Path = Path("dist")
+    model_id: str | None = None
+    context_window_size: int | None = None
+    prefill_chunk_size: int | None = None
+    cpu_tuning: str = "portable"
+    revision: str | None = None  # of a hub id
+    allow_pickle: bool = False  # read pytorch_model*.bin with a torch older than 2.10
+
+    def ingest_options(self) -> IngestOptions:
+        return IngestOptions(revision=self.revision, allow_pickle=self.allow_pickle)
+
+    def overrides(self) -> dict[str, int]:
+        return {
+            k: v
+            for k, v in (
+                ("context_window_size", self.context_window_size),
+                ("prefill_chunk_size", self.prefill_chunk_size),
+            )
+            if v
+        }
+
+
+@dataclass
+class BuildResult:
+    model_id: str
+    model_dir: Path
+    libraries: dict[str, Path]
+    timings: dict[str, float] = field(default_factory=dict)
+    reused_weights: bool = False
+
+
+class StageClock:
+    """Times each stage and tells the user what is running (builds take minutes)."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        """A stage; an exception from outside Kiln (TVM's, a library's) escapes it as a KilnError
+        naming the stage, so the CLI prints one line (`--debug` still shows the traceback)."""
+        print(f"kiln: {name} …", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            yield
+        except KilnError:
+            raise
+        except Exception as e:
+            raise KilnError(f"the {name} stage failed: {type(e).__name__}: {one_line(e) or 'no message'}") from e
+        self.timings[name] = round(time.perf_counter() - start, 3)
+        print(f"kiln: {name} done in {self.timings[name]:.1f} s", file=sys.stderr, flush=True)
+
+
+CODE_SUFFIXES = {".py", ".cc", ".h"}  # Kiln's Python, and the C++ it compiles into the web runtime
+
+
+def kiln_code_digest() -> str:
+    """sha256 over the Kiln code that shapes a build's files (model families, build stages, the
+    tensor cache format): finer than the version number while Kiln is developed."""
+    import kiln.compile
+    import kiln.models
+    import kiln.targets
+    import kiln.tensor_cache
+
+    files = [Path(kiln.tensor_cache.__file__), Path(kiln.targets.__file__)]
+    for package in (kiln.models, kiln.compile):
+        files += sorted(p for p in Path(package.__file__).parent.rglob("*") if p.suffix in CODE_SUFFIXES)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def config_file(source: SourceModel) -> Path:
+    return source.path / "config.json" if source.path.is_dir() else source.path
+
+
+def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest, code_digest: str) -> dict | None:
+    """The previous build record if its weights were made from the same source the same way."""
+    try:
+        record = json.loads((model_dir / BUILD_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    same = (
+        record.get("source_hash") == source.source_hash
+        and record.get("quantization") == request.quantization
+        and record.get("overrides") == request.overrides()
+        and record.get("kiln_code_digest") == code_digest
+    )
+    return record if same else None
+
+
+def carry_over(previous_dir: Path, staging: Path, names: list[str]) -> None:
+    """Hard-link (or copy) files of the previous build into the new one. Only files the build
+    will not write again: a rewrite through a shared inode would change the previous build too."""
+    for name in names:
+        for path in previous_dir.glob(name):
+            target = staging / path.relative_to(previous_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if path.stat().st_dev == staging.stat().st_dev:
+                os.link(path, target)
+            else:
+                shutil.copy2(path, target)
+
+
+def target_files(record: dict) -> list[str]:
+    """The files a target's entry in the build record names."""
+    return [record[key] for key in ("library", "static_library", "kernel_source") if key in record]
+
+
+def public_source_name(source: str) -> str:
+    """A hub id as it is; a local file or folder by its name only: the record is served with the
+    model, and the user's directories are nobody's business."""
+    return source if looks_like_hub_id(source) else Path(source).name
+
+
+def checked_model_id(model_id: str) -> str:
+    if not MODEL_ID.fullmatch(model_id):
+        raise KilnError(f"model id {model_id!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
+    return model_id
+
+
+def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
+    versions = {"kiln": kiln.__version__, "tvm": tvm.__version__, "python": platform.python_version()}
+    if any(e.extension == "wasm" for e in entries):
+        from kiln.compile.toolchain.wasm_toolchain import emcc_version
+
+        versions["emscripten"] = emcc_version()
+    if any(e.system_lib for e in entries):
+        versions["llvm-ar"] = llvm_tool_version("llvm-ar")
+    return versions
+
+
+def staged_model_needs(staging: Path, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
+    """The memory the model being built takes, run by a library with `planned_storage`."""
+    chat_config, tensor_cache = (json.loads((staging / name).read_text()) for name in STAGED_MODEL_FILES)
+    return memory_needs(chat_config, tensor_cache, planned_storage)
+
+
+def quantized_model(
+    source: SourceModel, arch: Architecture, config: DecoderConfig, scheme: Scheme
+) -> tuple[DecoderModel, SourceWeights, list[str]]:
+    """The family's module with the scheme's stored weights, the source they are read from, and
+    the names of the float weights they stand for."""
+    weights = SourceWeights(source, arch.fused_sources(config), arch.decoder_prefix(source.tensor_names()))
+    model = arch.build(config, scheme.model_dtype)
+    float_names = [name for name, _ in model.named_parameters()]
+    return scheme.quantize_model(model, weights), weights, float_names
+
+
+def build(request: BuildRequest) -> BuildResult:
+    quantization = quantization_named(request.quantization)
+    entries = [target_named(name, request.cpu_tuning) for name in request.targets]
+    code_digest = kiln_code_digest()
+    request.output.mkdir(parents=True, exist_ok=True)
+    clock = StageClock()
+    with staging_folder(request.output, ".kiln-build-") as tmp:
+        staging = tmp / "model"
+        (staging / "libs").mkdir(parents=True)
+
+        with clock.stage("ingest"):
+            source = ingest(request.source, tmp / "work", request.ingest_options())
+            arch = architecture_for(source.config, config_file(source))
+            config = arch.parse_config(source.config, config_file(source), request.overrides())
+
+        with clock.stage("quantize"):
+            model, weights, float_names = quantized_model(source, arch, config, quantization)
+            params = param_specs(model, entries[0])
+
+        model_id = checked_model_id(request.model_id or f"{source.name}-{quantization.name}")
+        model_dir = request.output / model_id
+        previous = reusable_build(model_dir, source, request, code_digest)
+        kept_targets = {
+            name: target for name, target in (previous or {}).get("targets", {}).items() if name not in request.targets
+        }
+        if previous:
+            kept_files = [f for t in kept_targets.values() for f in target_files(t)]
+            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *kept_files])
+        else:
+            with clock.stage("convert"):
+                convert_weights(weights, arch, quantization, float_names, params, staging)
+        with clock.stage("configure"):
+            write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
+
+        libraries, planned = {}, {}
+        metadata = library_metadata(model, quantization.name, params)
+        for entry in entries:
+            path = staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}"
+            with clock.stage(f"compile {entry.name}"):
+                metadata_for_target = target_metadata(model, metadata, entry)
+                planned[entry.name] = compile_library(model, entry, metadata_for_target, path, model_id)
+                check_memory_limits(entry, staged_model_needs(staging, planned[entry.name]))
+            libraries[entry.name] = path
+
+        built_targets = dict(kept_targets)
+        for entry in entries:
+            built_targets[entry.name] = {
+                "library": f"libs/{libraries[entry.name].name}",
+                "seconds": clock.timings[f"compile {entry.name}"],
+                # the storage blocks each function's memory plan allocates (kiln/model_memory.py)
+                "planned_storage": planned[entry.name],
+            }
+            if entry.tunes_cpu:
+                built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}
+            if entry.system_lib:
+                built_targets[entry.name] |= {
+                    "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",
+                    "system_lib_prefix": system_lib_prefix(model_id),
+                }
+            if entry.kernel_source:
+                kernel_source = entry.kernel_source_path(libraries[entry.name])
+                built_targets[entry.name]["kernel_source"] = f"libs/{kernel_source.name}"
+        record = {
+            "model_id": model_id,
+            "source": public_source_name(request.source),
+            "source_hash": source.source_hash,
+            **({"source_revision": source.revision} if source.revision else {}),
+            "model_type": arch.model_type,
+            "quantization": quantization.name,
+            "overrides": request.overrides(),
+            "targets": built_targets,
+            "versions": toolchain_versions(entries),
+            "kiln_version": kiln.__version__,
+            "kiln_code_digest": code_digest,
+            "timings": clock.timings,
+            "reused_weights": bool(previous),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        record["files"] = file_digests(staging)  # last: every file but the record itself
+        (staging / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+
+        if model_dir.exists():
+            model_dir.rename(tmp / "previous")
+        staging.rename(model_dir)
+
+    return BuildResult(
+        model_id,
+        model_dir,
+        {t: model_dir / "libs" / p.name for t, p in libraries.items()},
+        clock.timings,
+        bool(previous),
+    )

@@ -1,0 +1,116 @@
+"""Decode matmuls on CPUs with each group's scale and offset taken out of the loop over weights.
+
+A group-quantized weight is `level × scale (+ offset)`, the scale and offset shared by a group
+of weights. With one input row (decode) the matmul regroups as
+
+    y[o] = Σ_g scale[o, g] · Σ_{j in g} level[o, j] · x[j]  +  offset[o, g] · Σ_{j in g} x[j]
+
+so the loop over a row's weights only unpacks, converts and multiply-adds, and the input's group
+sums are computed once for every row. A vector of `LANES` weights is read per step; lane l of
+block b meets the same group at every step (`LaneLayout`), so a block ends with one vector of
+lane dots per row, scaled into the row's partial sums.
+
+Only float32 weights are factored: a float16 model's weights are rounded to float16 before the
+products (by its GPU kernels, by MLC, by the reference it is tested against), which a factored
+sum would skip; its decode dequantizes each weight as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tvm import te, tirx
+from tvm.ir.expr import ExprWithOp as PrimExpr
+
+from kiln.models.stage_names import LANE_DOTS, MATMUL
+from kiln.targets import building
+
+LANES = 8
+
+# (row, column) → the weight's level; (row, group) → its group's scale or offset
+LevelOf = Callable[[PrimExpr, PrimExpr], PrimExpr]
+GroupValue = Callable[[PrimExpr, PrimExpr], PrimExpr]
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    """Which column lane `l` reads at step `t` of block `b` (`column`), and its group (`group`,
+    the same at every step of a block)."""
+
+    block_columns: int
+    steps: int
+    column: Callable[[PrimExpr, PrimExpr, PrimExpr], PrimExpr]
+    group: Callable[[PrimExpr, PrimExpr], PrimExpr]
+
+
+def consecutive_lanes(group_size: int) -> LaneLayout:
+    """A block is a group; each step reads `LANES` consecutive weights (GGUF's blocks keep
+    consecutive weights in consecutive bytes, or in the same nibble of consecutive bytes)."""
+    return LaneLayout(
+        group_size,
+        group_size // LANES,
+        lambda block, step, lane: block * group_size + step * LANES + lane,
+        lambda block, lane: block,
+    )
+
+
+def word_per_lane(values_per_word: int, group_size: int) -> LaneLayout:
+    """Lane l reads word l of a run of `LANES` words, step t the t-th value of each: a step is one
+    shift of the same loaded words (MLC's packed words hold consecutive weights). The input is
+    read transposed to match, once for every row."""
+    columns = LANES * values_per_word
+    return LaneLayout(
+        columns,
+        values_per_word,
+        lambda block, step, lane: block * columns + lane * values_per_word + step,
+        lambda block, lane: (block * columns + lane * values_per_word) // group_size,
+    )
+
+
+def applies(x: te.Tensor, in_features: int, layout: LaneLayout, weight_dtype: str) -> bool:
+    """One static input row of float32 weights, built for a CPU (LLVM) target, whole blocks of columns."""
+    entry = building()
+    one_row = all(isinstance(d, tirx.IntImm) and d.value == 1 for d in x.shape[:-1])
+    on_cpu = entry is not None and entry.cpu_kernels
+    return on_cpu and one_row and weight_dtype == "float32" and in_features % layout.block_columns == 0
+
+
+def factored_matmul(
+    x: te.Tensor,
+    level: LevelOf,
+    scale: GroupValue,
+    offset: GroupValue | None,
+    out_features: int,
+    layout: LaneLayout,
+) -> te.Tensor:
+    """y[..., o] = Σ_k x[..., k] · (level[o, k] · scale[o, g(k)] + offset[o, g(k)]) for one row x."""
+    *unit, in_features = x.shape
+    row = [0] * len(unit)
+    blocks = int(in_features) // layout.block_columns
+    lanes = te.compute(
+        (blocks, layout.steps, LANES),
+        lambda block, step, lane: x[(*row, layout.column(block, step, lane))],
+        name="x_lanes",
+    )
+    step = te.reduce_axis((0, layout.steps), name="step")
+    sums = te.compute(
+        (blocks, LANES), lambda block, lane: te.sum(lanes[block, step, lane], axis=step), name="x_lane_sums"
+    )
+
+    def lane_dot(o, block, lane):
+        step = te.reduce_axis((0, layout.steps), name="step")
+        weight = level(o, layout.column(block, step, lane)).astype("float32")
+        return te.sum(weight * lanes[block, step, lane], axis=step)
+
+    dots = te.compute((out_features, blocks, LANES), lane_dot, name=LANE_DOTS)
+    block, lane = te.reduce_axis((0, blocks), name="block"), te.reduce_axis((0, LANES), name="lane")
+
+    def row_sum(*idx):
+        o, group = idx[-1], layout.group(block, lane)
+        term = scale(o, group) * dots[o, block, lane]
+        if offset is not None:
+            term = term + offset(o, group) * sums[block, lane]
+        return te.sum(term, axis=[block, lane])
+
+    return te.compute((*unit, out_features), row_sum, name=MATMUL)

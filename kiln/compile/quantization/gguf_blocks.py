@@ -1,0 +1,169 @@
+"""`gguf_f32` and `gguf_f16`: a GGUF's weights compiled as the file stores them.
+
+Every matrix a Linear or Embedding reads keeps its GGUF type and bytes (see ggml_blocks.py);
+the kernels that read it dequantize each weight where they use it. A fused weight whose parts
+have different types (Q4_K_M files store some `attn_v` and `ffn_down` as Q6_K) runs as one
+matmul per run of parts of one type, the outputs side by side: nothing is quantized again.
+Norms and biases are stored in the model's float dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+
+import numpy as np
+from tvm import relax, te
+from tvm.relax.frontend import nn
+
+from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
+from kiln.compile.quantization.stored import Stored
+from kiln.compile.source.gguf_source import GGUFTensorBlocks
+from kiln.compile.source.source_weights import SourceWeights
+from kiln.errors import KilnError
+from kiln.models.layers import Embedding, Linear, add_bias
+from kiln.models.stage_names import GATHERED_ROWS
+from kiln.targets import building
+
+
+def reads_words() -> bool:
+    """Whether the target being built reads the stored words and shifts bytes out of them (WGSL has
+    no 8-bit type). Every other target reads bytes, which lets a CPU load a run of them as one vector."""
+    entry = building()
+    return entry is not None and not entry.loads_bytes
+
+
+def as_bytes(words: relax.Expr, rows, row_words) -> relax.Expr:
+    """The stored words as [rows, row bytes] uint8: a view of the same memory, not a copy."""
+    return relax.op.memory.view(words, shape=[rows, row_words * 4], dtype="uint8")
+
+
+def readable(blocks: nn.Tensor) -> nn.Tensor:
+    """What the kernels read of a stored matrix, for the target being built."""
+    if reads_words():
+        return blocks
+    return nn.wrap_nested(as_bytes(blocks._expr, *blocks.shape), "bytes")
+
+
+class BlockMatrix(nn.Module):
+    """Rows of a weight stored in one block type: `blocks` [rows, row words] (uint32)."""
+
+    def __init__(self, block_type: BlockType, rows: int, cols: int, dtype: str):
+        self.block_type, self.rows, self.cols, self.dtype = block_type, rows, cols, dtype
+        self.blocks = nn.Parameter((rows, block_type.row_words(cols)), "uint32")
+
+    def matmul(self, x: nn.Tensor) -> nn.Tensor:
+        return nn.op.tensor_expr_op(
+            lambda x, w: self.block_type.matmul_te(x, w, self.rows, self.cols, self.dtype, x.dtype),
+            "dequantize_matmul",
+            [x, readable(self.blocks)],
+        )
+
+
+class GGUFLinear(nn.Module):
+    def __init__(self, linear: Linear, runs: list[tuple[BlockType, int]], dtype: str):
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.parts = nn.ModuleList(
+            [BlockMatrix(block_type, rows, linear.in_features, dtype) for block_type, rows in runs]
+        )
+        self.bias = linear.bias
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        outputs = [part.matmul(x) for part in self.parts]
+        y = outputs[0] if len(outputs) == 1 else nn.op.concat(outputs, dim=-1)
+        return add_bias(y, self.bias)
+
+
+class GGUFEmbedding(nn.Module):
+    def __init__(self, embedding: Embedding, block_type: BlockType, dtype: str):
+        self.vocab_size, self.hidden_size = embedding.vocab_size, embedding.hidden_size
+        self.block_type, self.dtype = block_type, dtype
+        self.blocks = nn.Parameter((self.vocab_size, block_type.row_words(self.hidden_size)), "uint32")
+
+    def forward(self, token_ids: nn.Tensor) -> nn.Tensor:
+        def gather_rows(w, ids):
+            rows = te.compute((ids.shape[0], w.shape[1]), lambda i, j: w[ids[i], j], name=GATHERED_ROWS)
+            return self.block_type.dequantize_te(rows, ids.shape[0], self.hidden_size, self.dtype)
+
+        return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [readable(self.blocks), token_ids])
+
+    def project(self, x: nn.Tensor) -> nn.Tensor:
+        return nn.op.tensor_expr_op(
+            lambda x, w: self.block_type.matmul_te(x, w, self.vocab_size, self.hidden_size, self.dtype, "float32"),
+            "dequantize_lm_head",
+            [x, readable(self.blocks)],
+        )
+
+
+def runs_of_one_type(parts: list[GGUFTensorBlocks]) -> list[list[GGUFTensorBlocks]]:
+    return [list(run) for _, run in groupby(parts, key=lambda part: part.type_name)]
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    name: str
+    model_dtype: str
+
+    @property
+    def describe(self) -> str:
+        return f"a .gguf source's own blocks (not quantized again), {self.model_dtype} activations"
+
+    def block_type(self, part: GGUFTensorBlocks, path) -> BlockType:
+        if part.type_name not in BLOCK_TYPES:
+            raise KilnError(
+                f"tensor {part.gguf_name} has type {part.type_name}, which {self.name} does not "
+                f"compile (supported: {', '.join(BLOCK_TYPES)})",
+                path,
+            )
+        block_type = BLOCK_TYPES[part.type_name]
+        if part.cols % block_type.elements:
+            raise KilnError(
+                f"tensor {part.gguf_name} has rows of {part.cols} values, not whole "
+                f"{part.type_name} blocks of {block_type.elements}",
+                path,
+            )
+        return block_type
+
+    def stored(self, run: list[GGUFTensorBlocks], path) -> Stored:
+        """Parts of one type stacked: their rows of blocks as uint32 words, the record naming the type."""
+        block_type = self.block_type(run[0], path)
+        rows = np.concatenate([part.read() for part in run]) if len(run) > 1 else run[0].read()
+        if rows.shape[1] != block_type.row_bytes(run[0].cols):
+            raise KilnError(
+                f"tensor {run[0].gguf_name} has rows of {rows.shape[1]} bytes, "
+                f"{block_type.row_bytes(run[0].cols)} for its {block_type.name} shape",
+                path,
+            )
+        return Stored(block_type.words(rows), {"gguf_type": block_type.name, "gguf_shape": [len(rows), run[0].cols]})
+
+    def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
+        scheme = self
+        path = weights.source.path
+
+        class Rewriter(nn.Mutator):
+            def visit_module(self, name: str, node: nn.Module):
+                if isinstance(node, Linear):
+                    runs = [
+                        (scheme.block_type(run[0], path), sum(part.rows for part in run))
+                        for run in runs_of_one_type(weights.gguf_blocks(f"{name}.weight", scheme.name))
+                    ]
+                    return GGUFLinear(node, runs, scheme.model_dtype)
+                if isinstance(node, Embedding):
+                    (table,) = weights.gguf_blocks(f"{name}.weight", scheme.name)
+                    return GGUFEmbedding(node, scheme.block_type(table, path), scheme.model_dtype)
+                return self.visit(name, node)
+
+        return Rewriter().visit("", model)
+
+    def pack(self, name: str, weights: SourceWeights, expected: set[str]) -> dict[str, Stored]:
+        module = name.removesuffix(".weight")
+        path = weights.source.path
+        if f"{module}.blocks" in expected:
+            return {f"{module}.blocks": self.stored(weights.gguf_blocks(name, self.name), path)}
+        if f"{module}.parts.0.blocks" in expected:
+            runs = runs_of_one_type(weights.gguf_blocks(name, self.name))
+            return {f"{module}.parts.{i}.blocks": self.stored(run, path) for i, run in enumerate(runs)}
+        return {name: Stored(weights.load(name).astype(self.model_dtype))}
+
+
+SCHEMES = (GGUFBlocks("gguf_f32", "float32"), GGUFBlocks("gguf_f16", "float16"))

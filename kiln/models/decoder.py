@@ -1,0 +1,291 @@
+"""What every decoder-only family shares: the exported functions and their signatures.
+
+A family subclasses `DecoderModel` and provides `embed_tokens`, `hidden_states` (the layer stack
+and final norm over the paged KV cache) and `logits`; the functions WebLLM and Kiln's engines
+call — embed, prefill, decode, prefill_all_logits and create_tir_paged_kv_cache — are defined once
+here, with batch_prefill and batch_decode, which MLC-LLM's C++ engine (its Android and iOS apps)
+runs instead of prefill and decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import tvm
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm import relax as rx
+
+from kiln.targets import building
+
+from .kv_cache.attention_softcap import soft_cap_attention_kernels
+from .kv_cache.cache_kernels import declare_cache_kernels_noalias, leave_out_unused_attention_kernels
+from .kv_cache.cpu_decode_attention import replace_decode_attention_kernel
+from .kv_cache.gpu_decode_attention import narrow_webgpu_decode_kernels
+from .kv_cache.gpu_merge_state import replace_gpu_merge_state_kernel
+from .gguf import GGUFMapping
+from .kv_cache.paged_prefill_fix import fix_paged_prefill_kernels
+from .layers import gather_positions, last_position
+
+
+@dataclass
+class DecoderConfig:
+    """Fields the shared decoder machinery needs; a family's config extends it."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    context_window_size: int
+    prefill_chunk_size: int
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    rotary_dim: int | None = None  # RoPE over the first `rotary_dim` dimensions of a head (default: all)
+    # Each token attends to the last `sliding_window_size` tokens only; set when the context
+    # window is longer than the model's window (a window that never binds is left out).
+    sliding_window_size: int | None = None
+    # Layers that attend to the last `layer_window_size` tokens only, the others to all (Gemma's
+    # interleaved local and global layers): the KV cache's per-layer "mha_sliding" kind.
+    windowed_layers: tuple[int, ...] = ()
+    layer_window_size: int | None = None
+    # The family rotates q and k itself (per-layer RoPE bases); the KV cache then applies none.
+    family_applies_rope: bool = False
+    # Attention scores s become cap · tanh(s / cap) before the softmax (Gemma 2).
+    attention_logit_softcap: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One registry entry: how to read a family's config, build its module, and find its weights."""
+
+    model_type: str
+    parse_config: Callable[[dict, Path, dict[str, int]], DecoderConfig]
+    build: Callable[[DecoderConfig, str], "DecoderModel"]
+    # Kiln weight name -> source tensors concatenated along axis 0 (fused projections);
+    # weights not listed come from the source tensor of the same name.
+    fused_sources: Callable[[DecoderConfig], dict[str, list[str]]]
+    # Source tensors deliberately not used (regular expressions); any other unused tensor is an error.
+    ignored_tensors: tuple[str, ...] = ()
+    gguf: GGUFMapping | None = None
+    # Where a checkpoint may keep the decoder's "model.*" tensors, when it holds more than the decoder
+    # (the text tower of a multimodal checkpoint, named otherwise by other transformers versions).
+    decoder_prefixes: tuple[str, ...] = ("model.",)
+
+    def decoder_prefix(self, tensor_names: list[str]) -> str:
+        names = set(tensor_names)
+        return next((p for p in self.decoder_prefixes if f"{p}embed_tokens.weight" in names), self.decoder_prefixes[0])
+
+
+class DecoderModel(nn.Module):
+    """Base of every family's top-level module. `dtype` is the activation and KV cache dtype."""
+
+    config: DecoderConfig
+    dtype: str
+
+    def embed_tokens(self, token_ids: nn.Tensor) -> nn.Tensor:
+        raise NotImplementedError
+
+    def hidden_states(self, embeds: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
+        raise NotImplementedError
+
+    def logits(self, hidden: nn.Tensor) -> nn.Tensor:
+        raise NotImplementedError
+
+    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+        hidden = self.hidden_states(input_embed, paged_kv_cache)
+        return self.logits(last_position(hidden)), paged_kv_cache
+
+    def decode(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+        return self.logits(self.hidden_states(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def batch_prefill(self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
+        hidden = self.hidden_states(input_embeds, paged_kv_cache)
+        return self.logits(gather_positions(hidden, logit_positions)), paged_kv_cache
+
+    def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache):
+        """The batch's tokens laid out as one row, as prefill lays out a prompt's: the layers then
+        run prefill's kernels (TVM gives operators of one shape one kernel), not copies for a
+        (batch, 1) shape that every library would compile and WebGPU would make pipelines of."""
+        batch_size, _, hidden_size = input_embeds.shape
+        tokens = nn.op.reshape(input_embeds, (1, batch_size, hidden_size))
+        logits = self.logits(self.hidden_states(tokens, paged_kv_cache))
+        return nn.op.reshape(logits, (batch_size, 1, logits.shape[-1])), paged_kv_cache
+
+    def prefill_all_logits(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+        """Logits of every position: forced decoding in one pass (parity checks; WebLLM ignores it)."""
+        return self.logits(self.hidden_states(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def create_tir_paged_kv_cache(
+        self,
+        max_batch_size: tvm.tirx.Var,
+        max_total_seq_len: tvm.tirx.Var,
+        prefill_chunk_size: tvm.tirx.Var,
+        page_size: tvm.tirx.Var,
+        support_sliding_window: tvm.tirx.Var,
+    ) -> PagedKVCache:
+        c = self.config
+        rope_scaling = {} if rope_in_model(c) else c.rope_scaling or {}  # for the cache's kernels
+        layer_kinds = cache_layer_kinds(c)
+        cache = TIRPagedKVCache(
+            attn_kind=layer_kinds,
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_sliding_window_size=c.layer_window_size or 1,
+            layer_partition=rx.ShapeExpr([0, len(layer_kinds)]),
+            num_hidden_layers=len(layer_kinds),
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            qk_head_dim=c.head_dim,
+            v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NONE if rope_in_model(c) else RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=c.rope_theta,
+            rope_scaling=rope_scaling,
+            rope_ext_factors=rx.prim_value(0),
+            rotary_dim=c.rotary_dim or c.head_dim,
+            enable_disaggregation=False,
+            dtype=self.dtype,
+            target=tvm.target.Target.current(),
+        )
+        fix_paged_prefill_kernels()
+        replace_decode_attention_kernel(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
+        narrow_webgpu_decode_kernels(
+            c.num_key_value_heads,
+            c.num_attention_heads,
+            c.head_dim,
+            self.dtype,
+            rope_scaling,
+        )
+        replace_gpu_merge_state_kernel(self.dtype)
+        if c.attention_logit_softcap is not None:
+            soft_cap_attention_kernels(c.attention_logit_softcap)
+        if building().cpu_kernels:
+            declare_cache_kernels_noalias()  # after the replacements: Kiln's own decode kernel is one of them too
+        leave_out_unused_attention_kernels(cache, windowed=c.sliding_window_size is not None or bool(c.windowed_layers))
+        return cache
+
+
+def cache_layer_kinds(config: DecoderConfig) -> list[str]:
+    """The KV cache's kind of each layer: "mha_sliding" for a windowed one. TVM 0.27's cache needs
+    an "mha" layer beside them (it allocates the buffers a "mha_sliding" layer's fused QKV is split
+    into only when one exists, and fails on the first step without), so a model whose layers all
+    have a window gets one more layer in its cache, which no layer of the model uses."""
+    kinds = ["mha_sliding" if i in config.windowed_layers else "mha" for i in range(config.num_hidden_layers)]
+    return kinds if "mha" in kinds else [*kinds, "mha"]
+
+
+def rope_in_model(config: DecoderConfig) -> bool:
+    """TVM's paged KV cache applies every supported rope but longrope: its longrope kernel fails to
+    build in this TVM (and would pick the factors by chunk length), so the model applies that one,
+    and any a family applies itself."""
+    return config.family_applies_rope or (config.rope_scaling or {}).get("rope_type") == "longrope"
+
+
+def rope_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """RoPE's frequencies: theta^(-2i/d) for each rotated pair."""
+    return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+
+
+def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
+    """Phi-3's longrope (and llama.cpp's per-dimension `rope_freqs` tables): each frequency divided
+    by its factor, cos and sin scaled by the attention factor. The short factors hold up to
+    `original_max_position_embeddings`; contexts beyond it are refused by the family."""
+    scaling = config.rope_scaling
+    rotary_dim = config.rotary_dim or config.head_dim
+    inv_freq = rope_inv_freq(config.rope_theta, rotary_dim) / np.array(scaling["short_factor"], np.float64)
+    original, longest = scaling["original_max_position_embeddings"], scaling["max_position_embeddings"]
+    factor = scaling.get("attention_factor") or (
+        math.sqrt(1 + math.log(longest / original) / math.log(original)) if longest > original else 1.0
+    )
+    return inv_freq.astype(np.float32), float(factor)
+
+
+def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) -> nn.Tensor:
+    """RoPE on the q and k heads of a fused qkv (batch, seq, heads, head_dim) when the family's
+    rope is longrope, which the cache does not compute."""
+    if not rope_in_model(config):
+        return qkv
+    return rotate_qkv(qkv, kv_cache, config, *longrope_inv_freq(config))
+
+
+def rotate_qkv(
+    qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig, inv_freq: np.ndarray, attention_factor: float = 1.0
+) -> nn.Tensor:
+    """RoPE ("rotate half") of frequencies `inv_freq` on the q and k heads of a fused qkv (batch, seq,
+    heads, head_dim), at the positions the KV cache gives this step."""
+    batch, seq_len, _, _ = qkv.shape
+    positions = kv_cache.get_query_positions(batch * seq_len)
+    rotated_heads = config.num_attention_heads + config.num_key_value_heads
+    half = len(inv_freq)
+
+    def rotate(x: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
+        def value(b, s, h, d):
+            angle = pos[b * x.shape[1] + s].astype("float32") * freq[d % half]
+            partner = tirx.if_then_else(d < half, -x[b, s, h, d + half], x[b, s, h, d - half]).astype("float32")
+            rotated = (x[b, s, h, d].astype("float32") * tirx.cos(angle) + partner * tirx.sin(angle)) * attention_factor
+            return tirx.if_then_else(tirx.all(h < rotated_heads, d < 2 * half), rotated.astype(x.dtype), x[b, s, h, d])
+
+        return te.compute(x.shape, value, name="rope")
+
+    return nn.op.tensor_expr_op(rotate, "rope", [qkv, positions, nn.Tensor.from_const(inv_freq.astype(np.float32))])
+
+
+def export_spec(model: DecoderModel) -> dict[str, dict]:
+    """The signatures of the exported functions (the same for every decoder family)."""
+    hidden, dtype = model.config.hidden_size, model.dtype
+    kv_cache = nn.spec.Object(object_type=PagedKVCache)
+    with_params = {"param_mode": "packed", "effect_mode": "none"}
+    return {
+        "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": with_params},
+        "prefill": {
+            "input_embed": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+            "paged_kv_cache": kv_cache,
+            "$": with_params,
+        },
+        "decode": {
+            "input_embed": nn.spec.Tensor([1, 1, hidden], dtype),
+            "paged_kv_cache": kv_cache,
+            "$": with_params,
+        },
+        "batch_prefill": {
+            "input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+            "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+            "paged_kv_cache": kv_cache,
+            "$": with_params,
+        },
+        "batch_decode": {
+            "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
+            "paged_kv_cache": kv_cache,
+            "$": with_params,
+        },
+        "prefill_all_logits": {
+            "input_embed": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+            "paged_kv_cache": kv_cache,
+            "$": with_params,
+        },
+        "create_tir_paged_kv_cache": {
+            "max_batch_size": int,
+            "max_total_seq_len": int,
+            "prefill_chunk_size": int,
+            "page_size": int,
+            "support_sliding_window": int,
+            "$": {"param_mode": "none", "effect_mode": "none"},
+        },
+    }

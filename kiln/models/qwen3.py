@@ -1,0 +1,66 @@
+"""Qwen3 family: Qwen3 dense models (0.6B–32B) — Llama's layers with an RMSNorm over each query
+and key head (`q_norm`, `k_norm`, weights of width head_dim) before RoPE, no biases, and a
+`head_dim` of its own (128 where hidden_size / heads is 64 or 80).
+
+The norms sit between the fused qkv projection and the paged KV cache, which applies RoPE: the
+heads are split, q and k normalized, and concatenated back. A sliding window (`use_sliding_window`)
+and attention biases are off in every released checkpoint and refused when on. llama.cpp stores
+Qwen3 unpermuted ("rotate half" RoPE).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
+
+from .config_reader import ConfigReader
+from .decoder import Architecture, apply_rope
+from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
+from .layers import RMSNorm
+from .llama import IGNORED_TENSORS, LlamaAttention, LlamaConfig, LlamaForCausalLM, fused_sources, llama_layers_config
+
+
+def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> LlamaConfig:
+    read = ConfigReader(hf_config, path)
+    read.expect("attention_bias", (False,), False)
+    read.expect("use_sliding_window", (False,), False)
+    return llama_layers_config(read, read.decoder_fields(overrides))
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: LlamaConfig, dtype: str):
+        super().__init__(config, dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
+        batch, seq_len, _ = x.shape
+        qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))  # (batch, seq, heads, head_dim)
+        q, k, v = nn.op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+        qkv = apply_rope(nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), kv_cache, self.config)
+        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5)
+        return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_class = Qwen3Attention
+
+
+def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
+    return decoder_hparams(metadata, tensors, "qwen3", ["Qwen3ForCausalLM"])
+
+
+ARCHITECTURE = Architecture(
+    model_type="qwen3",
+    parse_config=parse_config,
+    build=Qwen3ForCausalLM,
+    fused_sources=fused_sources,
+    ignored_tensors=IGNORED_TENSORS,
+    gguf=GGUFMapping(
+        architecture="qwen3",
+        config=gguf_config,
+        layer_tensors={**LLAMA_LAYER_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    ),
+)
