@@ -4,8 +4,8 @@ PY       := $(VENV)/bin/python
 PORT     ?= 8000
 DIST     ?= dist
 PYTEST_ARGS ?=
-# `make test` runs on this many pytest-xdist workers: a compile, Node or Python test leaves a core idle
-# that a SwiftShader test next to it uses (the builds are shared: tests/conftest.py).
+# `make test` runs on this many pytest-xdist workers: the browser tests on one, one after another, the
+# compile, Node and Python tests on the others (the builds are shared: tests/conftest.py).
 TEST_WORKERS ?= 2
 SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
@@ -58,7 +58,7 @@ lint: setup
 	cd web && npx eslint . && npx tsc -p tsconfig.json
 
 test: setup lint runtime
-	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup lint
 	$(VENV)/bin/pytest -ra -m "not slow and not browser" $(PYTEST_ARGS)

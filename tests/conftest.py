@@ -3,7 +3,8 @@
 Set KILN_TEST_DIST to a folder to keep builds between runs (a developer's inner loop); by default
 they go to pytest's temporary folder. Builds add targets to one model folder as tests ask for
 them, which also exercises the pipeline's weight reuse. `make test` runs the tests on two pytest-xdist
-workers: they share the builds' folder, and a model is built under a lock, by whichever worker asks first.
+workers (the browser tests all on one): they share the builds' folder, and a model is built under a
+lock, by whichever worker asks first.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if COMPILING_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+        # SwiftShader takes both cores: two browser tests side by side would each run at half speed
+        # (past their timeouts), so one pytest-xdist worker runs them all, the other the rest.
+        if item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.xdist_group("browser"))
 
 
 class SessionBuilds:
