@@ -4,9 +4,11 @@ PY       := $(VENV)/bin/python
 PORT     ?= 8000
 DIST     ?= dist
 PYTEST_ARGS ?=
-# `make test` runs on this many pytest-xdist workers: the browser tests on one, one after another, the
-# compile, Node and Python tests on the others (the builds are shared: tests/conftest.py).
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (0: none, one test after another). The workers share the builds
+# (tests/conftest.py) and run the browser tests on one of them. Not the default: on 2 cores, two workers
+# ran the suite in 62 min against 72 with every test spread over both, and slower still with the browser
+# tests on one, since SwiftShader and each worker's TVM thread pool all want both cores.
+TEST_WORKERS ?= 0
 SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: setup system python web runtime lint test test-fast demo demo-build wheel clean
