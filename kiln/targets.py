@@ -147,6 +147,21 @@ class TargetEntry:
         return described["kind"], described.get("mtriple")
 
 
+WEBGPU = TargetEntry(
+    "webgpu",
+    "browsers with WebGPU (wasm + WGSL)",
+    webgpu_target,
+    "webgpu",
+    "wasm",
+    "wasm",
+    "webgpu-limits",
+    browser=True,
+    buffer_limit=BROWSER_BUFFER,
+    converts_halves=False,
+    loads_bytes=False,
+    narrow_decode_attention=True,
+)
+
 TARGETS: dict[str, TargetEntry] = {
     t.name: t
     for t in (
@@ -170,34 +185,13 @@ TARGETS: dict[str, TargetEntry] = {
             "so",
             device="cuda",
         ),
-        TargetEntry(
-            "webgpu",
-            "browsers with WebGPU (wasm + WGSL)",
-            webgpu_target,
-            "webgpu",
-            "wasm",
-            "wasm",
-            "webgpu-limits",
-            browser=True,
-            buffer_limit=BROWSER_BUFFER,
-            converts_halves=False,
-            loads_bytes=False,
-            narrow_decode_attention=True,
-        ),
-        TargetEntry(
-            "webgpu-subgroups",
-            "browsers whose GPU has WebGPU subgroups (decode kernels sum in subgroup shuffles; "
+        WEBGPU,
+        replace(
+            WEBGPU,
+            name="webgpu-subgroups",
+            describe="browsers whose GPU has WebGPU subgroups (decode kernels sum in subgroup shuffles; "
             "the browser engine prefers it to webgpu there)",
-            webgpu_target,
-            "webgpu-subgroups",
-            "wasm",
-            "wasm",
-            "webgpu-limits",
-            browser=True,
-            buffer_limit=BROWSER_BUFFER,
-            converts_halves=False,
-            loads_bytes=False,
-            narrow_decode_attention=True,
+            schedule_family="webgpu-subgroups",
         ),
         TargetEntry(
             "wasm",
