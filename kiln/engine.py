@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -158,6 +158,8 @@ class Engine:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
+        self._generations = 0  # generations started: what an `interrupter` is bound to
+        self._interrupt_lock = threading.Lock()
         self.last_active = time.monotonic()  # when the last generation ended (or the engine loaded)
         self._cached_ids: list[int] = []
         self._conversation: Conversation | None = None
@@ -267,6 +269,19 @@ class Engine:
         """End the running generation after its current step (finish_reason "abort")."""
         self._interrupted.set()
 
+    def interrupter(self) -> Callable[[], None]:
+        """`interrupt`, for the generation running now only: called after it ends (once another has
+        taken the engine), it does nothing."""
+        with self._interrupt_lock:
+            generation = self._generations
+
+        def interrupt() -> None:
+            with self._interrupt_lock:
+                if self._generations == generation:
+                    self._interrupted.set()
+
+        return interrupt
+
     def reset(self) -> None:
         """Forget the KV cache and the conversation."""
         self._acquire()
@@ -358,7 +373,9 @@ class Engine:
     ) -> Iterator[Delta]:
         self._acquire()
         try:
-            self._interrupted.clear()
+            with self._interrupt_lock:
+                self._generations += 1
+                self._interrupted.clear()
             yield  # primed by _start
             yield from self._run(prompt_ids, config, stops, conversation_text, constraint)
         except GeneratorExit:

@@ -51,20 +51,21 @@ def watch_connection(connection: socket.socket, done: threading.Event, on_close)
 
 @contextmanager
 def interrupted_if_client_leaves(connection: socket.socket | None, engine) -> Iterator[None]:
-    """Interrupt `engine` when the client closes `connection` while the block runs.
+    """Interrupt the generation `engine` runs now when the client closes `connection` while the block runs.
 
     The request body is read by now, so end-of-file means the client is gone (an HTTP/1.1 client
     does not half-close while it waits for its reply; Go's net/http cancels a request on the same
-    sign). The watcher is joined before the block ends, so it can never interrupt the next
-    request's generation. Only werkzeug's server exposes the connection (`werkzeug.socket`), and
-    only a plain TCP socket can be peeked at.
+    sign). The watcher interrupts only that generation (`Engine.interrupter`): a stream's generation
+    ends, and frees the engine, before its watcher stops, and another request's may start in between.
+    Only werkzeug's server exposes the connection (`werkzeug.socket`), and only a plain TCP socket can
+    be peeked at.
     """
     if type(connection) is not socket.socket:
         yield
         return
     done = threading.Event()
     watcher = threading.Thread(
-        target=watch_connection, args=(connection, done, engine.interrupt), name="kiln-client-watch", daemon=True
+        target=watch_connection, args=(connection, done, engine.interrupter()), name="kiln-client-watch", daemon=True
     )
     watcher.start()
     try:
