@@ -65,10 +65,9 @@ test: setup lint runtime
 test-fast: setup lint
 	$(VENV)/bin/pytest -ra -m "not slow and not browser" $(PYTEST_ARGS)
 
-# A wheel that works outside the checkout: it carries the served part of web/ (kiln/server/web_files.py says why).
+# A wheel that works outside the checkout: setup.py copies the served part of web/ into it.
 wheel: python web
 	rm -rf build
-	$(PY) -c "import kiln.server.web_files as w; w.copy_served_files(w.CHECKOUT_WEB_DIR, w.PACKAGED_WEB_DIR)"
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
 
 SMOLLM2 = $(shell $(PY) tests/assets.py)

@@ -1,5 +1,6 @@
-"""The wheel works outside the checkout: built as `make wheel` builds it, installed into a fresh venv
-that reaches the checkout's dependencies but not the checkout, its commands run from another folder."""
+"""The wheel works outside the checkout: built by a plain `pip wheel` of the sources (as `pip install
+git+…` builds it), installed into a fresh venv that reaches the checkout's dependencies but not the
+checkout, its commands run from another folder."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 
 import kiln
-from kiln.server.web_files import copy_served_files
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +47,31 @@ def run(command: list, cwd: Path, timeout: float = 600) -> str:
     return result.stdout
 
 
+def sources(tmp: Path) -> Path:
+    """The checkout's sources, without what `npm ci` and builds add."""
+    shutil.copytree(CHECKOUT, tmp / "source", ignore=NOT_SOURCES)
+    return tmp / "source"
+
+
+def pip_wheel(source: Path, wheel_dir: Path, env: dict) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheel_dir, source]
+    return subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=600)
+
+
+def build_wheel(source: Path, wheel_dir: Path) -> Path:
+    result = pip_wheel(source, wheel_dir, ENV)
+    assert result.returncode == 0, result.stderr
+    [wheel] = wheel_dir.glob("kiln_llm-*.whl")
+    return wheel
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The bin folder of a fresh venv holding the wheel; its other packages are the checkout venv's."""
     tmp = tmp_path_factory.mktemp("packaging")
-    source = tmp / "source"
-    shutil.copytree(CHECKOUT, source, ignore=NOT_SOURCES)
-    shutil.rmtree(source / "kiln" / "data" / "web", ignore_errors=True)
-    copy_served_files(CHECKOUT / "web", source / "kiln" / "data" / "web")
-    run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "wheel", source],
-        cwd=tmp,
-    )
-    [wheel] = (tmp / "wheel").glob("kiln_llm-*.whl")
+    source = sources(tmp)
+    (source / "web" / "node_modules").symlink_to(CHECKOUT / "web" / "node_modules")
+    wheel = build_wheel(source, tmp / "wheel")
     venv = tmp / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
     python = venv / "bin" / "python"
@@ -98,6 +110,24 @@ def test_the_installed_kiln_is_the_wheel_not_the_checkout(installed, elsewhere):
     assert inside_checkout == [str(CHECKOUT_SITE_PACKAGES)]
     assert not [f for f in report["finders"] if "editable" in f]
     assert report["version"] == kiln.__version__
+
+
+def test_the_wheel_carries_the_served_web_files_and_no_dev_package(installed, elsewhere):
+    listing = (
+        "import json; from kiln.server import web_files as w; "
+        "print(json.dumps({p: (w.PACKAGED_WEB_DIR / p).is_dir() for p in w.WEB_PREFIXES}))"
+    )
+    carried = json.loads(run([installed / "python", "-c", listing], cwd=elsewhere))
+    assert carried == {prefix: "web-llm" not in prefix for prefix in carried}
+
+
+def test_a_wheel_without_the_web_packages_and_npm_is_one_clear_error(tmp_path):
+    source = sources(tmp_path)
+    no_npm = {**ENV, "PATH": str(Path(sys.executable).parent)}
+    result = pip_wheel(source, tmp_path / "wheel", no_npm)
+    assert result.returncode != 0
+    assert f"{source / 'web' / 'node_modules'}/@mlc-ai/web-runtime/lib: missing, and the wheel carries it" in result.stderr
+    assert not list((tmp_path / "wheel").glob("*.whl"))
 
 
 def test_doctor(installed, elsewhere):

@@ -20,17 +20,8 @@ from kiln.app_config import BUILD_RECORD, app_config, compiled_models, read_obje
 from kiln.errors import KilnError
 
 from .files import resolve_inside, send_inside
+from .web_files import WEB_PREFIXES
 
-# The only parts of web/ the page loads; node_modules holds much else that is not for serving.
-WEB_PREFIXES = (
-    "src/",
-    "harness/",
-    "node_modules/@mlc-ai/web-runtime/lib/",
-    "node_modules/@mlc-ai/web-tokenizers/lib/",
-    "node_modules/@mlc-ai/web-xgrammar/lib/",
-    "node_modules/@huggingface/jinja/dist/",
-    "node_modules/@mlc-ai/web-llm/lib/",
-)
 WEBLLM_PREFIX = "resolve/"
 # Paths that pages of other origins may read, given CORS (app.py): the model files and the app config.
 SHARED_PATHS = ("/models/", "/api/app-config.json")

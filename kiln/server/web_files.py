@@ -2,9 +2,13 @@
 
 In a checkout it serves web/ itself: the engine as it is edited, the npm packages as `npm ci`
 installed them. An installed wheel cannot reach web/, so it carries a copy of exactly the served
-part of it, which `make wheel` writes into kiln/data/web before building. Copying the packages'
-dist files (some 12 MB, mostly the tokenizers' inlined wasm) rather than asking for npm at run
-time keeps `pip install` the one install step, and pins the packages to web/package-lock.json.
+part of it, which setup.py's build step writes into the wheel's kiln/data/web, whatever builds it.
+Copying the packages' dist files (some 12 MB, mostly the tokenizers' inlined wasm) rather than
+asking for npm at run time keeps `pip install` the one install step, and pins the packages to
+web/package-lock.json.
+
+setup.py loads this file by its path, before Kiln's dependencies are installed: it imports only the
+standard library and kiln.errors.
 """
 
 from __future__ import annotations
@@ -13,13 +17,21 @@ import json
 import shutil
 from pathlib import Path
 
-import kiln
 from kiln.errors import KilnError
 
-from .artifacts import WEB_PREFIXES
-
 CHECKOUT_WEB_DIR = Path(__file__).resolve().parents[2] / "web"
-PACKAGED_WEB_DIR = Path(kiln.__file__).resolve().parent / "data" / "web"
+PACKAGED_WEB_DIR = Path(__file__).resolve().parents[1] / "data" / "web"
+
+# The only parts of web/ the page loads; node_modules holds much else that is not for serving.
+WEB_PREFIXES = (
+    "src/",
+    "harness/",
+    "node_modules/@mlc-ai/web-runtime/lib/",
+    "node_modules/@mlc-ai/web-tokenizers/lib/",
+    "node_modules/@mlc-ai/web-xgrammar/lib/",
+    "node_modules/@huggingface/jinja/dist/",
+    "node_modules/@mlc-ai/web-llm/lib/",
+)
 
 
 def default_web_dir() -> Path:
@@ -35,6 +47,10 @@ def served_folders(web_dir: Path) -> list[str]:
         for prefix in WEB_PREFIXES
         if not prefix.startswith("node_modules/") or "/".join(prefix.split("/")[1:3]) in runtime
     ]
+
+
+def missing_served_folders(web_dir: Path) -> list[str]:
+    return [folder for folder in served_folders(web_dir) if not (web_dir / folder).is_dir()]
 
 
 def copy_served_files(web_dir: Path, dest: Path) -> None:
