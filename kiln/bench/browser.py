@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.app_config import model_needs, read_compiled_model
@@ -88,6 +89,20 @@ class PeakMemory:
         return self.peak_bytes / 2**20 if self.peak_bytes else None
 
 
+@dataclass
+class PageRuns:
+    """What the page measured: its two loads, the greedy runs, one top-p run, the engine's stats after
+    them and, where the GPU gives timestamps, each kernel's time in a prefill and a decode step."""
+
+    cold: dict
+    warm: dict
+    greedy: list[dict]
+    top_p: dict
+    stats: dict
+    kernels: dict | None
+    peak_rss_mb: float | None
+
+
 def bench_browser(
     model_dir: Path,
     device: str = "auto",
@@ -101,72 +116,87 @@ def bench_browser(
     model_dir = Path(model_dir)
     if not (model_dir / "kiln-build.json").is_file():
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
-    model_id = model_dir.name
-    prompt = benchmark_prompt(
-        load_tokenizer(model_dir), read_json(model_dir / "mlc-chat-config.json")["vocab_size"], prompt_tokens
-    )
+    chat_config = read_json(model_dir / "mlc-chat-config.json")
+    prompt = benchmark_prompt(load_tokenizer(model_dir), chat_config["vocab_size"], prompt_tokens)
+    page_runs = run_in_chromium(model_dir, device, prompt, decode_tokens, runs, threads)
+    report = browser_report(page_runs, model_dir, chat_config["model_config"]["num_hidden_layers"])
+    report.update(prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, runs=runs)
+    report["lines"] = report_lines(report, page_runs.stats["memory"])
+    return report
+
+
+def run_in_chromium(
+    model_dir: Path, device: str, prompt: list[int], decode_tokens: int, runs: int, threads: int | None
+) -> PageRuns:
     webgpu = device != "wasm"
     with (
         page_engine(model_dir.resolve().parent, webgpu, extra_args=PRECISE_TIMESTAMP_FLAGS if webgpu else ()) as engine,
         PeakMemory() as rss,
     ):
         page = engine.page
-        cold = engine.load(model_id, device, threads=threads)
+        cold = engine.load(model_dir.name, device, threads=threads)
         page.reload()
-        warm = engine.load(model_id, device, threads=threads)
+        warm = engine.load(model_dir.name, device, threads=threads)
         if not warm["stats"]["load"]["from_cache"]:
             raise KilnError("the second load did not come from the browser cache", model_dir)
         greedy = {"promptIds": prompt, "decodeTokens": decode_tokens, "sampling": {"temperature": 0}}
         measured = [page.evaluate(RUN_JS, greedy) for _ in range(runs + 1)][1:]  # the first run warms up
         top_p = page.evaluate(RUN_JS, {**greedy, "sampling": TOP_P_SAMPLING})
-        after_runs = page.evaluate("globalThis.kilnDriven.stats()")
-        dispatches, issue_ms = after_runs["decode_step_dispatches"], after_runs["decode_step_issue_ms"]
-        kernels = page.evaluate(KERNEL_TIMES_JS, {"promptIds": prompt}) if dispatches is not None else None
-    stats = warm["stats"]
-    layers = read_json(model_dir / "mlc-chat-config.json")["model_config"]["num_hidden_layers"]
-    needs = model_needs(read_compiled_model(model_dir), stats["library_target"])
-    memory = after_runs["memory"]
+        stats = page.evaluate("globalThis.kilnDriven.stats()")
+        timed = stats["decode_step_dispatches"] is not None
+        kernels = page.evaluate(KERNEL_TIMES_JS, {"promptIds": prompt}) if timed else None
+    return PageRuns(cold, warm, measured, top_p, stats, kernels, rss.peak_mb)
+
+
+def browser_report(page_runs: PageRuns, model_dir: Path, layers: int) -> dict:
+    """`kiln bench native`'s keys (medians of the greedy runs) with the page's own."""
+    loaded = page_runs.warm["stats"]
+    needs = model_needs(read_compiled_model(model_dir), loaded["library_target"])
+    memory, kernels = page_runs.stats["memory"], page_runs.kernels
+    dispatches = page_runs.stats["decode_step_dispatches"]
 
     def median(key: str) -> float | None:
-        values = [run[key] for run in measured if run[key] is not None]
+        values = [run[key] for run in page_runs.greedy if run[key] is not None]
         return statistics.median(values) if values else None
 
     # workgroup barriers each invocation passes in a decode step, not counting those inside loops
     barriers = sum(k["dispatches"] * k["barriers"] for k in kernels["decode"]) if kernels else None
-    report = {
-        "model_id": stats["model_id"],
-        "device": stats["backend"],
-        "library": stats["library_target"],
-        "adapter": stats["adapter"],
-        "threads": stats["threads"] if stats["backend"] == "wasm" else None,
-        "prompt_tokens": prompt_tokens,
-        "decode_tokens": decode_tokens,
-        "runs": runs,
-        "load_s": warm["seconds"],
-        "cold_load_s": cold["seconds"],
-        "warm_load_s": warm["seconds"],
+    return {
+        "model_id": loaded["model_id"],
+        "device": loaded["backend"],
+        "library": loaded["library_target"],
+        "adapter": loaded["adapter"],
+        "threads": loaded["threads"] if loaded["backend"] == "wasm" else None,
+        "layers": layers,
+        "load_s": page_runs.warm["seconds"],
+        "cold_load_s": page_runs.cold["seconds"],
+        "warm_load_s": page_runs.warm["seconds"],
         "ttft_s": median("ttft_s"),
         "prefill_tokens_per_s": median("prefill_tokens_per_s"),
         "decode_tokens_per_s": median("decode_tokens_per_s"),
         "model_ms_per_token": median("model_ms_per_token"),
         "sample_ms_per_token": median("sample_ms_per_token"),
-        "top_p_sample_ms_per_token": top_p["sample_ms_per_token"],
-        "peak_rss_mb": rss.peak_mb,
+        "top_p_sample_ms_per_token": page_runs.top_p["sample_ms_per_token"],
+        "peak_rss_mb": page_runs.peak_rss_mb,
         "weight_bytes": needs.weights,
         "accounted_bytes": needs.total,
+        "accounted": needs.describe(),
         "wasm_memory_bytes": memory["wasm_bytes"],
         "wasm_maximum_bytes": memory["wasm_maximum_bytes"],
         "gpu_peak_bytes": memory["gpu_peak_bytes"],
         "bandwidth_fraction": None,
         "decode_step_dispatches": dispatches,
         "dispatches_per_layer": dispatches / layers if dispatches is not None else None,
-        "decode_step_issue_ms": issue_ms,
+        "decode_step_issue_ms": page_runs.stats["decode_step_issue_ms"],
         "decode_step_barriers": barriers,
         "barriers_per_layer": barriers / layers if barriers is not None else None,
         "decode_step_kernels": kernels and kernels["decode"],
         "prefill_kernels": kernels and kernels["prefill"],
     }
-    adapter = stats["adapter"]
+
+
+def report_lines(report: dict, memory: dict) -> list[str]:
+    adapter = report["adapter"]
     on = (
         f"WebGPU ({adapter['vendor']} {adapter['architecture']}, the {report['library']} library)"
         if adapter
@@ -176,9 +206,9 @@ def bench_browser(
     def rate(value: float | None) -> str:
         return "       –" if value is None else f"{value:8.1f}"
 
-    report["lines"] = [
-        f"{report['model_id']} in headless Chromium on {on}: {prompt_tokens} prompt + {decode_tokens} decoded "
-        f"tokens, median of {runs} run(s) after a warm-up",
+    lines = [
+        f"{report['model_id']} in headless Chromium on {on}: {report['prompt_tokens']} prompt + "
+        f"{report['decode_tokens']} decoded tokens, median of {report['runs']} run(s) after a warm-up",
         f"  cold load            {report['cold_load_s']:8.2f} s   (download, SHA-256, shaders, upload)",
         f"  warm load            {report['warm_load_s']:8.2f} s   (from the Cache API)",
         f"  time to first token  {report['ttft_s']:8.3f} s",
@@ -189,26 +219,33 @@ def bench_browser(
         f"{report['top_p_sample_ms_per_token']:.2f} ms sampling at temperature 0.7, top_p 0.95)",
         f"  peak RSS             {rate(report['peak_rss_mb'])} MB   "
         "(all Chromium processes, shared pages counted twice)",
-        f"  the model's memory   {held_line(memory)}; accounted for: {needs.describe()}",
+        f"  the model's memory   {held_line(memory)}; accounted for: {report['accounted']}",
     ]
-    if dispatches is not None:
-        report["lines"].append(
-            f"  GPU dispatches       {dispatches:8d} per decode step ({report['dispatches_per_layer']:.1f} per layer "
-            f"of {layers}, embedding and head included)"
-        )
-        report["lines"].append(
-            f"  CPU time to issue    {issue_ms:8.2f} ms per decode step ({1000 * issue_ms / dispatches:.1f} µs per "
-            "dispatch: the VM and tvmjs encoding it, before the GPU runs it)"
-        )
+    return lines + dispatch_lines(report)
+
+
+def dispatch_lines(report: dict) -> list[str]:
+    """Where the GPU gives them: dispatches, the CPU time to issue them, barriers and kernel times."""
+    dispatches, kernels = report["decode_step_dispatches"], report["decode_step_kernels"]
+    if dispatches is None:
+        return []
+    issue_ms = report["decode_step_issue_ms"]
+    lines = [
+        f"  GPU dispatches       {dispatches:8d} per decode step ({report['dispatches_per_layer']:.1f} per layer "
+        f"of {report['layers']}, embedding and head included)",
+        f"  CPU time to issue    {issue_ms:8.2f} ms per decode step ({1000 * issue_ms / dispatches:.1f} µs per "
+        "dispatch: the VM and tvmjs encoding it, before the GPU runs it)",
+    ]
     if kernels:
-        in_loops = sorted(k["kernel"] for k in kernels["decode"] if k["loopBarriers"])
-        report["lines"].append(
-            f"  workgroup barriers   {barriers:8d} per decode step ({report['barriers_per_layer']:.1f} per layer), "
-            f"not counting those inside loops (in {', '.join(in_loops) or 'none'})"
+        in_loops = sorted(k["kernel"] for k in kernels if k["loopBarriers"])
+        lines.append(
+            f"  workgroup barriers   {report['decode_step_barriers']:8d} per decode step "
+            f"({report['barriers_per_layer']:.1f} per layer), not counting those inside loops "
+            f"(in {', '.join(in_loops) or 'none'})"
         )
-        report["lines"] += kernel_lines("decode step", kernels["decode"])
-        report["lines"] += kernel_lines(f"{prompt_tokens}-token prefill", kernels["prefill"])
-    return report
+        lines += kernel_lines("decode step", kernels)
+        lines += kernel_lines(f"{report['prompt_tokens']}-token prefill", report["prefill_kernels"])
+    return lines
 
 
 def held_line(memory: dict) -> str:

@@ -332,6 +332,50 @@ function completionId() {
   return `chatcmpl-${Array.from(crypto.getRandomValues(new Uint8Array(12)), (b) => b.toString(16).padStart(2, "0")).join("")}`;
 }
 
+/** One chat completion's chunks and reply, in OpenAI's shapes (natively: kiln/completions.py's Reply). */
+class ChatReply {
+  constructor(model) {
+    this.id = completionId();
+    this.created = Math.floor(Date.now() / 1000);
+    this.model = model;
+  }
+
+  chunk(choices, extra = {}) {
+    return { id: this.id, object: "chat.completion.chunk", created: this.created, model: this.model, choices, ...extra };
+  }
+
+  delta(delta, finishReason = null) {
+    return this.chunk([{ index: 0, delta, finish_reason: finishReason, logprobs: null }]);
+  }
+
+  completion(message, finishReason, usage) {
+    return {
+      id: this.id, object: "chat.completion", created: this.created, model: this.model,
+      choices: [{ index: 0, message, finish_reason: finishReason, logprobs: null }],
+      usage,
+    };
+  }
+}
+
+/** OpenAI's usage, with Kiln's timings in `extra` (README, "Benchmarks"). */
+function completionUsage(promptIds, text, run, started, constraint) {
+  const { tokens, firstTokenAt, lastTokenAt } = run;
+  return {
+    prompt_tokens: promptIds.length,
+    completion_tokens: text.ids.length,
+    total_tokens: promptIds.length + text.ids.length,
+    extra: {
+      prefilled_tokens: run.prefilled,
+      time_to_first_token_s: seconds(started, firstTokenAt),
+      prefill_tokens_per_s: run.prefilled / run.prefillSeconds,
+      // tokens after the first ÷ the time from the first to the last, sampling included
+      decode_tokens_per_s: tokens.length > 1 ? (tokens.length - 1) / seconds(firstTokenAt, lastTokenAt) : null,
+      e2e_latency_s: seconds(started),
+      mask_ms_per_token: constraint?.steps > 0 ? (1000 * constraint.maskSeconds) / constraint.steps : 0,
+    },
+  };
+}
+
 function numberIn(value, name, low, high, { lowOpen = false } = {}) {
   if (typeof value !== "number" || !Number.isFinite(value) || value > high || (lowOpen ? value <= low : value < low)) {
     throw new EngineError("bad-request", `${name} must be a number in ${lowOpen ? "(" : "["}${low}, ${high}]`);
@@ -801,69 +845,28 @@ export class Engine {
     const requestedFormat = request.response_format == null ? null : responseFormatFrom(request.response_format);
     this.generating = true;
     this.interruptRequested = false;
-    const id = completionId();
-    const created = Math.floor(Date.now() / 1000);
-    const chunk = (choices, extra = {}) => ({ id, object: "chat.completion.chunk", created, model: this.record.model_id, choices, ...extra });
-    const contentChunk = (content) => chunk([{ index: 0, delta: { content }, finish_reason: null, logprobs: null }]);
+    const reply = new ChatReply(this.record.model_id);
+    const send = request.stream ? onChunk : () => {};
     const text = new TextStream(this.tokenizer, [...this.chatConfig.conv_template.stop_str ?? [], ...settings.stop]);
     let calls = null; // reads tool calls out of the reply
     let content = ""; // the reply's text outside tool calls
     const show = (delta) => {
       const shown = calls ? calls.feed(delta) : delta;
       content += shown;
-      if (shown && request.stream) onChunk(contentChunk(shown));
+      if (shown) send(reply.delta({ content: shown }));
     };
     const started = performance.now();
-    let promptText;
-    let promptIds;
-    let finishReason = null;
-    let firstTokenAt = null;
-    let prefillSeconds;
-    let prefilled;
-    let lastTokenAt;
+    let prompt;
+    let run;
     let constraint = null;
-    const tokens = [];
     try {
       const chat = tools ? await this.toolChat(request.messages, tools, requestedFormat)
         : { prompt: this.chatPrompt(request.messages), responseFormat: requestedFormat, calls: null };
-      ({ text: promptText, ids: promptIds } = chat.prompt);
-      calls = chat.calls;
-      const room = this.session.contextWindowSize - promptIds.length;
-      if (room <= 0) {
-        throw new EngineError("bad-request", `The conversation has ${promptIds.length} tokens; the context window holds ` +
-          `${this.session.contextWindowSize}. Start a new chat.`);
-      }
-      const maxTokens = Math.min(settings.maxTokens ?? room, room);
+      ({ prompt, calls } = chat);
+      const maxTokens = this.replyRoom(prompt.ids, settings);
       if (chat.responseFormat) constraint = await this.constraint(chat);
-      if (request.stream) onChunk(chunk([{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null, logprobs: null }]));
-      const prompt = await this.prefillPrompt(promptIds);
-      await this.checked();
-      prefillSeconds = seconds(started);
-      prefilled = prompt.prefilled;
-      let logits = prompt.logits;
-      const sampler = new Sampler(settings, promptIds);
-      for (;;) {
-        const token = sampler.sample(logits, constraint && await constraint.allowed());
-        sampler.record(token);
-        tokens.push(token);
-        constraint?.accept(token);
-        lastTokenAt = performance.now();
-        firstTokenAt ??= lastTokenAt;
-        // A finished format allows nothing more, so its stop token ends the reply even with ignore_eos.
-        if (this.stopTokenIds.has(token) && (!settings.ignoreEos || constraint?.finished)) {
-          finishReason = "stop";
-          break;
-        }
-        const { delta, stopped } = text.push(token);
-        show(delta);
-        if (stopped) finishReason = "stop";
-        else if (text.ids.length >= maxTokens) finishReason = "length";
-        else if (this.interruptRequested) finishReason = "abort";
-        if (finishReason) break;
-        logits = await this.session.decode(token);
-        await yieldToEventLoop();
-        await this.checked();
-      }
+      send(reply.delta({ role: "assistant", content: "" }));
+      run = await this.decodeReply(prompt.ids, { settings, constraint, text, maxTokens, show, started });
     } catch (error) {
       throw this.failed(error);
     } finally {
@@ -871,41 +874,63 @@ export class Engine {
       this.generating = false;
     }
     show(text.flush());
-    this.rememberConversation(promptText, promptIds, text);
+    this.rememberConversation(prompt.text, prompt.ids, text);
     const { content: rest, toolCalls } = calls?.finish() ?? { content: "", toolCalls: [] };
     content += rest;
-    if (rest && request.stream) onChunk(contentChunk(rest));
-    const called = toolCalls.length > 0;
-    const finished = performance.now();
-    const usage = {
-      prompt_tokens: promptIds.length,
-      completion_tokens: text.ids.length,
-      total_tokens: promptIds.length + text.ids.length,
-      extra: {
-        prefilled_tokens: prefilled,
-        time_to_first_token_s: seconds(started, firstTokenAt),
-        prefill_tokens_per_s: prefilled / prefillSeconds,
-        // README, "Benchmarks": tokens after the first ÷ the time from the first to the last, sampling included.
-        decode_tokens_per_s: tokens.length > 1 ? (tokens.length - 1) / seconds(firstTokenAt, lastTokenAt) : null,
-        e2e_latency_s: seconds(started, finished),
-        mask_ms_per_token: constraint?.steps > 0 ? (1000 * constraint.maskSeconds) / constraint.steps : 0,
-      },
-    };
+    if (rest) send(reply.delta({ content: rest }));
+    const usage = completionUsage(prompt.ids, text, run, started, constraint);
     // The token ids (with the stop token that ended the reply) are kept for parity checks.
-    this.lastRequest = { finish_reason: finishReason, token_ids: tokens, ...usage };
-    if (request.stream) {
-      const delta = called ? { tool_calls: toolCalls.map((call, index) => ({ index, ...call })) } : {};
-      onChunk(chunk([{ index: 0, delta, finish_reason: called ? "tool_calls" : finishReason, logprobs: null }]));
-      onChunk(chunk([], { usage }));
-    }
+    this.lastRequest = { finish_reason: run.finishReason, token_ids: run.tokens, ...usage };
+    const called = toolCalls.length > 0;
+    const finishReason = called ? "tool_calls" : run.finishReason;
+    send(reply.delta(called ? { tool_calls: toolCalls.map((call, index) => ({ index, ...call })) } : {}, finishReason));
+    send(reply.chunk([], { usage }));
     const message = called
       ? { role: "assistant", content: content || null, tool_calls: toolCalls }
       : { role: "assistant", content };
-    return {
-      id, object: "chat.completion", created, model: this.record.model_id,
-      choices: [{ index: 0, message, finish_reason: called ? "tool_calls" : finishReason, logprobs: null }],
-      usage,
-    };
+    return reply.completion(message, finishReason, usage);
+  }
+
+  /** The most tokens a reply to `promptIds` may have: what the request asks, within the context window. */
+  replyRoom(promptIds, settings) {
+    const room = this.session.contextWindowSize - promptIds.length;
+    if (room <= 0) {
+      throw new EngineError("bad-request", `The conversation has ${promptIds.length} tokens; the context window holds ` +
+        `${this.session.contextWindowSize}. Start a new chat.`);
+    }
+    return Math.min(settings.maxTokens ?? room, room);
+  }
+
+  /** Prefills `promptIds`, then samples the reply into `text` (showing it as it comes) until a stop, the
+   * length or an interrupt. Returns the tokens, why they ended, and when. */
+  async decodeReply(promptIds, { settings, constraint, text, maxTokens, show, started }) {
+    const prompt = await this.prefillPrompt(promptIds);
+    await this.checked();
+    const run = { tokens: [], finishReason: null, prefilled: prompt.prefilled, prefillSeconds: seconds(started) };
+    let logits = prompt.logits;
+    const sampler = new Sampler(settings, promptIds);
+    for (;;) {
+      const token = sampler.sample(logits, constraint && await constraint.allowed());
+      sampler.record(token);
+      run.tokens.push(token);
+      constraint?.accept(token);
+      run.lastTokenAt = performance.now();
+      run.firstTokenAt ??= run.lastTokenAt;
+      // A finished format allows nothing more, so its stop token ends the reply even with ignore_eos.
+      if (this.stopTokenIds.has(token) && (!settings.ignoreEos || constraint?.finished)) {
+        run.finishReason = "stop";
+        return run;
+      }
+      const { delta, stopped } = text.push(token);
+      show(delta);
+      if (stopped) run.finishReason = "stop";
+      else if (text.ids.length >= maxTokens) run.finishReason = "length";
+      else if (this.interruptRequested) run.finishReason = "abort";
+      if (run.finishReason) return run;
+      logits = await this.session.decode(token);
+      await yieldToEventLoop();
+      await this.checked();
+    }
   }
 
   interrupt() {
