@@ -76,7 +76,7 @@ def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_
     arch = architecture_for(source.config, config_file(source))
     model, _, _ = quantized_model(source, arch, arch.parse_config(source.config, config_file(source), {}), scheme)
     entry = TARGETS["cpu"]
-    module = scheduled_module(model, entry, library_metadata(model, scheme.name, param_specs(model, entry)))
+    module = scheduled_module(model, entry, library_metadata(model, scheme.name, param_specs(model)))
     llvm_ir = tvm.compile(module, entry.target(), relax_pipeline=None).mod.imports[0].inspect_source("ll")
     assert "!tbaa" in llvm_ir
     assert '"tvm-alias"' not in llvm_ir

@@ -138,7 +138,7 @@ def android_module(source_dir: Path, quantization: str, work: Path) -> tvm.IRMod
     config = arch.parse_config(source.config, config_file(source), {})
     model, _, _ = quantized_model(source, arch, config, scheme)
     entry = TARGETS["android"]
-    return scheduled_module(model, entry, library_metadata(model, scheme.name, param_specs(model, entry)))
+    return scheduled_module(model, entry, library_metadata(model, scheme.name, param_specs(model)))
 
 
 def test_one_layer_on_pocl_matches_the_cpu_build(tiny_build, tiny_source, pocl, tmp_path):

@@ -126,7 +126,8 @@ def test_a_wheel_without_the_web_packages_and_npm_is_one_clear_error(tmp_path):
     no_npm = {**ENV, "PATH": str(Path(sys.executable).parent)}
     result = pip_wheel(source, tmp_path / "wheel", no_npm)
     assert result.returncode != 0
-    assert f"{source / 'web' / 'node_modules'}/@mlc-ai/web-runtime/lib: missing, and the wheel carries it" in result.stderr
+    runtime = source / "web" / "node_modules" / "@mlc-ai" / "web-runtime" / "lib"
+    assert f"{runtime}: missing, and the wheel carries it" in result.stderr
     assert not list((tmp_path / "wheel").glob("*.whl"))
 
 

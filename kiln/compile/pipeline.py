@@ -221,7 +221,7 @@ def build(request: BuildRequest) -> BuildResult:
 
         with clock.stage("quantize"):
             model, weights, float_names = quantized_model(source, arch, config, quantization)
-            params = param_specs(model, entries[0])
+            params = param_specs(model)
 
         model_id = checked_model_id(request.model_id or f"{source.name}-{quantization.name}")
         model_dir = request.output / model_id

@@ -28,6 +28,7 @@ from .kv_cache.cache_kernels import declare_cache_kernels_noalias, leave_out_unu
 from .kv_cache.cpu_decode_attention import replace_decode_attention_kernel
 from .kv_cache.gpu_decode_attention import narrow_webgpu_decode_kernels
 from .kv_cache.gpu_merge_state import replace_gpu_merge_state_kernel
+from .kv_cache.kernel_memo import kernels_made_once
 from .gguf import GGUFMapping
 from .kv_cache.paged_prefill_fix import fix_paged_prefill_kernels
 from .layers import gather_positions, last_position
@@ -138,32 +139,33 @@ class DecoderModel(nn.Module):
         c = self.config
         rope_scaling = {} if rope_in_model(c) else c.rope_scaling or {}  # for the cache's kernels
         layer_kinds = cache_layer_kinds(c)
-        cache = TIRPagedKVCache(
-            attn_kind=layer_kinds,
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding_window,
-            layer_sliding_window_size=c.layer_window_size or 1,
-            layer_partition=rx.ShapeExpr([0, len(layer_kinds)]),
-            num_hidden_layers=len(layer_kinds),
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            qk_head_dim=c.head_dim,
-            v_head_dim=c.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NONE if rope_in_model(c) else RopeMode.NORMAL,
-            rope_scale=1,
-            rope_theta=c.rope_theta,
-            rope_scaling=rope_scaling,
-            rope_ext_factors=rx.prim_value(0),
-            rotary_dim=c.rotary_dim or c.head_dim,
-            enable_disaggregation=False,
-            dtype=self.dtype,
-            target=tvm.target.Target.current(),
-        )
+        with kernels_made_once():
+            cache = TIRPagedKVCache(
+                attn_kind=layer_kinds,
+                max_batch_size=max_batch_size,
+                max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size,
+                page_size=page_size,
+                support_sliding_window=support_sliding_window,
+                layer_sliding_window_size=c.layer_window_size or 1,
+                layer_partition=rx.ShapeExpr([0, len(layer_kinds)]),
+                num_hidden_layers=len(layer_kinds),
+                num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads,
+                qk_head_dim=c.head_dim,
+                v_head_dim=c.head_dim,
+                mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0,
+                rope_mode=RopeMode.NONE if rope_in_model(c) else RopeMode.NORMAL,
+                rope_scale=1,
+                rope_theta=c.rope_theta,
+                rope_scaling=rope_scaling,
+                rope_ext_factors=rx.prim_value(0),
+                rotary_dim=c.rotary_dim or c.head_dim,
+                enable_disaggregation=False,
+                dtype=self.dtype,
+                target=tvm.target.Target.current(),
+            )
         fix_paged_prefill_kernels()
         replace_decode_attention_kernel(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
         narrow_webgpu_decode_kernels(

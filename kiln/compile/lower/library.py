@@ -42,11 +42,10 @@ class ParamSpec:
     dtype: str
 
 
-def param_specs(model: DecoderModel, entry: TargetEntry) -> list[ParamSpec]:
-    """The parameters the library expects, in the order its functions take them."""
-    with entry.target():
-        _, params = model.export_tvm(spec=export_spec(model))
-    return [ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in params]
+def param_specs(model: DecoderModel) -> list[ParamSpec]:
+    """The parameters the library expects, in the order its functions take them (TVM's exporter
+    takes them in the module's `named_parameters` order)."""
+    return [ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in model.named_parameters()]
 
 
 def kv_cache_window(config: DecoderConfig) -> int:
