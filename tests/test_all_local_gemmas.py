@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_build import reference_model
-from tiny_families import ALL_LOCAL_FAMILIES, GEMMA_WINDOW, make_tiny_family
+from helpers.reference import reference_model
+from helpers.tiny_families import ALL_LOCAL_FAMILIES, GEMMA_WINDOW, make_tiny_family
 
 from kiln.browser.model import browser_model
 from kiln.browser.parity import greedy

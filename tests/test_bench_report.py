@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from web_helpers import run_kiln
+from helpers.web import run_kiln
 
 pytestmark = pytest.mark.browser
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from web_helpers import RequestLog, browser_page, served, wait_for_page_state
+from helpers.web import RequestLog, browser_page, served, wait_for_state
 
 from kiln.browser.driver import BrowserEngineError, PageEngine
 from kiln.runtime import NativeModel
@@ -53,12 +53,6 @@ def native_greedy(model_dir: Path, prompt_ids: list[int], count: int) -> list[in
 
 def streamed_text(chunks: list[dict]) -> str:
     return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-
-
-def wait_for_state(page, state: str, timeout_s: float = 300) -> None:
-    reached = wait_for_page_state(page, state, "error", timeout_ms=timeout_s * 1000)
-    if state != "error":
-        assert reached == state, page.inner_text("#error")
 
 
 def check_greedy_parity(engine: PageEngine, model_dir: Path) -> None:
@@ -531,7 +525,7 @@ console.log(JSON.stringify({
 def test_tvmjs_reads_tensors_past_2_gib_of_wasm_memory(tiny_dir):
     """With wasm memory filled past 2 GiB, a new tensor's object and data lie past it: tvmjs read such
     addresses as negative numbers (web/src/wasm-memory.js)."""
-    from web_helpers import run_node_module
+    from helpers.web import run_node_module
 
     library = json.loads((tiny_dir / "kiln-build.json").read_text())["targets"]["wasm"]["library"]
     result = run_node_module(PAST_2_GIB_JS, {"library": str(tiny_dir / library)})

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from web_helpers import ARTIFACTS_DIR, RequestLog, browser_page, served, wait_for_page_state
+from helpers.paths import ARTIFACTS_DIR
+from helpers.web import RequestLog, browser_page, served, wait_for_page_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from transformers import AutoModelForCausalLM
 
-from conftest import CommandResult
-from tiny_llama import make_tiny_llama
+from helpers.failures import CommandResult, assert_clean_failure
+from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
+from helpers.tiny_llama import make_tiny_llama
 
 from kiln.cli import main
 from kiln.compile.quantization import QUANTIZATIONS
@@ -27,23 +27,7 @@ from kiln.compile.quantization.group import dequantize_group, quantize_group
 from kiln.runtime import NativeModel
 from kiln.tensor_cache import SHARD_CAP_BYTES
 
-LOGIT_TOLERANCE = 2e-3
-PROMPTS = ([5, 17, 100, 42, 7, 250, 3], [300, 12, 12, 12, 9], list(range(40, 140, 3)))
 KILN = [sys.executable, "-m", "kiln.cli"]
-
-
-def reference_model(source: Path, quantization: str | None = None) -> torch.nn.Module:
-    """transformers on the source weights; with a quantization, on the weights after
-    quantize → dequantize, so any remaining difference is the kernels'."""
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    if quantization:
-        fmt = QUANTIZATIONS[quantization].group_format
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    weight = module.weight.numpy()
-                    module.weight.copy_(torch.from_numpy(dequantize_group(*quantize_group(weight, fmt), fmt)))
-    return model
 
 
 def last_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
@@ -321,16 +305,6 @@ def test_errors_exit_non_zero_with_one_line_and_no_traceback(tmp_path, tiny_sour
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == f"kiln: error: {tmp_path / 'nowhere'}: no such file or folder"
     assert "Traceback" not in result.stderr
-
-
-def assert_clean_failure(result: CommandResult, output: Path, *mentions: str) -> None:
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("kiln: error: "), result.stderr
-    for text in mentions:
-        assert text in lines[-1], (text, lines[-1])
-    assert not (output / "broken").exists()
-    assert not list(output.glob(".kiln-build-*"))
 
 
 @pytest.fixture

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers.paths import WEB_DIR
 
 from kiln.compile.quantization import QUANTIZATIONS
 from kiln.compile.quantization.group import dequantize_group, quantize_group
@@ -19,7 +20,6 @@ from kiln.runtime import NativeModel
 
 pytestmark = pytest.mark.slow
 
-WEB = Path(__file__).parent.parent / "web"
 LOGIT_TOLERANCE = 2e-3
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,")
 EXPORTED = (
@@ -97,7 +97,7 @@ def test_library_loads_in_node_and_lists_its_functions(smollm2_build, quantizati
             "--device",
             device,
         ],
-        cwd=WEB,
+        cwd=WEB_DIR,
         capture_output=True,
         text=True,
         timeout=600,

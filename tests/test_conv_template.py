@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, processors
 
-from tiny_llama import (
+from helpers.tiny_llama import (
     CHAT_TEMPLATES,
     CHATML_TOKENS,
     GEMMA_TOKENS,
@@ -25,12 +25,13 @@ from tiny_llama import (
     MISTRAL_V3_TOKENS,
     PHI_3_TOKENS,
     QWEN_TOKENS,
+    RAW_TEXTS,
     SMOLLM2_TOKENS,
     TEKKEN_TOKENS,
     ChatTokens,
     write_tokenizer,
 )
-from web_helpers import run_node_module
+from helpers.web import run_node_module
 
 import kiln.chat_template
 from kiln.chat_template import ChatTemplate
@@ -271,9 +272,6 @@ def test_a_template_that_drops_system_messages_gets_no_system_block(tmp_path):
     )
     conv = derive(tmp_path, source, PHI_3_TOKENS)
     assert conv["name"] == "phi-3" and conv["system_template"] == "" and conv["system_prefix_token_ids"] == [1]
-
-
-RAW_TEXTS = ["The capital of France is", "  two spaces\nand a line", "ünïcödé 🎮 12345", "x"]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import tvm
 from tvm import te
 
-from random_blocks import random_blocks
+from helpers.random_blocks import random_blocks
 
 from kiln.compile.lower import schedules_for
 from kiln.compile.lower.cpu_schedule import weight_rows_per_tile

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from web_helpers import RequestLog, browser_page
+from helpers.web import RequestLog, browser_page
 
 from kiln.browser.driver import BrowserEngineError, PageEngine, serving
 from kiln.server import ServerConfig, create_app

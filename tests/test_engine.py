@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.paths import WEB_DIR
+
 from kiln.completions import ChatCompletionRequest, CompletionRequest
 from kiln.engine import ERROR_CODES, Engine, EngineBusy, GenerationConfig
 from kiln.errors import KilnError
@@ -196,7 +198,7 @@ def test_a_text_completion_is_the_raw_prompt_s_continuation(fresh):
 
 
 def test_the_native_engine_s_error_codes_are_the_browser_engine_s():
-    errors_js = (Path(__file__).parents[1] / "web" / "src" / "errors.js").read_text()
+    errors_js = (WEB_DIR / "src" / "errors.js").read_text()
     browser_codes = set(re.findall(r'^  "([a-z-]+)",', errors_js, re.M))
     assert set(ERROR_CODES) <= browser_codes and "busy" in browser_codes
     assert EngineBusy("held").code == "busy"

@@ -14,9 +14,10 @@ import torch
 import tvm
 from tvm import relax
 
-from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure, reference_model
-from test_parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
-from tiny_families import (
+from helpers.failures import assert_clean_failure
+from helpers.parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
+from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
+from helpers.tiny_families import (
     GEMMA_WINDOW,
     MISTRAL_WINDOW,
     PHI3_ORIGINAL_CONTEXT,
@@ -24,6 +25,7 @@ from tiny_families import (
     make_tiny_family,
     write_family_gguf,
 )
+from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
 
 from kiln.browser.model import browser_model
 from kiln.compile.lower.library import target_metadata
@@ -365,8 +367,6 @@ def test_a_prefill_after_a_cached_prefix_matches_native(backend, builds, family_
 def test_webllm_generates_what_kiln_generates_on_gemma3(driver, builds, family_source, tmp_path):
     """Within its context (the window) WebLLM runs the windowed layers as Kiln does: here a window of
     64 binds in the model (context 512) and holds the chat."""
-    from test_webllm import assert_kiln_replies_the_same, webllm_replies
-
     source = tmp_path / "gemma3-window-64"
     shutil.copytree(family_source("gemma3"), source)
     config = json.loads((source / "config.json").read_text())

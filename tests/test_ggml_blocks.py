@@ -20,8 +20,8 @@ import tvm
 from tvm import relax
 from tvm.script import relax as R
 
-from random_blocks import HALF_FIELDS, random_blocks
-from web_helpers import browser_page, served
+from helpers.random_blocks import HALF_FIELDS, random_blocks
+from helpers.web import browser_page, served
 
 from kiln.compile.digests import file_digests
 from kiln.compile.lower import kiln_pipeline

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from test_build import LOGIT_TOLERANCE, PROMPTS, assert_clean_failure
-from test_parity import assert_contract_holds, parity
-from test_webllm import assert_kiln_replies_the_same, webllm_replies
-from tiny_families import MIXED_BLOCK_TYPES, mixed_blocks_config, permute_for_llama_cpp, write_mixed_blocks_gguf
+from helpers.failures import assert_clean_failure
+from helpers.parity import assert_contract_holds, parity
+from helpers.reference import LOGIT_TOLERANCE, PROMPTS
+from helpers.tiny_families import MIXED_BLOCK_TYPES, mixed_blocks_config, permute_for_llama_cpp, write_mixed_blocks_gguf
+from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
 
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
 from kiln.compile.source.gguf_source import GGUFModel

@@ -20,8 +20,8 @@ import gguf
 import numpy as np
 import pytest
 
-from test_ingest import FAKE_COMMIT, fake_hub
-from test_untrusted_inputs import write_hf_folder
+from helpers.hub import FAKE_COMMIT, fake_hub
+from helpers.untrusted import write_hf_folder
 
 from kiln.cli import main
 from kiln.compile.chat_config.configure import write_chat_config

@@ -12,7 +12,9 @@ from pathlib import Path
 import jinja2.sandbox
 import pytest
 from flask import Flask
-from web_helpers import run_node_module
+
+from helpers.paths import TESTS_DATA
+from helpers.web import run_node_module
 
 from kiln.chat_template import (
     MAX_TEXT,
@@ -29,7 +31,7 @@ from kiln.server.app import ServerConfig, create_app
 from kiln.structured import MAX_FORMAT_CHARS
 from kiln.tools import messages_for_template
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = TESTS_DATA / "chat_templates"
 LLAMA_31 = TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 MEGABYTE = 1 << 20

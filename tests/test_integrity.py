@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from web_helpers import served
+from helpers.web import served
 
 from kiln.browser.driver import BrowserEngineError, PageEngine, chromium
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mobile_objects import (
+from helpers.mobile_objects import (
     CPU_TYPE_ARM64,
     EM_AARCH64,
     PLATFORM_IOS,

@@ -12,7 +12,8 @@ import pytest
 from werkzeug.exceptions import NotFound
 from werkzeug.middleware.shared_data import SharedDataMiddleware
 
-from web_helpers import WEB_DIR, browser_page, served, serving
+from helpers.paths import WEB_DIR
+from helpers.web import browser_page, served, serving
 
 from kiln.engine import Engine, GenerationConfig
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mobile_objects import archive_members
+from helpers.mobile_objects import archive_members
 
 from kiln.cli import main
 from kiln.compile.toolchain.system_lib import LIBRARY_BIN_SYMBOL, llvm_tool, system_lib_prefix

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.paths import CHECKOUT
+
 import kiln
 
 pytestmark = pytest.mark.slow
 
-CHECKOUT = Path(__file__).resolve().parents[1]
 CHECKOUT_SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])
 NOT_SOURCES = shutil.ignore_patterns(
     ".git",
@@ -126,7 +127,9 @@ def test_a_wheel_without_the_web_packages_and_npm_is_one_clear_error(tmp_path):
     no_npm = {**ENV, "PATH": str(Path(sys.executable).parent)}
     result = pip_wheel(source, tmp_path / "wheel", no_npm)
     assert result.returncode != 0
-    assert f"{source / 'web' / 'node_modules'}/@mlc-ai/web-runtime/lib: missing, and the wheel carries it" in result.stderr
+    assert (
+        f"{source / 'web' / 'node_modules'}/@mlc-ai/web-runtime/lib: missing, and the wheel carries it" in result.stderr
+    )
     assert not list((tmp_path / "wheel").glob("*.whl"))
 
 

@@ -10,33 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from web_helpers import run_kiln
+from helpers.parity import PROMPTS, assert_contract_holds, parity
+from helpers.web import run_kiln
 
 from kiln.compile.digests import file_digests
 from kiln.compile.pipeline import BUILD_RECORD
 from kiln.tensor_cache import md5_of, read_index, records
 
 pytestmark = pytest.mark.browser
-
-PROMPTS = Path(__file__).parent / "data" / "parity-prompts.txt"
-
-
-def parity(model_dir: Path, *args: str) -> tuple[int, dict]:
-    result = run_kiln("parity", str(model_dir), "--json", *args)
-    assert result.stdout, result.stderr[-3000:]
-    return result.returncode, json.loads(result.stdout)
-
-
-def assert_contract_holds(code: int, report: dict, prompts: int, max_tokens: int) -> None:
-    assert report["failures"] == [] and report["passed"] and code == 0
-    assert len(report["prompts"]) == prompts
-    for prompt in report["prompts"]:
-        assert len(prompt["native_tokens"]) == max_tokens
-        assert prompt["tokenization_identical"] and prompt["non_finite"] == []
-        assert prompt["greedy_ok"] and prompt["failures"] == []
-        assert prompt["forced_top1_agreement"] >= 0.99
-    assert report["forced_top1_agreement"] >= 0.99
-    assert report["max_logit_abs_diff"] <= 1e-2
 
 
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiny_llama import write_tokenizer
+from helpers.tiny_llama import write_tokenizer
 
 from kiln.app_config import model_record, read_compiled_model
 from kiln.browser.model import browser_model
@@ -165,7 +165,7 @@ def test_a_cpu_library_out_of_memory_is_a_clear_error_and_the_model_loads_again(
     """The CPU library's memory capped below the model's needs (as a browser that cannot reserve more
     would cap it): TVM's failed allocation stops the library, which the engine reports as out-of-memory;
     a new library loads the model."""
-    from web_helpers import run_node_module
+    from helpers.web import run_node_module
 
     model_dir, _ = real_size
     record = model_record(read_compiled_model(model_dir), "")

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from web_helpers import run_kiln, run_node_module
+from helpers.web import run_kiln, run_node_module
 
 from kiln.browser.model import browser_model
 from kiln.engine import Engine, GenerationConfig

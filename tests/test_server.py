@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from web_helpers import WEB_DIR, served
+from helpers.paths import WEB_DIR
+from helpers.web import served
 
 MODEL_ID = "tiny-llama-q4f32_1"
 SECRET = b"KILN-SECRET-3141592653"

@@ -9,9 +9,10 @@ import json
 import jsonschema
 import pytest
 import requests
-from schema_corpus import SCHEMAS
-from tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
-from web_helpers import run_kiln, served
+
+from helpers.schema_corpus import SCHEMAS
+from helpers.tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
+from helpers.web import run_kiln, served
 
 from kiln.compile.chat_config.configure import tokenizer_info
 from kiln.engine import Engine, GenerationConfig

@@ -10,37 +10,13 @@ import json
 import jsonschema
 import pytest
 import requests
-from tiny_llama import TOOL_FAMILIES
+
+from helpers.tiny_llama import TOOL_FAMILIES
+from helpers.tools import PARAMETERS, QUESTION, TOOLS, WEATHER
 
 from kiln.engine import Engine
 from kiln.tools import TOOL_CALL_FORMATS, ContentBeforeCalls, ToolRequest, ToolRequestError
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-            "required": ["zone"],
-        },
-    },
-}
-TOOLS = [WEATHER, TIME]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES, LLAMA3_JSON = TOOL_CALL_FORMATS
 
 

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from tiny_llama import write_tokenizer
+from helpers.untrusted import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, KV_WIDTH, TINY_CONFIG, write_hf_folder
 
 from kiln.chat_template import ChatTemplate
 from kiln.compile.source.gguf_file import read_gguf
@@ -41,9 +41,6 @@ MAX_PEAK_BYTES = 64 << 20  # hashing a source reads it in 16 MB chunks
 LIE = 2**60
 
 # ---- a tiny valid GGUF, and where its sections are -----------------------------------------
-
-HIDDEN, HEADS, KV_HEADS, INTERMEDIATE = 32, 2, 1, 64
-KV_WIDTH = HIDDEN // HEADS * KV_HEADS
 
 
 def write_valid_gguf(path: Path, alignment: int | None = None) -> None:
@@ -368,48 +365,6 @@ def test_a_valid_safetensors_header_reads(tmp_path):
 
 
 # ---- Hugging Face folders: config.json, tokenizer files, weight index ----------------------
-
-TINY_CONFIG = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE,
-    "num_hidden_layers": 1,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS,
-    "vocab_size": 384,
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-}
-TINY_TENSORS = {
-    "model.embed_tokens.weight": (384, HIDDEN),
-    "model.norm.weight": (HIDDEN,),
-    "model.layers.0.input_layernorm.weight": (HIDDEN,),
-    "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
-    "model.layers.0.self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-    "model.layers.0.self_attn.k_proj.weight": (KV_WIDTH, HIDDEN),
-    "model.layers.0.self_attn.v_proj.weight": (KV_WIDTH, HIDDEN),
-    "model.layers.0.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-    "model.layers.0.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-    "model.layers.0.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-    "model.layers.0.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
-}
-
-
-def write_hf_folder(folder: Path) -> Path:
-    """A 1-layer Llama folder: config.json, a trained tokenizer with a ChatML template, random weights."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
-    write_tokenizer(folder)
-    rng = np.random.default_rng(0)
-    save_file(
-        {name: rng.standard_normal(shape).astype(np.float32) * 0.1 for name, shape in TINY_TENSORS.items()},
-        str(folder / "model.safetensors"),
-    )
-    return folder
 
 
 @pytest.fixture(scope="module")

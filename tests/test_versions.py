@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import tvm
 
-from web_helpers import WEB_DIR, run_node_module
+from helpers.paths import CHECKOUT, WEB_DIR
+from helpers.web import run_node_module
 
 import kiln
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel, version_series
-
-CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def test_the_python_package_the_npm_package_and_a_build_carry_one_version(tiny_build):

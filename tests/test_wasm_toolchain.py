@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from web_helpers import run_node_module
+from helpers.paths import WEB_DIR
+from helpers.web import run_node_module
 
 from kiln.compile.toolchain import wasm_toolchain
 from kiln.errors import KilnError
 
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
 # library name → (target, linker): the CPU wasm library is linked threaded, as Kiln's wasm target does
 TARGETS = {

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from web_helpers import RequestLog, browser_page, run_node_module, served
+from helpers.web import RequestLog, browser_page, run_node_module, served
 
 SHARD = "params_shard_0.bin"
 SHARD_BYTES = 64 << 10

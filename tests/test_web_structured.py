@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from schema_corpus import SCHEMAS
-from tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
-from web_helpers import run_node_module
+from helpers.schema_corpus import SCHEMAS
+from helpers.tiny_llama import CHATML_TOKENS, LLAMA_2_TOKENS, trained_tokenizer
+from helpers.web import NODE_PRELUDE, run_node_module
 
 from kiln.browser.model import browser_model
 from kiln.browser.parity import ParityContract
@@ -26,24 +26,6 @@ from kiln.engine import Engine, GenerationConfig
 from kiln.errors import KilnError
 from kiln.structured import ResponseFormat, TokenTable
 
-# The UMD bundles expect CommonJS globals when they run under Node; there `loadXgrammar` reads
-# the bundle once per instance, as the worker does with a fresh URL.
-NODE_PRELUDE = """
-    import { createRequire } from "node:module";
-    globalThis.require = createRequire(import.meta.url);
-    globalThis.__filename = "node_modules/@mlc-ai/web-tokenizers/lib/index.js";
-    await import("./node_modules/@mlc-ai/web-tokenizers/lib/index.js");
-    const XGRAMMAR = new URL("./node_modules/@mlc-ai/web-xgrammar/lib/index.js", import.meta.url);
-    let instances = 0;
-    const loadXgrammar = async ({ fresh = false } = {}) => {
-      if (fresh || instances === 0) await import(`${XGRAMMAR}?instance=${++instances}`);
-      return globalThis.xgrammar;
-    };
-    const loadTokenizer = async (path) => {
-      const bytes = new Uint8Array(readFileSync(path));
-      return { bytes, tokenizer: await globalThis.tokenizers.Tokenizer.fromJSON(bytes.slice().buffer) };
-    };
-"""
 OPENAI_FORMATS = [
     {"type": "text"},
     {"type": "json_object"},

@@ -9,11 +9,10 @@ import json
 import re
 
 import pytest
-from test_browser import wait_for_state
-from test_tool_calls import PARAMETERS, QUESTION, TIME, TOOLS, WEATHER
-from test_web_structured import NODE_PRELUDE
-from tiny_llama import TOOL_FAMILIES
-from web_helpers import browser_page, run_node_module
+
+from helpers.tiny_llama import TOOL_FAMILIES
+from helpers.tools import PARAMETERS, QUESTION, TIME, TOOLS, WEATHER
+from helpers.web import NODE_PRELUDE, browser_page, run_node_module, wait_for_state
 
 from kiln.browser.driver import page_engine
 from kiln.engine import Engine, GenerationConfig

@@ -14,9 +14,8 @@ import pytest
 from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer
 
-from test_conv_template import RAW_TEXTS
-from tiny_llama import LLAMA_2_TOKENS, write_tokenizer
-from web_helpers import run_node_module, served
+from helpers.tiny_llama import LLAMA_2_TOKENS, RAW_TEXTS, write_tokenizer
+from helpers.web import run_node_module, served
 
 from kiln.compile.chat_config.conv_template import raw_completion_template
 
@@ -436,7 +435,7 @@ WGSL_BARRIERS = {
 
 
 def test_barriers_are_counted_in_and_outside_loops():
-    from test_gpu_schedule import matmul_wgsl
+    from helpers.wgsl import matmul_wgsl
 
     kernels = {name: code for name, (code, _) in WGSL_BARRIERS.items()}
     kernels["dlight's decode GEMV"] = matmul_wgsl(576, 1536 + 128)  # rows too long for Kiln's

@@ -4,15 +4,22 @@ loads through the app config `kiln serve` publishes and its greedy replies are K
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
-from schema_corpus import SCHEMAS
 
-from tiny_llama import CHAT_TEMPLATES, LLAMA_2_TOKENS, LLAMA_3_TOKENS, PHI_3_TOKENS, QWEN_TOKENS, make_tiny_llama
-from web_helpers import WEB_DIR, browser_page, served
+from helpers.paths import WEB_DIR
+from helpers.schema_corpus import SCHEMAS
+from helpers.tiny_llama import (
+    CHAT_TEMPLATES,
+    LLAMA_2_TOKENS,
+    LLAMA_3_TOKENS,
+    PHI_3_TOKENS,
+    QWEN_TOKENS,
+    make_tiny_llama,
+)
+from helpers.webllm import MAX_TOKENS, assert_kiln_replies_the_same, webllm_replies
 
 from kiln.browser.model import browser_model
 from kiln.browser.parity import greedy
@@ -20,59 +27,9 @@ from kiln.engine import Engine, GenerationConfig
 
 pytestmark = pytest.mark.browser
 
-MAX_TOKENS = 8
-WEBLLM_TIMEOUT_MS = 30 * 60_000
-# WebLLM from `kiln serve`, configured with nothing but the server's app config.
-WEBLLM_CHAT_JS = """async ({modelId, conversations, maxTokens, request = {}}) => {
-  const webllm = await import("/web/node_modules/@mlc-ai/web-llm/lib/index.js");
-  const appConfig = await (await fetch("/api/app-config.json")).json();
-  const engine = await webllm.CreateMLCEngine(modelId, { appConfig, logLevel: "WARN" });
-  const replies = [];
-  for (const messages of conversations) {
-    await engine.resetChat();
-    const reply = await engine.chat.completions.create({ messages, temperature: 0, max_tokens: maxTokens, ...request });
-    replies.push({ text: reply.choices[0].message.content, usage: reply.usage });
-  }
-  await engine.unload();
-  return replies;
-}"""
-
 
 def webllm_version() -> str:
     return json.loads((WEB_DIR / "node_modules/@mlc-ai/web-llm/package.json").read_text())["version"]
-
-
-def webllm_replies(
-    driver,
-    profile: Path,
-    model_dir: Path,
-    conversations: list[list[dict]],
-    max_tokens: int = MAX_TOKENS,
-    request: dict | None = None,
-) -> list[dict]:
-    with served(model_dir.parent) as url, browser_page(driver, profile, url) as (_, page):
-        page.set_default_timeout(WEBLLM_TIMEOUT_MS)
-        return page.evaluate(
-            WEBLLM_CHAT_JS,
-            {
-                "modelId": model_dir.name,
-                "conversations": conversations,
-                "maxTokens": max_tokens,
-                "request": request or {},
-            },
-        )
-
-
-def assert_kiln_replies_the_same(model_dir: Path, conversations: list[list[dict]], replies: list[dict]) -> None:
-    engine = Engine(model_dir)
-    # WebLLM prefills the conv_template's system_prefix_token_ids but counts only the encoded text.
-    uncounted = len(engine.chat_config["conv_template"]["system_prefix_token_ids"])
-    for messages, reply in zip(conversations, replies, strict=True):
-        engine.reset()
-        expected = engine.generate_chat(messages, GenerationConfig(max_tokens=MAX_TOKENS))
-        assert reply["text"] == expected.text
-        assert reply["usage"]["prompt_tokens"] == len(expected.prompt_tokens) - uncounted
-        assert reply["usage"]["completion_tokens"] == len(expected.tokens)
 
 
 def test_webllm_is_the_pinned_version():

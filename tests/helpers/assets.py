@@ -8,7 +8,7 @@ installed:
 - llama.cpp's tokenizer test vocabularies (`ggml-vocab-*.gguf`, with input texts and the token
   ids llama.cpp gives for them) from the `llama-cpp-python` source distribution.
 
-`python -m tests.assets` fetches SmolLM2 and prints its path; `--all` fetches and prints all.
+`python tests/helpers/assets.py` fetches SmolLM2 and prints its path; `--all` fetches and prints all.
 """
 
 from __future__ import annotations

@@ -13,11 +13,30 @@ from pathlib import Path
 
 import pytest
 
+from helpers.paths import WEB_DIR
+
 from kiln.browser.driver import chromium, playwright_driver, serving  # noqa: F401 (playwright_driver: for conftest)
 from kiln.server import ServerConfig, create_app
 
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
-ARTIFACTS_DIR = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+# The UMD bundles expect CommonJS globals when they run under Node; there `loadXgrammar` reads
+# the bundle once per instance, as the worker does with a fresh URL.
+NODE_PRELUDE = """
+    import { createRequire } from "node:module";
+    globalThis.require = createRequire(import.meta.url);
+    globalThis.__filename = "node_modules/@mlc-ai/web-tokenizers/lib/index.js";
+    await import("./node_modules/@mlc-ai/web-tokenizers/lib/index.js");
+    const XGRAMMAR = new URL("./node_modules/@mlc-ai/web-xgrammar/lib/index.js", import.meta.url);
+    let instances = 0;
+    const loadXgrammar = async ({ fresh = false } = {}) => {
+      if (fresh || instances === 0) await import(`${XGRAMMAR}?instance=${++instances}`);
+      return globalThis.xgrammar;
+    };
+    const loadTokenizer = async (path) => {
+      const bytes = new Uint8Array(readFileSync(path));
+      return { bytes, tokenizer: await globalThis.tokenizers.Tokenizer.fromJSON(bytes.slice().buffer) };
+    };
+"""
 
 
 def require_web_packages() -> None:
@@ -80,6 +99,12 @@ def wait_for_page_state(page, *states: str, timeout_ms: float) -> str:
         ", ".join(f'body[data-state="{state}"]' for state in states), state="attached", timeout=timeout_ms
     )
     return page.get_attribute("body", "data-state")
+
+
+def wait_for_state(page, state: str, timeout_s: float = 300) -> None:
+    reached = wait_for_page_state(page, state, "error", timeout_ms=timeout_s * 1000)
+    if state != "error":
+        assert reached == state, page.inner_text("#error")
 
 
 class RequestLog:

@@ -15,8 +15,8 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from random_blocks import BLOCK_SHAPES, HALF_FIELDS, random_blocks
-from tiny_llama import VOCAB_SIZE, write_tokenizer
+from helpers.random_blocks import BLOCK_SHAPES, HALF_FIELDS, random_blocks
+from helpers.tiny_llama import VOCAB_SIZE, write_tokenizer
 
 COMMON = dict(
     vocab_size=VOCAB_SIZE,

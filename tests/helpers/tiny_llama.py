@@ -8,9 +8,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.paths import TESTS_DATA
+
 from kiln.bench.compile import DEFAULT_TEXT
 
-DATA = Path(__file__).parent / "data"
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
@@ -61,12 +62,14 @@ GEMMA_TOKENS = ChatTokens(
     sentencepiece=True,
     space_prefix=False,
 )
-CHAT_TEMPLATES = DATA / "chat_templates"
+CHAT_TEMPLATES = TESTS_DATA / "chat_templates"
 # Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
 TOOL_FAMILIES = {
     "qwen": (QWEN_TOKENS, "Qwen-Qwen2.5-7B-Instruct.jinja"),
     "llama3": (LLAMA_3_TOKENS, "meta-llama-Llama-3.1-8B-Instruct.jinja"),
 }
+# Texts for raw completion (a model without a chat template), to encode with the tiny tokenizers.
+RAW_TEXTS = ["The capital of France is", "  two spaces\nand a line", "ünïcödé 🎮 12345", "x"]
 
 
 def trained_tokenizer(tokens: ChatTokens, vocab_size: int):
