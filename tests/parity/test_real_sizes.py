@@ -5,7 +5,7 @@ workspace than its arena held (two threads stopped with `exit(1)`), TVM's KV cac
 memory for tables of a few KB, every new prompt length took new blocks, and Qwen2.5 0.5B's 7 query
 heads per KV head lost one in TVM's narrowed WebGPU decode kernel. Each library gives the native
 greedy tokens, holding the memory the app config accounts for (kiln/model_memory.py) within 15%.
-(Past 2 GiB of wasm memory: tests/test_browser.py.)"""
+(Past 2 GiB of wasm memory: tests/web/test_browser.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One version for the Python package, the npm package and the build record; the native engine
 refuses a build of another Kiln major.minor or another TVM (the web engine's refusal is in
-test_web_units.py)."""
+tests/web/test_web_units.py)."""
 
 from __future__ import annotations
 

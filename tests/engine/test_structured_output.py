@@ -1,6 +1,6 @@
 """Structured output natively and through `kiln serve`: replies held to JSON Schemas, to any JSON
 object and to EBNF grammars parse and validate; malformed formats are clear errors that leave the
-engine usable. (The browser side: test_web_structured.py.)"""
+engine usable. (The browser side: tests/web/test_web_structured.py.)"""
 
 from __future__ import annotations
 
