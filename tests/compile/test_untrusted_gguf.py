@@ -1,22 +1,17 @@
-"""Compiling untrusted files (issue 12): a corpus of broken inputs, all generated here.
+"""Compiling untrusted GGUF files (issue 12): a tiny GGUF written by gguf-py's writer, truncated in
+every section, with lying lengths, counts, alignments, names and dimensions, metadata of the wrong
+kind, and mutated at random, all generated here.
 
 Every case must end in one KilnError naming the file and the problem, without allocating what
 a lying length asks for, and through `kiln compile` in exit code 1 with one error line, no
-traceback, no model folder and no temporary files. The GGUF cut points and lies are placed with
-gguf-py's own reader (an independent parser) on a tiny GGUF written by gguf-py's writer.
+traceback, no model folder and no temporary files. The cut points and lies are placed with
+gguf-py's own reader (an independent parser).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
 import struct
-import subprocess
-import sys
 import tempfile
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -28,16 +23,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from helpers.untrusted import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, KV_WIDTH, TINY_CONFIG, write_hf_folder
+from helpers.untrusted import (
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    KV_HEADS,
+    KV_WIDTH,
+    assert_clean_cli_failure,
+    assert_refused,
+    write,
+)
 
-from kiln.chat_template import ChatTemplate
 from kiln.compile.source.gguf_file import read_gguf
 from kiln.compile.source.gguf_source import GGUFModel
-from kiln.compile.source.ingest import SAFETENSORS_ITEM_SIZES, ingest, read_config, read_safetensors_header
 from kiln.errors import KilnError
 from kiln.models import architecture_for
 
-MAX_PEAK_BYTES = 64 << 20  # hashing a source reads it in 16 MB chunks
 LIE = 2**60
 
 # ---- a tiny valid GGUF, and where its sections are -----------------------------------------
@@ -159,28 +160,6 @@ def lie(name: str, value: int = LIE, fmt: str = "<Q") -> bytes:
 
 def renamed(data: bytes, name_offset: int, new_name: bytes) -> bytes:
     return data[:name_offset] + new_name + data[name_offset + len(new_name) :]
-
-
-def write(tmp_path: Path, name: str, data: bytes) -> Path:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return path
-
-
-def assert_refused(read, path: Path, problem: str) -> KilnError:
-    """`read()` raises one KilnError naming `path` and `problem`, on one line, with a small peak of memory."""
-    tracemalloc.start()
-    try:
-        with pytest.raises(KilnError) as error:
-            read()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    message = str(error.value)
-    assert message.startswith(f"{path}: ") and problem in message, message
-    assert "\n" not in message
-    assert peak < MAX_PEAK_BYTES, f"{peak} bytes allocated"
-    return error.value
 
 
 def test_the_valid_gguf_reads():
@@ -308,270 +287,6 @@ def test_gguf_metadata_of_the_wrong_kind_is_refused(tmp_path, case):
     assert_refused(read, path, problem)
 
 
-# ---- safetensors -----------------------------------------------------------------------------
-
-
-def safetensors_bytes(header: dict | bytes, data: bytes = bytes(16), size: int | None = None) -> bytes:
-    text = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return (len(text) if size is None else size).to_bytes(8, "little") + text + data
-
-
-def entry(shape=(2, 2), offsets=(0, 16), dtype="F32") -> dict:
-    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
-
-
-SAFETENSORS_CASES = {
-    "shorter than its header length": (b"\x01\x02", "truncated safetensors file: 2 bytes"),
-    "header length beyond the file": (safetensors_bytes({"a": entry()}, size=10**6), "does not fit"),
-    "header length 2**63": (safetensors_bytes({"a": entry()}, size=2**63), "does not fit"),
-    "header not JSON": (safetensors_bytes(b"{not json"), "corrupt safetensors header"),
-    "header not UTF-8": (safetensors_bytes(b"\xff\xfe"), "corrupt safetensors header"),
-    "header not an object": (safetensors_bytes([1, 2]), "not a JSON object"),
-    "header deeply nested": (safetensors_bytes(b"[" * 100000 + b"]" * 100000), "corrupt safetensors header"),
-    "entry not an object": (safetensors_bytes({"a": 5}), "entry for a: no known dtype"),
-    "unknown dtype": (safetensors_bytes({"a": entry(dtype="F128")}), "no known dtype"),
-    "shape not a list": (safetensors_bytes({"a": {**entry(), "shape": 4}}), "shape 4 is not a list of sizes"),
-    "negative shape": (safetensors_bytes({"a": entry(shape=(-2, -2))}), "is not a list of sizes"),
-    "float shape": (safetensors_bytes({"a": entry(shape=(2.0, 2))}), "is not a list of sizes"),
-    "bool shape": (safetensors_bytes({"a": entry(shape=(True, 4))}), "is not a list of sizes"),
-    "dtype and shape not the byte length": (
-        safetensors_bytes({"a": entry(shape=(3, 2))}),
-        "takes 16 bytes, its shape and dtype need 24",
-    ),
-    "offsets past the end": (safetensors_bytes({"a": entry(shape=(4, 2), offsets=(0, 32))}), "tensor a ends at byte"),
-    "offsets reversed": (safetensors_bytes({"a": entry(offsets=(16, 0))}), "are not [begin, end]"),
-    "negative offsets": (safetensors_bytes({"a": entry(offsets=(-16, 0))}), "are not [begin, end]"),
-    "float offsets": (safetensors_bytes({"a": entry(offsets=(0.0, 16.0))}), "are not [begin, end]"),
-    "three offsets": (safetensors_bytes({"a": entry(offsets=(0, 8, 16))}), "are not [begin, end]"),
-    "huge offsets": (safetensors_bytes({"a": entry(shape=(2**60, 2), offsets=(0, 2**63))}), "ends at byte"),
-    "overlapping tensors": (safetensors_bytes({"a": entry(), "b": entry(shape=(2,), offsets=(8, 16))}), "overlap"),
-    "duplicate names": (
-        safetensors_bytes(b'{"a": ' + json.dumps(entry()).encode() + b', "a": ' + json.dumps(entry()).encode() + b"}"),
-        "'a' appears twice",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", SAFETENSORS_CASES)
-def test_corrupt_safetensors_is_refused(tmp_path, case):
-    data, problem = SAFETENSORS_CASES[case]
-    path = write(tmp_path, "model.safetensors", data)
-    assert_refused(lambda: read_safetensors_header(path), path, problem)
-
-
-def test_a_valid_safetensors_header_reads(tmp_path):
-    path = write(tmp_path, "model.safetensors", safetensors_bytes({"a": entry(), "__metadata__": {"format": "pt"}}))
-    assert read_safetensors_header(path)["a"].shape == (2, 2)
-
-
-# ---- Hugging Face folders: config.json, tokenizer files, weight index ----------------------
-
-
-@pytest.fixture(scope="module")
-def valid_folder(tmp_path_factory) -> Path:
-    return write_hf_folder(tmp_path_factory.mktemp("untrusted") / "tiny")
-
-
-@pytest.fixture
-def folder(valid_folder, tmp_path) -> Path:
-    return Path(shutil.copytree(valid_folder, tmp_path / "tiny"))
-
-
-def with_config(**changes):
-    return lambda folder: (folder / "config.json").write_text(json.dumps({**TINY_CONFIG, **changes}))
-
-
-def with_tokenizer_config(**changes):
-    def change(folder: Path) -> None:
-        path = folder / "tokenizer_config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-
-    return change
-
-
-def write_file(name: str, text: str):
-    return lambda folder: (folder / name).write_text(text)
-
-
-def sharded(weight_map: dict):
-    def change(folder: Path) -> None:
-        (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-        shutil.copy(folder / "model-00001-of-00002.safetensors", folder / "model-00002-of-00002.safetensors")
-        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-
-    return change
-
-
-FOLDER_CASES = {
-    # config.json
-    "config not JSON": (write_file("config.json", "{'hidden_size': 64"), "config.json", "malformed JSON"),
-    "config a list": (write_file("config.json", "[1, 2]"), "config.json", "no model_type"),
-    "hidden_size a string": (with_config(hidden_size="32"), "config.json", "'hidden_size' should be int, got '32'"),
-    "hidden_size a bool": (with_config(hidden_size=True), "config.json", "'hidden_size' should be int, got True"),
-    "hidden_size a float": (with_config(hidden_size=32.0), "config.json", "'hidden_size' should be int, got 32.0"),
-    "hidden_size a list": (with_config(hidden_size=[32]), "config.json", "'hidden_size' should be int, got [32]"),
-    "hidden_size zero": (with_config(hidden_size=0), "config.json", "'hidden_size' should be positive, got 0"),
-    "layers negative": (with_config(num_hidden_layers=-1), "config.json", "'num_hidden_layers' should be positive"),
-    "rms_norm_eps NaN": (
-        write_file("config.json", json.dumps(TINY_CONFIG).replace("1e-05", "NaN")),
-        "config.json",
-        "'rms_norm_eps' should be positive, got nan",
-    ),
-    "hidden_size 10**9": (with_config(hidden_size=10**9), "config.json", "'hidden_size' is 1000000000, beyond"),
-    "vocab_size 10**12": (with_config(vocab_size=10**12), "config.json", "'vocab_size' is 1000000000000, beyond"),
-    "layers 10**6": (with_config(num_hidden_layers=10**6), "config.json", "'num_hidden_layers' is 1000000, beyond"),
-    "heads not dividing hidden": (
-        with_config(num_attention_heads=3),
-        "config.json",
-        "num_attention_heads 3 does not divide hidden_size 32",
-    ),
-    "kv heads not dividing heads": (
-        with_config(num_key_value_heads=3, num_attention_heads=4),
-        "config.json",
-        "num_key_value_heads 3 does not divide num_attention_heads 4",
-    ),
-    "unknown model_type": (with_config(model_type="gpt-9"), "config.json", "unknown model_type 'gpt-9'"),
-    # tokenizer files
-    "tokenizer.json missing": (lambda folder: (folder / "tokenizer.json").unlink(), "", "no tokenizer"),
-    "tokenizer.json not JSON": (write_file("tokenizer.json", "{"), "tokenizer.json", "cannot read the tokenizer"),
-    "tokenizer.json wrong structure": (
-        write_file("tokenizer.json", '{"model": 5}'),
-        "tokenizer.json",
-        "cannot read the tokenizer",
-    ),
-    "tokenizer_config not JSON": (
-        write_file("tokenizer_config.json", "{,}"),
-        "tokenizer_config.json",
-        "malformed JSON",
-    ),
-    "tokenizer_config a list": (
-        write_file("tokenizer_config.json", "[]"),
-        "tokenizer_config.json",
-        "not a JSON object",
-    ),
-    "eos_token a number": (with_tokenizer_config(eos_token=5), "tokenizer_config.json", "eos_token should be a string"),
-    "bos_token content a list": (
-        with_tokenizer_config(bos_token={"content": ["<s>"]}),
-        "tokenizer_config.json",
-        "bos_token should be a string",
-    ),
-    "chat_template a number": (
-        with_tokenizer_config(chat_template=5),
-        "tokenizer_config.json",
-        "chat_template should be a string or named templates, got int",
-    ),
-    "chat_template without default": (
-        with_tokenizer_config(chat_template=[{"name": "tool_use", "template": "x"}]),
-        "tokenizer_config.json",
-        "none is called 'default'",
-    ),
-    "chat_template does not parse": (
-        write_file("chat_template.jinja", "{% for m in messages %}"),
-        "chat_template.jinja",
-        "the chat_template does not parse",
-    ),
-    "chat_template nested too deeply": (
-        write_file("chat_template.jinja", "{{ " + "(" * 10000 + "1" + ")" * 10000 + " }}"),
-        "chat_template.jinja",
-        "the chat_template does not parse",
-    ),
-    # weights
-    "index outside the folder": (
-        sharded({"a": "../../etc/passwd"}),
-        "model.safetensors.index.json",
-        "'../../etc/passwd', which is not a file name in its folder",
-    ),
-    "index absolute path": (sharded({"a": "/etc/passwd"}), "model.safetensors.index.json", "not a file name"),
-    "index not an object": (sharded([1]), "model.safetensors.index.json", "malformed weight index"),
-    "tensor in two shards": (
-        sharded({"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}),
-        "model-00002-of-00002.safetensors",
-        "is also in model-00001-of-00002.safetensors",
-    ),
-}
-
-
-def parse_folder(folder: Path, work_dir: Path) -> None:
-    """What the build reads before any long work: the source, then its family's config."""
-    source = ingest(folder, work_dir)
-    architecture_for(source.config, folder / "config.json").parse_config(source.config, folder / "config.json", {})
-
-
-@pytest.mark.parametrize("case", FOLDER_CASES)
-def test_broken_hf_folder_is_refused(folder, tmp_path, case):
-    break_folder, named_file, problem = FOLDER_CASES[case]
-    break_folder(folder)
-    assert_refused(lambda: parse_folder(folder, tmp_path / "work"), folder / named_file, problem)
-
-
-def test_the_valid_folder_parses(folder, tmp_path):
-    parse_folder(folder, tmp_path / "work")
-
-
-def test_read_config_of_an_untrusted_file(tmp_path):
-    path = write(tmp_path, "config.json", b"\xff\xfe not utf-8")
-    assert_refused(lambda: read_config(path), path, "malformed JSON")
-
-
-# ---- chat templates --------------------------------------------------------------------------
-
-MESSAGES = [{"role": "user", "content": "hello"}]
-TEMPLATE_CASES = {
-    "str mro": ("{{ ''.__class__.__mro__ }}", "tried something unsafe"),
-    "cycler globals": ("{{ cycler.__init__.__globals__.os }}", "tried something unsafe"),
-    "template reference context": ("{{ self._TemplateReference__context }}", "tried something unsafe"),
-    "lipsum globals": ("{{ lipsum.__globals__['os'] }}", "tried something unsafe"),
-    "joiner globals": ("{{ joiner.__init__.__globals__ }}", "tried something unsafe"),
-    "mutating messages": ("{{ messages.append({'role': 'x'}) }}", "tried something unsafe"),
-    "format attribute": ("{{ '{0.__class__}'.format(messages) }}", "tried something unsafe"),
-    "nested range loops": (
-        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
-        "ran for over 2 s",
-    ),
-    "loop over a long string": (
-        "{% set s = 'a' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
-        "ran for over 2 s",
-    ),
-    "string multiplication": ("{{ messages[0].content * 10**9 }}", "'*' would make a value of over"),
-    "list multiplication": ("{{ (messages * 10**8)|length }}", "'*' would make a value of over"),
-    "huge power": ("{{ 7 ** (10 ** 9) }}", "has over 4096 bits"),
-    "center width": ("{{ messages[0].content|center(10**9) }}", "an argument of 1000000000"),
-    "ljust width": ("{{ messages[0].content.ljust(10**9) }}", "an argument of 1000000000"),
-    "format width": ("{{ '{:>999999999}'.format(messages[0].content) }}", "pads beyond any text"),
-    "printf width": ("{{ '%999999999s' % messages[0].content }}", "pads beyond any text"),
-    "format filter width": ("{{ '%999999999s'|format(messages[0].content) }}", "pads beyond any text"),
-    "namespace doubling": (
-        "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-        "makes a value of",
-    ),
-    "macro doubling": ("{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('ab') }}", "makes a value of"),
-    "output without bound": ("{% for i in range(99999) %}{{ 'a' * 9999 }}{% endfor %}", "output passes"),
-    "division by zero": ("{{ messages|length / 0 }}", "ZeroDivisionError"),
-    "recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
-    "undefined attribute": ("{{ messages[0].nothing.deeper }}", "UndefinedError"),
-    "raise_exception": ("{{ raise_exception('no system role') }}", "refuses these messages: no system role"),
-}
-
-
-@pytest.mark.parametrize("case", TEMPLATE_CASES)
-def test_hostile_or_broken_chat_template_is_refused(tmp_path, case):
-    source, problem = TEMPLATE_CASES[case]
-    path = tmp_path / "chat_template.jinja"
-    start = time.monotonic()
-    assert_refused(lambda: ChatTemplate(source, path, {}).render(MESSAGES), path, problem)
-    assert time.monotonic() - start < 10
-
-
-def test_bounds_leave_ordinary_templates_alone(tmp_path):
-    source = (
-        "{{ '%s: %d%%'|format('a', 5) }} {{ '{} {:>4}'.format('b', 'c') }} {{ '%03d' % 7 }} {{ 2 ** 10 }} "
-        "{{ (range(3)|list + [3])|join(',') }} {{ '-' * 3 }}{% set ns = namespace(n=0) %}"
-        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
-    )
-    rendered = ChatTemplate(source, tmp_path / "t.jinja", {}).render(MESSAGES * 2)
-    assert rendered == "a: 5% b    c 007 1024 0,1,2,3 ---2"
-
-
 # ---- property-based: mutated and truncated inputs parse or raise KilnError -----------------
 
 HEADER_END = GGUF_OFFSETS["header end"]
@@ -598,59 +313,7 @@ def test_mutated_gguf_parses_or_raises_kiln_error(data):
     assert peak < 64 << 20
 
 
-VALID_SAFETENSORS = safetensors_bytes(
-    {"a": entry(), "b": entry(shape=(2,), dtype="F64", offsets=(16, 32)), "__metadata__": {"format": "pt"}},
-    data=bytes(32),
-)
-
-
-@settings(max_examples=250, deadline=None, database=None)
-@given(st.data())
-def test_mutated_safetensors_header_parses_or_raises_kiln_error(data):
-    content = bytearray(VALID_SAFETENSORS)
-    header_end = 8 + int.from_bytes(VALID_SAFETENSORS[:8], "little")
-    for _ in range(data.draw(st.integers(1, 4), label="mutations")):
-        position = data.draw(st.integers(0, header_end - 1), label="position")
-        content[position] = data.draw(st.sampled_from(b'{}[]",:0123456789-.eE aFU_'), label="byte")
-    content = content[: data.draw(st.integers(0, len(content)), label="length")]
-    with tempfile.TemporaryDirectory() as folder:
-        path = write(Path(folder), "model.safetensors", bytes(content))
-        try:
-            tensors = read_safetensors_header(path)
-        except KilnError as error:
-            assert str(error).startswith(f"{path}: ") and "\n" not in str(error)
-        else:
-            for tensor in tensors.values():
-                assert tensor.offset + math.prod(tensor.shape) * SAFETENSORS_ITEM_SIZES[tensor.dtype] <= len(content)
-
-
 # ---- through `kiln compile`: one line, exit 1, nothing left behind -------------------------
-
-
-def run_kiln_compile(source: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    output, temp = tmp_path / "out", tmp_path / "tmp"
-    output.mkdir()
-    temp.mkdir()
-    environment = {**os.environ, "TMPDIR": str(temp)}
-    result = subprocess.run(
-        [Path(sys.executable).parent / "kiln", "compile", str(source), "-q", "q0f32", "-t", "cpu", "-o", str(output)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
-    return result, output, temp
-
-
-def assert_clean_cli_failure(source: Path, tmp_path: Path, named_file: Path, problem: str) -> None:
-    result, output, temp = run_kiln_compile(source, tmp_path)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("kiln: error: ")]
-    others = [line for line in result.stderr.splitlines() if not line.startswith("kiln: ")]
-    assert result.returncode == 1, result.stderr
-    assert len(errors) == 1 and errors[0].startswith(f"kiln: error: {named_file}: ") and problem in errors[0], errors
-    assert others == [] and "Traceback" not in result.stderr, result.stderr
-    assert list(output.iterdir()) == [] and list(temp.iterdir()) == []
-
 
 CLI_CASES = {
     "gguf truncated": (
@@ -672,24 +335,3 @@ def test_kiln_compile_refuses_a_broken_gguf_in_one_line(tmp_path, case):
     make, _, problem = CLI_CASES[case]
     source = make(tmp_path)
     assert_clean_cli_failure(source, tmp_path, source, problem)
-
-
-FOLDER_CLI_CASES = ["layers 10**6", "tokenizer.json wrong structure", "index outside the folder"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", FOLDER_CLI_CASES)
-def test_kiln_compile_refuses_a_broken_folder_in_one_line(folder, tmp_path, case):
-    break_folder, named_file, problem = FOLDER_CASES[case]
-    break_folder(folder)
-    assert_clean_cli_failure(folder, tmp_path, folder / named_file, problem)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["nested range loops", "namespace doubling", "cycler globals"])
-def test_kiln_compile_refuses_a_hostile_chat_template_in_one_line(folder, tmp_path, case):
-    """The template is read at ingest but rendered when the conv_template is derived, after the
-    weights are converted (it gets ChatML's marker, for a family to be tried)."""
-    source, problem = TEMPLATE_CASES[case]
-    (folder / "chat_template.jinja").write_text("<|im_start|>" + source)
-    assert_clean_cli_failure(folder, tmp_path, folder / "chat_template.jinja", problem)
