@@ -1,4 +1,5 @@
-"""Fixtures of the compiler's tests of untrusted inputs: a tiny valid Hugging Face folder to break."""
+"""Fixtures of the compiler's tests of untrusted inputs and sources: a tiny valid Hugging Face folder
+to break, written once per test module, copied for each test."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from helpers.hub import FAKE_COMMIT, fake_hub
-from helpers.untrusted import write_hf_folder
 
 from kiln.cli import main
 from kiln.compile.chat_config.configure import write_chat_config
@@ -32,16 +31,6 @@ from kiln.errors import KilnError
 from kiln.models import architecture_for
 
 SECRET = "hf_SECRETSECRETSECRET"
-
-
-@pytest.fixture(scope="module")
-def valid_folder(tmp_path_factory) -> Path:
-    return write_hf_folder(tmp_path_factory.mktemp("sources") / "tiny")
-
-
-@pytest.fixture
-def folder(valid_folder, tmp_path) -> Path:
-    return Path(shutil.copytree(valid_folder, tmp_path / "tiny"))
 
 
 @pytest.fixture
