@@ -70,7 +70,7 @@ wheel: python web
 	rm -rf build
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
 
-SMOLLM2 = $(shell $(PY) tests/assets.py)
+SMOLLM2 = $(shell $(PY) tests/helpers/assets.py)
 
 demo-build: setup runtime
 	$(VENV)/bin/kiln compile "$(SMOLLM2)" -q q4f32_1 -t cpu,webgpu,webgpu-subgroups,wasm -o $(DIST) --model-id SmolLM2-135M-Instruct-q4f32_1

@@ -12,7 +12,7 @@ A loaded model holds
   their longest input (`planned_storage` in kiln-build.json), so the same whatever the prompt.
 Forced decoding (`prefill_all_logits`, parity checks) adds its own plan. The runtime itself is not
 counted: 7 MiB of the CPU library's wasm memory, plus its helper threads' stacks and arenas and the
-kernels' scratch, 10-30 MiB in all for the real-sized models measured (tests/test_real_sizes.py).
+kernels' scratch, 10-30 MiB in all for the real-sized models measured (tests/parity/test_real_sizes.py).
 """
 
 from __future__ import annotations

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 
-from assets import smollm2_gguf
-from tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
+# The helpers hold asserts of the tests (assert_clean_failure, ...): pytest rewrites them as it does
+# the tests' own, for the same failure reports, if told before they are first imported (below).
+# ruff: noqa: E402
+pytest.register_assert_rewrite("helpers")
+
+from helpers.assets import smollm2_gguf
+from helpers.failures import CommandResult
+from helpers.tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
 
 from kiln.cli import main
 from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
@@ -141,7 +146,7 @@ def tool_build(builds, tiny_build, tmp_path_factory):
 def tool_models(tool_build):
     """The tool models with their cpu libraries, served; yields (dist, base URL). Browser tests add
     the wasm libraries with `tool_build` (the served app config lists what is there per request)."""
-    from web_helpers import served
+    from helpers.web import served
 
     dist = tool_build(["cpu"])
     with served(dist) as base:
@@ -152,7 +157,7 @@ def tool_models(tool_build):
 def driver():
     """One Playwright driver for the whole session (a second sync driver cannot start while one
     runs): every browser test launches its Chromium from it."""
-    from web_helpers import playwright_driver, require_web_packages
+    from helpers.web import playwright_driver, require_web_packages
 
     require_web_packages()
     with playwright_driver() as running:
@@ -168,16 +173,10 @@ def tiny_dir(tiny_build) -> Path:
 @pytest.fixture(scope="module")
 def url(tiny_dir) -> str:
     """`kiln serve` over the folder holding the tiny model."""
-    from web_helpers import served
+    from helpers.web import served
 
     with served(tiny_dir.parent) as base:
         yield base
-
-
-@dataclass
-class CommandResult:
-    returncode: int
-    stderr: str
 
 
 @pytest.fixture

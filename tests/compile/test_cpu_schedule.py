@@ -1,0 +1,179 @@
+"""Kiln's CPU matmul schedule for prefill: the kernels it writes, and their numbers against numpy
+(the family tests check whole models against transformers)."""
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+
+from helpers.random_blocks import random_blocks
+
+from kiln.compile.lower import schedules_for
+from kiln.compile.lower.cpu_schedule import weight_rows_per_tile
+from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
+from kiln.compile.pipeline import config_file, quantized_model
+from kiln.compile.quantization import quantization_named
+from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, Levels
+from kiln.compile.quantization.group import GroupFormat
+from kiln.compile.source.ingest import ingest
+from kiln.models import architecture_for
+from kiln.models.layers import matmul_transposed
+from kiln.targets import TARGETS
+
+Q4F32 = GroupFormat(4, 32, "float32")
+IN_FEATURES = 64
+
+
+def prefill_matmul(out_features: int, target_name: str = "cpu") -> tvm.IRModule:
+    """A q4f32_1 matmul of a symbolic number of input rows under the target's schedules."""
+    rows = tvm.tirx.Var("n", "int64")
+    x = te.placeholder((1, rows, IN_FEATURES), "float32", name="x")
+    weight = te.placeholder((out_features, IN_FEATURES // 8), "uint32", name="weight")
+    scale = te.placeholder((out_features, IN_FEATURES // 32), "float32", name="scale")
+    y = matmul_transposed(x, Q4F32.dequantize_te(weight, scale, out_features, IN_FEATURES), "float32")
+    module = tvm.IRModule({"main": te.create_prim_func([x, weight, scale, y]).with_attr("global_symbol", "main")})
+    entry = TARGETS[target_name]
+    with entry.target():
+        return schedules_for(entry)(module)
+
+
+@pytest.mark.parametrize("target_name", ["cpu", "wasm"])
+@pytest.mark.parametrize("out_features", [96, 40, 20, 6])
+def test_a_tile_is_the_most_weight_rows_that_divide_the_width_and_its_sums_stay_in_registers(target_name, out_features):
+    target = TARGETS[target_name].target()
+    tile = weight_rows_per_tile(target, out_features)
+    assert out_features % tile == 0
+    assert all(out_features % larger for larger in range(tile + 1, weight_rows_per_tile(target, 2**20) + 1))
+    script = prefill_matmul(out_features, target_name)["main"].script()
+    assert re.search(r'matmul_rf_local = T.sblock_alloc_buffer\(.*scope="local"\)', script)
+    assert f"in T.unroll({tile}):" in script  # the tile's weight rows, each with its vector of sums
+
+
+def test_prefill_gives_numpys_products_for_any_number_of_rows():
+    out_features = 96
+    library = tvm.tirx.build(prefill_matmul(out_features), target=TARGETS["cpu"].target())
+    rng = np.random.default_rng(0)
+    weight = rng.integers(0, 2**32, (out_features, IN_FEATURES // 8), dtype=np.uint64).astype(np.uint32)
+    scale = rng.random((out_features, IN_FEATURES // 32), dtype=np.float32)
+    levels = (weight[:, :, None] >> (np.arange(8, dtype=np.uint32) * 4)) & 15
+    dequantized = (levels.reshape(out_features, IN_FEATURES).astype(np.float32) - 7) * np.repeat(scale, 32, axis=1)
+    for rows in (1, 5, 13):
+        x = rng.standard_normal((1, rows, IN_FEATURES), dtype=np.float32)
+        out = tvm.runtime.tensor(np.zeros((1, rows, out_features), np.float32))
+        library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(weight), tvm.runtime.tensor(scale), out)
+        np.testing.assert_allclose(out.numpy()[0], x[0] @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_path):
+    """TVM's LLVM code generator puts every load and store of a module in one alias set ("tvm-alias")
+    when a kernel of TVM's KV cache is built without `tirx.noalias` (kiln/models/kv_cache/cache_kernels.py): prefill
+    then ran at half speed, its partial sums stored to memory at every step."""
+    scheme = quantization_named("q4f32_1")
+    source = ingest(str(tiny_source), tmp_path)
+    arch = architecture_for(source.config, config_file(source))
+    model, _, _ = quantized_model(source, arch, arch.parse_config(source.config, config_file(source), {}), scheme)
+    entry = TARGETS["cpu"]
+    module = scheduled_module(model, entry, library_metadata(model, scheme.name, param_specs(model)))
+    llvm_ir = tvm.compile(module, entry.target(), relax_pipeline=None).mod.imports[0].inspect_source("ll")
+    assert "!tbaa" in llvm_ir
+    assert '"tvm-alias"' not in llvm_ir
+
+
+DECODE_IN_FEATURES = 512  # two K-quant blocks, eight 64-column blocks of MLC's 4-bit words
+DECODE_OUT_FEATURES = 38  # not a multiple of the rows a step takes
+
+
+def decode_library(args: list[te.Tensor], y: te.Tensor) -> tuple[tvm.runtime.Module, str]:
+    """The cpu library of a one-row matmul under Kiln's schedules, and its scheduled TIR."""
+    module = tvm.IRModule({"main": te.create_prim_func([*args, y]).with_attr("global_symbol", "main")})
+    entry = TARGETS["cpu"]
+    with entry.target():
+        module = schedules_for(entry)(module)
+    return tvm.tirx.build(module, target=entry.target()), module["main"].script()
+
+
+def assert_scales_stay_out_of_the_lane_dots(script: str) -> None:
+    reads = re.search(r'T.sblock\("lane_dots_update"\):.*?T.reads\((.*?)\)\n', script, re.S)
+    assert reads, script
+    assert "scale" not in reads.group(1) and "offset" not in reads.group(1)
+
+
+def run_decode(library, x: np.ndarray, *weights: np.ndarray) -> np.ndarray:
+    out = tvm.runtime.tensor(np.zeros((1, 1, DECODE_OUT_FEATURES), np.float32))
+    library["main"](*[tvm.runtime.tensor(a) for a in (x, *weights)], out)
+    return out.numpy()[0, 0]
+
+
+def mlc_decode(fmt: GroupFormat) -> tuple[tvm.runtime.Module, str]:
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    x = te.placeholder((1, 1, cols), fmt.dtype, name="x")
+    weight = te.placeholder((rows, cols // fmt.values_per_word), "uint32", name="weight")
+    scale = te.placeholder((rows, cols // 32), fmt.dtype, name="scale")
+    with TARGETS["cpu"].target():
+        y = fmt.matmul_te(x, weight, scale, rows, cols, fmt.dtype)
+    return decode_library([x, weight, scale], y)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_of_mlc_groups_gives_numpys_products_with_the_scales_out_of_the_loop_over_weights(bits):
+    fmt = GroupFormat(bits, 32, "float32")
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    library, script = mlc_decode(fmt)
+    assert_scales_stay_out_of_the_lane_dots(script)
+    rng = np.random.default_rng(bits)
+    words = rng.integers(0, 2**32, (rows, cols // fmt.values_per_word), dtype=np.uint64).astype(np.uint32)
+    scales = rng.uniform(0.01, 0.1, (rows, cols // 32)).astype(np.float32)
+    inputs = rng.standard_normal((1, 1, cols)).astype(np.float32)
+    shifts = np.arange(fmt.values_per_word, dtype=np.uint32) * bits
+    levels = ((words[:, :, None] >> shifts) & (2**bits - 1)).reshape(rows, cols).astype(np.float64) - fmt.max_q
+    expected = (levels * np.repeat(scales.astype(np.float64), 32, axis=1)) @ inputs[0, 0].astype(np.float64)
+    np.testing.assert_allclose(run_decode(library, inputs, words, scales), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_float16_models_decode_rounds_each_weight_to_float16_before_the_products():
+    """As its GPU kernels and MLC do: factoring the scales out would skip that rounding (on the tiny
+    Gemma 3 in q4f16_1 it moved the logits 0.12 from transformers on the same weights)."""
+    assert "lane_dots" not in mlc_decode(GroupFormat(4, 32, "float16"))[1]
+
+
+QUANTIZED_BLOCK_TYPES = [name for name, block_type in BLOCK_TYPES.items() if isinstance(block_type.read, Levels)]
+
+
+def gguf_decode(name: str) -> tuple[tvm.runtime.Module, str]:
+    block_type = BLOCK_TYPES[name]
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    x = te.placeholder((1, 1, cols), "float32", name="x")
+    stored = te.placeholder((rows, block_type.row_words(cols) * 4), "uint8", name="blocks")
+    with TARGETS["cpu"].target():
+        y = block_type.matmul_te(x, stored, rows, cols, "float32", "float32")
+    return decode_library([x, stored], y)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_BLOCK_TYPES)
+def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_the_loop_over_weights(name):
+    block_type = BLOCK_TYPES[name]
+    rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
+    library, script = gguf_decode(name)
+    assert_scales_stay_out_of_the_lane_dots(script)
+    rng = np.random.default_rng(len(name))
+    blocks = random_blocks(name, rows, cols, rng)
+    padded = np.pad(blocks, ((0, 0), (0, block_type.row_words(cols) * 4 - blocks.shape[1])))
+    weights = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, name)).astype(np.float64)
+    inputs = rng.standard_normal((1, 1, cols)).astype(np.float32)
+    expected = weights @ inputs[0, 0].astype(np.float64)
+    np.testing.assert_allclose(run_decode(library, inputs, padded), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, scales_get_a_stage", [("Q8_0", False), ("Q4_1", False), ("Q4_K", True)])
+def test_a_decode_reads_one_weight_row_per_parallel_step_and_a_blocks_own_scale_where_it_is_used(
+    name, scales_get_a_stage
+):
+    """Each thread's rows then stream from memory as one ascending run (two rows interleaved, with
+    the scales read in place, streamed a Q8_0 matrix 3× slower); only a K-quant's packed scales get
+    a stage of their own, unpacked once per row."""
+    script = gguf_decode(name)[1]
+    assert f"T.parallel({DECODE_OUT_FEATURES})" in script, script
+    assert ("group_scale" in script) == scales_get_a_stage

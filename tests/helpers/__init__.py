@@ -1,0 +1,1 @@
+"""What the tests share and that is not a test: tiny models, assets, servers, browsers, references."""

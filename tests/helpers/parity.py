@@ -1,0 +1,29 @@
+"""`kiln parity` from the tests: its JSON report, and the contract a build's report must meet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers.paths import TESTS_DATA
+from helpers.web import run_kiln
+
+PROMPTS = TESTS_DATA / "parity-prompts.txt"
+
+
+def parity(model_dir: Path, *args: str) -> tuple[int, dict]:
+    result = run_kiln("parity", str(model_dir), "--json", *args)
+    assert result.stdout, result.stderr[-3000:]
+    return result.returncode, json.loads(result.stdout)
+
+
+def assert_contract_holds(code: int, report: dict, prompts: int, max_tokens: int) -> None:
+    assert report["failures"] == [] and report["passed"] and code == 0
+    assert len(report["prompts"]) == prompts
+    for prompt in report["prompts"]:
+        assert len(prompt["native_tokens"]) == max_tokens
+        assert prompt["tokenization_identical"] and prompt["non_finite"] == []
+        assert prompt["greedy_ok"] and prompt["failures"] == []
+        assert prompt["forced_top1_agreement"] >= 0.99
+    assert report["forced_top1_agreement"] >= 0.99
+    assert report["max_logit_abs_diff"] <= 1e-2

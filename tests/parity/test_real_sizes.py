@@ -1,0 +1,187 @@
+"""Models at real sizes in the browser: random weights at published configs, made by transformers (no
+hub), built once each for cpu, wasm and webgpu. The tiny models and SmolLM2 (a 49k vocabulary) never
+showed what real sizes do: Gemma 3 270M's prefill asked a helper thread of the CPU library for more
+workspace than its arena held (two threads stopped with `exit(1)`), TVM's KV cache took 256 MB of wasm
+memory for tables of a few KB, every new prompt length took new blocks, and Qwen2.5 0.5B's 7 query
+heads per KV head lost one in TVM's narrowed WebGPU decode kernel. Each library gives the native
+greedy tokens, holding the memory the app config accounts for (kiln/model_memory.py) within 15%.
+(Past 2 GiB of wasm memory: tests/web/test_browser.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.tiny_llama import write_tokenizer
+
+from kiln.app_config import model_record, read_compiled_model
+from kiln.browser.model import browser_model
+from kiln.browser.parity import greedy
+from kiln.model_memory import MIB
+from kiln.runtime import NativeModel
+
+pytestmark = pytest.mark.browser
+
+GREEDY_TOKENS = 8
+PROMPT = [5, 6, 7, 8, 9]  # the tokenizer is the tiny one: its ids are below 384
+ACCOUNTING_TOLERANCE = 0.15
+# Qwen/Qwen2.5-0.5B-Instruct's config.json.
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    sliding_window=32768,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+# google/gemma-3-270m's config.json.
+GEMMA3_270M = dict(
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+REAL_SIZES = {
+    "qwen2.5-0.5b": ("Qwen2ForCausalLM", "Qwen2Config", QWEN25_05B),
+    "gemma3-270m": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        GEMMA3_270M,
+    ),
+}
+LIBRARIES = [("wasm", 1), ("wasm", 2), ("webgpu", None)]
+
+
+@pytest.fixture(scope="module")
+def real_sources(tmp_path_factory):
+    """name → a Hugging Face folder with random weights at that model's published config."""
+    import torch
+    import transformers
+
+    sources = {}
+    for name, (model_class, config_class, config) in REAL_SIZES.items():
+        source = tmp_path_factory.mktemp("real-sizes") / name
+        source.mkdir()
+        write_tokenizer(source)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+        model.save_pretrained(source, safe_serialization=True)
+        sources[name] = source
+    return sources
+
+
+@pytest.fixture(scope="module", params=REAL_SIZES)
+def real_size(request, builds, real_sources):
+    """(the model's q4f32_1 build for cpu, wasm and webgpu, its native greedy tokens after PROMPT)."""
+    model_dir = builds.model_dir(
+        real_sources[request.param], f"{request.param}-sized", "q4f32_1", ["cpu", "wasm", "webgpu"]
+    )
+    return model_dir, greedy_tokens(NativeModel(model_dir))
+
+
+def greedy_tokens(model) -> list[int]:
+    return [int(np.argmax(logits)) for logits in greedy(model, PROMPT, GREEDY_TOKENS)]
+
+
+def browser_greedy_tokens(browser) -> list[int]:
+    """The browser engine's own greedy generation (its sampler at temperature 0, in the page)."""
+    return browser.engine.call("session.generate", PROMPT, {"max_tokens": GREEDY_TOKENS, "temperature": 0})["token_ids"]
+
+
+@pytest.mark.parametrize("library, threads", LIBRARIES, ids=["wasm-1-thread", "wasm-2-threads", "webgpu"])
+def test_a_real_sized_model_gives_the_native_tokens_in_the_memory_the_app_config_gives_it(
+    real_size, library, threads, driver
+):
+    model_dir, expected = real_size
+    record = model_record(read_compiled_model(model_dir), "")
+    with browser_model(model_dir, library, driver=driver, threads=threads) as browser:
+        assert browser.engine.call("stats")["threads"] == (threads or 1)
+        assert browser_greedy_tokens(browser) == expected
+        memory = browser.engine.call("stats")["memory"]
+    if library == "webgpu":
+        measured, accounted = memory["gpu_peak_bytes"], record["vram_required_MB"] * MIB
+    else:
+        measured, accounted = memory["wasm_bytes"], record["kiln"]["memory_bytes"]["wasm"]
+    assert memory["accounted_bytes"] == record["kiln"]["memory_bytes"][library]
+    assert abs(measured - accounted) <= ACCOUNTING_TOLERANCE * accounted, (measured / MIB, accounted / MIB)
+
+
+CPU_LIBRARY_OUT_OF_MEMORY_JS = """
+import { join } from "node:path";
+import tvmjs from "@mlc-ai/web-runtime";
+import { ModelSession, cpuLibraryFailure } from "./src/engine.js";
+import { instantiateLibrary } from "./src/wasm-threads.js";
+
+const folder = input.folder;
+const read = (name) => new Uint8Array(readFileSync(join(folder, name)));
+const tensorCache = JSON.parse(readFileSync(join(folder, "tensor-cache.json"), "utf8"));
+async function* shards() {
+  for (const shard of tensorCache.records) yield { shard, bytes: read(shard.dataPath) };
+}
+async function load(maximumBytes) {
+  const library = await instantiateLibrary(tvmjs, read(input.library), { maximumBytes });
+  const session = new ModelSession(library.tvm, library.tvm.cpu(), "wasm");
+  try {
+    await session.initialize(shards(), () => {});
+    return { loaded: true, logits: (await session.prefill([5, 6, 7])).length };
+  } catch (error) {
+    const failure = cpuLibraryFailure(error, {
+      usedBytes: library.tvm.memory.memory.buffer.byteLength, maximumBytes: library.maximumBytes,
+      largestBuffer: input.largestBuffer, neededBytes: input.neededBytes,
+    });
+    return { loaded: false, exited: error.name, code: failure.code, message: failure.message };
+  }
+}
+console.log(JSON.stringify({ short: await load([input.shortBytes]), again: await load([Infinity]) }));
+"""
+
+
+@pytest.mark.parametrize("real_size", ["gemma3-270m"], indirect=True)
+def test_a_cpu_library_out_of_memory_is_a_clear_error_and_the_model_loads_again(real_size):
+    """The CPU library's memory capped below the model's needs (as a browser that cannot reserve more
+    would cap it): TVM's failed allocation stops the library, which the engine reports as out-of-memory;
+    a new library loads the model."""
+    from helpers.web import run_node_module
+
+    model_dir, _ = real_size
+    record = model_record(read_compiled_model(model_dir), "")
+    needed = record["kiln"]["memory_bytes"]["wasm"]
+    result = run_node_module(
+        CPU_LIBRARY_OUT_OF_MEMORY_JS,
+        {
+            "folder": str(model_dir),
+            "library": read_compiled_model(model_dir).libraries["wasm"],
+            "shortBytes": needed // 2,
+            "largestBuffer": record["buffer_size_required_bytes"],
+            "neededBytes": needed,
+        },
+    )
+    assert result["short"]["exited"] == "ExitStatus" and result["short"]["code"] == "out-of-memory"
+    assert (
+        "ran out of memory" in result["short"]["message"] and f"{round(needed / MIB)} MiB" in result["short"]["message"]
+    )
+    assert result["again"] == {"loaded": True, "logits": read_compiled_model(model_dir).chat_config["vocab_size"]}
