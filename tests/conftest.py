@@ -2,9 +2,9 @@
 
 Set KILN_TEST_DIST to a folder to keep builds between runs (a developer's inner loop); by default
 they go to pytest's temporary folder. Builds add targets to one model folder as tests ask for
-them, which also exercises the pipeline's weight reuse. `make test` runs the tests on two pytest-xdist
-workers (the browser tests all on one): they share the builds' folder, and a model is built under a
-lock, by whichever worker asks first.
+them, which also exercises the pipeline's weight reuse. With pytest-xdist workers (`make test
+TEST_WORKERS=2`; the browser tests all on one) they share the builds' folder, and a model is built
+under a lock, by whichever worker asks first.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ bind a block whose declared reads and writes overlap).
 
 from __future__ import annotations
 
+import functools
 import json
 
 import tvm
@@ -24,71 +25,92 @@ def _shape(*names: str) -> list[tirx.Var]:
     return [tirx.Var(name, "int64") for name in names]
 
 
-@T.prim_func(private=True, s_tir=True)
-def _apply_logit_bias(var_logits: T.handle, var_pos2seq: T.handle, var_token_ids: T.handle, var_bias: T.handle):
-    batch, vocab, num_token = T.int64(), T.int64(), T.int64()
-    logits = T.match_buffer(var_logits, (batch, vocab), "float32")
-    pos2seq = T.match_buffer(var_pos2seq, (num_token,), "int32")
-    token_ids = T.match_buffer(var_token_ids, (num_token,), "int32")
-    bias = T.match_buffer(var_bias, (num_token,), "float32")
-    for i in range(num_token):
-        with T.sblock("logit_bias"):
-            vi = T.axis.spatial(num_token, i)
-            T.reads(pos2seq[vi], token_ids[vi], bias[vi])
-            T.writes(logits[pos2seq[vi], token_ids[vi]])
-            logits[pos2seq[vi], token_ids[vi]] = logits[pos2seq[vi], token_ids[vi]] + bias[vi]
+@functools.cache
+def _apply_logit_bias() -> tirx.PrimFunc:
+    """Adds `bias` to the logits of (`pos2seq`, `token_ids`)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def apply_logit_bias(var_logits: T.handle, var_pos2seq: T.handle, var_token_ids: T.handle, var_bias: T.handle):
+        batch, vocab, num_token = T.int64(), T.int64(), T.int64()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        pos2seq = T.match_buffer(var_pos2seq, (num_token,), "int32")
+        token_ids = T.match_buffer(var_token_ids, (num_token,), "int32")
+        bias = T.match_buffer(var_bias, (num_token,), "float32")
+        for i in range(num_token):
+            with T.sblock("logit_bias"):
+                vi = T.axis.spatial(num_token, i)
+                T.reads(pos2seq[vi], token_ids[vi], bias[vi])
+                T.writes(logits[pos2seq[vi], token_ids[vi]])
+                logits[pos2seq[vi], token_ids[vi]] = logits[pos2seq[vi], token_ids[vi]] + bias[vi]
+
+    return apply_logit_bias
 
 
-@T.prim_func(private=True, s_tir=True)
-def _apply_penalty(
-    var_logits: T.handle,
-    var_seq_ids: T.handle,
-    var_pos2seq: T.handle,
-    var_token_ids: T.handle,
-    var_token_cnt: T.handle,
-    var_penalties: T.handle,
-):
-    batch, vocab, num_seq, num_token = T.int64(), T.int64(), T.int64(), T.int64()
-    logits = T.match_buffer(var_logits, (batch, vocab), "float32")
-    seq_ids = T.match_buffer(var_seq_ids, (num_seq,), "int32")
-    pos2seq = T.match_buffer(var_pos2seq, (num_token,), "int32")
-    token_ids = T.match_buffer(var_token_ids, (num_token,), "int32")
-    token_cnt = T.match_buffer(var_token_cnt, (num_token,), "int32")
-    # per sequence: presence, frequency, repetition
-    penalties = T.match_buffer(var_penalties, (num_seq, 3), "float32")
-    for i in range(num_token):
-        with T.sblock("penalty"):
-            vi = T.axis.spatial(num_token, i)
-            T.reads(seq_ids[pos2seq[vi]], pos2seq[vi], token_ids[vi], token_cnt[vi], penalties[pos2seq[vi], 0:3])
-            T.writes(logits[seq_ids[pos2seq[vi]], token_ids[vi]])
-            row: T.let[T.int32] = seq_ids[pos2seq[vi]]
-            seq: T.let[T.int32] = pos2seq[vi]
-            shifted: T.let[T.float32] = (
-                logits[row, token_ids[vi]] - penalties[seq, 0] - T.Cast("float32", token_cnt[vi]) * penalties[seq, 1]
-            )
-            logits[row, token_ids[vi]] = T.if_then_else(
-                shifted > T.float32(0), shifted / penalties[seq, 2], shifted * penalties[seq, 2]
-            )
+@functools.cache
+def _apply_penalty() -> tirx.PrimFunc:
+    """Presence, frequency and repetition penalties on the tokens each sequence has had."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def apply_penalty(
+        var_logits: T.handle,
+        var_seq_ids: T.handle,
+        var_pos2seq: T.handle,
+        var_token_ids: T.handle,
+        var_token_cnt: T.handle,
+        var_penalties: T.handle,
+    ):
+        batch, vocab, num_seq, num_token = T.int64(), T.int64(), T.int64(), T.int64()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        seq_ids = T.match_buffer(var_seq_ids, (num_seq,), "int32")
+        pos2seq = T.match_buffer(var_pos2seq, (num_token,), "int32")
+        token_ids = T.match_buffer(var_token_ids, (num_token,), "int32")
+        token_cnt = T.match_buffer(var_token_cnt, (num_token,), "int32")
+        # per sequence: presence, frequency, repetition
+        penalties = T.match_buffer(var_penalties, (num_seq, 3), "float32")
+        for i in range(num_token):
+            with T.sblock("penalty"):
+                vi = T.axis.spatial(num_token, i)
+                T.reads(seq_ids[pos2seq[vi]], pos2seq[vi], token_ids[vi], token_cnt[vi], penalties[pos2seq[vi], 0:3])
+                T.writes(logits[seq_ids[pos2seq[vi]], token_ids[vi]])
+                row: T.let[T.int32] = seq_ids[pos2seq[vi]]
+                seq: T.let[T.int32] = pos2seq[vi]
+                shifted: T.let[T.float32] = (
+                    logits[row, token_ids[vi]]
+                    - penalties[seq, 0]
+                    - T.Cast("float32", token_cnt[vi]) * penalties[seq, 1]
+                )
+                logits[row, token_ids[vi]] = T.if_then_else(
+                    shifted > T.float32(0), shifted / penalties[seq, 2], shifted * penalties[seq, 2]
+                )
+
+    return apply_penalty
 
 
-@T.prim_func(private=True, s_tir=True)
-def _apply_bitmask(var_logits: T.handle, var_seq_ids: T.handle, var_bitmask: T.handle):
-    batch, vocab, num_seq, words = T.int64(), T.int64(), T.int64(), T.int64()
-    logits = T.match_buffer(var_logits, (batch, vocab), "float32")
-    seq_ids = T.match_buffer(var_seq_ids, (num_seq,), "int32")
-    bitmask = T.match_buffer(var_bitmask, (batch, words), "int32")
-    for s, v in T.grid(num_seq, vocab):
-        with T.sblock("bitmask"):
-            vs, vv = T.axis.remap("SS", [s, v])
-            T.reads(seq_ids[vs], bitmask[seq_ids[vs], vv // 32])
-            T.writes(logits[seq_ids[vs], vv])
-            logits[seq_ids[vs], vv] = T.if_then_else(
-                (bitmask[seq_ids[vs], vv // 32] >> T.Cast("int32", vv % 32)) & 1 == 1,
-                logits[seq_ids[vs], vv],
-                T.min_value("float32"),
-            )
+@functools.cache
+def _apply_bitmask() -> tirx.PrimFunc:
+    """The lowest float where a grammar's bitmask leaves a token out."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def apply_bitmask(var_logits: T.handle, var_seq_ids: T.handle, var_bitmask: T.handle):
+        batch, vocab, num_seq, words = T.int64(), T.int64(), T.int64(), T.int64()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        seq_ids = T.match_buffer(var_seq_ids, (num_seq,), "int32")
+        bitmask = T.match_buffer(var_bitmask, (batch, words), "int32")
+        for s, v in T.grid(num_seq, vocab):
+            with T.sblock("bitmask"):
+                vs, vv = T.axis.remap("SS", [s, v])
+                T.reads(seq_ids[vs], bitmask[seq_ids[vs], vv // 32])
+                T.writes(logits[seq_ids[vs], vv])
+                logits[seq_ids[vs], vv] = T.if_then_else(
+                    (bitmask[seq_ids[vs], vv // 32] >> T.Cast("int32", vv % 32)) & 1 == 1,
+                    logits[seq_ids[vs], vv],
+                    T.min_value("float32"),
+                )
+
+    return apply_bitmask
 
 
+@functools.cache
 def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
     """Sort each row of `keys` descending in place, carrying `values` along: a bitonic network of
     log2(padded) * (log2(padded) + 1) / 2 compare-exchange passes. TVM's GPU sort cannot be used:
@@ -113,6 +135,12 @@ def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
                 values[row, i] = values[row, partner]
                 values[row, partner] = value
 
+    if gpu:
+        return _bitonic_argsort_gpu(padded, log_n, compare_exchange)
+    return _bitonic_argsort_cpu(padded, log_n, compare_exchange)
+
+
+def _bitonic_argsort_gpu(padded: int, log_n: int, compare_exchange) -> tirx.PrimFunc:
     @T.prim_func(private=True)
     def sort_gpu(var_keys: T.handle, var_values: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
@@ -127,6 +155,10 @@ def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
                     for tx in T.thread_binding(T.int32(GPU_THREADS_PER_BLOCK), thread="threadIdx.x"):
                         compare_exchange(keys, values, bx * GPU_THREADS_PER_BLOCK + tx, p, q)
 
+    return sort_gpu
+
+
+def _bitonic_argsort_cpu(padded: int, log_n: int, compare_exchange) -> tirx.PrimFunc:
     @T.prim_func(private=True)
     def sort_cpu(var_keys: T.handle, var_values: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
@@ -138,7 +170,7 @@ def _bitonic_argsort_kernel(padded: int, gpu: bool) -> tirx.PrimFunc:
                 for flat in T.serial(T.Cast("int32", batch) * padded):
                     compare_exchange(keys, values, flat, p, q)
 
-    return sort_gpu if gpu else sort_cpu
+    return sort_cpu
 
 
 def _tensor(name: str, shape, dtype: str) -> rx.Var:
@@ -249,7 +281,7 @@ def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:
     _attach_inplace(
         bb,
         "apply_logit_bias_inplace",
-        _apply_logit_bias,
+        _apply_logit_bias(),
         "logit_bias",
         [
             _tensor("logits", [batch, vocab], "float32"),
@@ -263,7 +295,7 @@ def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:
     _attach_inplace(
         bb,
         "apply_penalty_inplace",
-        _apply_penalty,
+        _apply_penalty(),
         "penalty",
         [
             _tensor("logits", [batch, vocab], "float32"),
@@ -279,7 +311,7 @@ def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:
     _attach_inplace(
         bb,
         "apply_bitmask_inplace",
-        _apply_bitmask,
+        _apply_bitmask(),
         "bitmask",
         [
             _tensor("logits", [batch, vocab], "float32"),
