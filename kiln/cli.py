@@ -52,6 +52,13 @@ def add_compile(sub) -> None:
     )
     p.add_argument("--revision", help="of a hub id: the commit, branch or tag to download (default main)")
     p.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        help="targets compiled side by side, one process each (default: one per CPU core, at most one per "
+        "target; 1: one after another in this process)",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="read pytorch_model*.bin (a pickle) even with a torch older than 2.10, whose loader can run "
@@ -75,6 +82,7 @@ def run_compile(args) -> int:
             cpu_tuning=args.cpu_tuning,
             revision=args.revision,
             allow_pickle=args.allow_pickle,
+            jobs=args.jobs,
         )
     )
     print(result.model_dir)

@@ -15,9 +15,11 @@ import platform
 import re
 import shutil
 import sys
+import tempfile
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import tvm
@@ -39,6 +41,8 @@ from kiln.compile.lower.library import (
 )
 from kiln.compile.quantization import Scheme, quantization_named
 from kiln.compile.source.source_weights import SourceWeights
+from kiln.compile import side_by_side
+from kiln.compile.side_by_side import default_jobs
 from kiln.compile.staging import staging_folder
 from kiln.compile.toolchain.system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
 from kiln.targets import TargetEntry, target_named
@@ -61,6 +65,7 @@ class BuildRequest:
     cpu_tuning: str = "portable"
     revision: str | None = None  # of a hub id
     allow_pickle: bool = False  # read pytorch_model*.bin with a torch older than 2.10
+    jobs: int | None = None  # targets compiled side by side (default: one per core, at most one per target)
 
     def ingest_options(self) -> IngestOptions:
         return IngestOptions(revision=self.revision, allow_pickle=self.allow_pickle)
@@ -95,16 +100,28 @@ class StageClock:
     def stage(self, name: str):
         """A stage; an exception from outside Kiln (TVM's, a library's) escapes it as a KilnError
         naming the stage, so the CLI prints one line (`--debug` still shows the traceback)."""
-        print(f"kiln: {name} …", file=sys.stderr, flush=True)
+        self.started(name)
         start = time.perf_counter()
+        with self.failing_as(name):
+            yield
+        self.finished(name, time.perf_counter() - start)
+
+    def started(self, name: str, aside: str = "") -> None:
+        print(f"kiln: {name} …{aside}", file=sys.stderr, flush=True)
+
+    def finished(self, name: str, seconds: float) -> None:
+        self.timings[name] = round(seconds, 3)
+        print(f"kiln: {name} done in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    @staticmethod
+    @contextmanager
+    def failing_as(name: str):
         try:
             yield
         except KilnError:
             raise
         except Exception as e:
             raise KilnError(f"the {name} stage failed: {type(e).__name__}: {one_line(e) or 'no message'}") from e
-        self.timings[name] = round(time.perf_counter() - start, 3)
-        print(f"kiln: {name} done in {self.timings[name]:.1f} s", file=sys.stderr, flush=True)
 
 
 CODE_SUFFIXES = {".py", ".cc", ".h"}  # Kiln's Python, and the C++ it compiles into the web runtime
@@ -204,7 +221,79 @@ def quantized_model(
     return scheme.quantize_model(model, weights), weights, float_names
 
 
+@dataclass(frozen=True)
+class TargetCompile:
+    """One target's compile, as a compile process runs it (kiln/compile/side_by_side.py)."""
+
+    source: Path  # the file or folder the build read (a hub download's snapshot)
+    ingest_options: IngestOptions
+    quantization: str
+    overrides: dict[str, int]
+    target: str
+    cpu_tuning: str
+    metadata: dict
+    library: Path
+    model_id: str
+
+    def run(self) -> tuple[dict[str, list[int]], float]:
+        """The library's `planned_storage`, and the compile's seconds."""
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
+            source = ingest(self.source, Path(work), replace(self.ingest_options, hash_source=False))
+            arch = architecture_for(source.config, config_file(source))
+            config = arch.parse_config(source.config, config_file(source), self.overrides)
+            model, _, _ = quantized_model(source, arch, config, quantization_named(self.quantization))
+            start = time.perf_counter()
+            entry = target_named(self.target, self.cpu_tuning)
+            planned = compile_library(model, entry, self.metadata, self.library, self.model_id)
+        return planned, time.perf_counter() - start
+
+
+def compiles_side_by_side(
+    request: BuildRequest,
+    source: SourceModel,
+    model: DecoderModel,
+    metadata: dict,
+    libraries: dict[str, Path],
+    model_id: str,
+    clock: StageClock,
+) -> dict[str, Future]:
+    """The targets' compiles started in compile processes, when there are two or more and jobs for
+    them (none: the build compiles its one target itself, after converting the weights)."""
+    jobs = min(request.jobs or default_jobs(len(request.targets)), len(request.targets))
+    if jobs < 2:
+        return {}
+    compiles = {}
+    for name in request.targets:
+        entry = target_named(name, request.cpu_tuning)
+        job = TargetCompile(
+            source=source.path,
+            ingest_options=request.ingest_options(),
+            quantization=request.quantization,
+            overrides=request.overrides(),
+            target=name,
+            cpu_tuning=request.cpu_tuning,
+            metadata=target_metadata(model, metadata, entry),
+            library=libraries[name],
+            model_id=model_id,
+        )
+        compiles[name] = side_by_side.submit(jobs, job.run)
+    clock.started(f"compile {', '.join(compiles)}", f" ({jobs} side by side, while the build goes on)")
+    return compiles
+
+
+@contextmanager
+def cancelled_on_failure(futures):
+    try:
+        yield
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+
+
 def build(request: BuildRequest) -> BuildResult:
+    if request.jobs is not None and request.jobs < 1:
+        raise KilnError(f"--jobs must be at least 1, got {request.jobs}")
     quantization = quantization_named(request.quantization)
     entries = [target_named(name, request.cpu_tuning) for name in request.targets]
     code_digest = kiln_code_digest()
@@ -225,28 +314,39 @@ def build(request: BuildRequest) -> BuildResult:
 
         model_id = checked_model_id(request.model_id or f"{source.name}-{quantization.name}")
         model_dir = request.output / model_id
-        previous = reusable_build(model_dir, source, request, code_digest)
-        kept_targets = {
-            name: target for name, target in (previous or {}).get("targets", {}).items() if name not in request.targets
-        }
-        if previous:
-            kept_files = [f for t in kept_targets.values() for f in target_files(t)]
-            carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *kept_files])
-        else:
-            with clock.stage("convert"):
-                convert_weights(weights, arch, quantization, float_names, params, staging)
-        with clock.stage("configure"):
-            write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
-
-        libraries, planned = {}, {}
         metadata = library_metadata(model, quantization.name, params)
-        for entry in entries:
-            path = staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}"
-            with clock.stage(f"compile {entry.name}"):
-                metadata_for_target = target_metadata(model, metadata, entry)
-                planned[entry.name] = compile_library(model, entry, metadata_for_target, path, model_id)
+        libraries = {entry.name: staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}" for entry in entries}
+        compiles = compiles_side_by_side(request, source, model, metadata, libraries, model_id, clock)
+        with cancelled_on_failure(compiles.values()):
+            previous = reusable_build(model_dir, source, request, code_digest)
+            kept_targets = {
+                name: target
+                for name, target in (previous or {}).get("targets", {}).items()
+                if name not in request.targets
+            }
+            if previous:
+                kept_files = [f for t in kept_targets.values() for f in target_files(t)]
+                carry_over(model_dir, staging, [*WEIGHT_FILES_GLOB, *kept_files])
+            else:
+                with clock.stage("convert"):
+                    convert_weights(weights, arch, quantization, float_names, params, staging)
+            with clock.stage("configure"):
+                write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
+
+            planned = {}
+            for entry in entries:
+                stage = f"compile {entry.name}"
+                if entry.name in compiles:
+                    with clock.failing_as(stage):
+                        planned[entry.name], seconds = compiles[entry.name].result()
+                    clock.finished(stage, seconds)
+                else:
+                    with clock.stage(stage):
+                        metadata_for_target = target_metadata(model, metadata, entry)
+                        planned[entry.name] = compile_library(
+                            model, entry, metadata_for_target, libraries[entry.name], model_id
+                        )
                 check_memory_limits(entry, staged_model_needs(staging, planned[entry.name]))
-            libraries[entry.name] = path
 
         built_targets = dict(kept_targets)
         for entry in entries:

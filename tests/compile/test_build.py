@@ -291,6 +291,30 @@ def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
     assert not list(tmp_path.glob(".kiln-build-*"))
 
 
+@pytest.mark.slow
+def test_targets_compiled_side_by_side_are_those_compiled_one_after_another(tmp_path, tiny_source):
+    """Compile processes make the module again from the source: the build writes the same weights,
+    configs and memory plans, and the libraries compute the same logits. (Not the same bytes: TVM's
+    code generation varies in small ways with what its process compiled before.)"""
+    from kiln.compile.pipeline import BuildRequest, build
+
+    records, logits = {}, {}
+    for jobs in (1, 2):
+        request = BuildRequest(
+            str(tiny_source), "q4f32_1", ["cpu", "wasm"], tmp_path / f"jobs-{jobs}", "tiny", jobs=jobs
+        )
+        model_dir = build(request).model_dir
+        records[jobs] = json.loads((model_dir / "kiln-build.json").read_text())
+        logits[jobs] = NativeModel(model_dir).prefill(list(PROMPTS[0]))
+    assert {f: d for f, d in records[1]["files"].items() if not f.startswith("libs/")} == {
+        f: d for f, d in records[2]["files"].items() if not f.startswith("libs/")
+    }
+    assert {t: r["planned_storage"] for t, r in records[1]["targets"].items()} == {
+        t: r["planned_storage"] for t, r in records[2]["targets"].items()
+    }
+    assert np.abs(logits[1] - logits[2]).max() < 1e-5
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 

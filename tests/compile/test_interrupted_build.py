@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import tvm
 
@@ -21,8 +22,9 @@ from kiln.runtime import library_path, missing_cpu_features
 STAGING_PREFIX = ".kiln-build-"
 
 
-def compile_until(source: Path, output: Path, stage: str) -> None:
-    """Starts `kiln compile` and kills it with SIGKILL once it reports `stage`."""
+def compile_until(source: Path, output: Path, stage: str, targets: str = "cpu") -> list[psutil.Process]:
+    """Starts `kiln compile` and kills it with SIGKILL once it reports `stage`; returns the processes
+    it had started."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -33,7 +35,7 @@ def compile_until(source: Path, output: Path, stage: str) -> None:
             "-q",
             "q0f32",
             "-t",
-            "cpu",
+            targets,
             "-o",
             str(output),
             "--model-id",
@@ -42,14 +44,25 @@ def compile_until(source: Path, output: Path, stage: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    seen = []
+    seen, children = [], []
     for line in process.stderr:
         seen.append(line)
         if line.startswith(f"kiln: {stage} …"):
+            children = psutil.Process(process.pid).children(recursive=True)
             process.send_signal(signal.SIGKILL)
             break
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL, "".join(seen)
+    return children
+
+
+@pytest.mark.slow
+def test_a_killed_build_takes_its_compile_processes_with_it(tiny_source, tmp_path):
+    """A compile outliving its build would write into a staging folder the next build removes."""
+    children = compile_until(tiny_source, tmp_path / "dist", "configure", targets="cpu,wasm")
+    assert children, "the build compiles its two targets in processes of their own"
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ SAFE_UNPICKLING_TORCH = Version("2.10")
 class IngestOptions:
     revision: str | None = None  # the hub commit, branch or tag to download (default: main)
     allow_pickle: bool = False  # read pytorch_model*.bin even with a torch older than 2.10
+    hash_source: bool = True  # false: `source_hash` is "" (a compile process reading the source again)
 
 
 class TensorReader(Protocol):
@@ -384,7 +385,9 @@ def read_hf_folder(folder: Path, options: IngestOptions, name: str | None = None
         path=folder,
         config=config,
         tokenizer_dir=folder,
-        source_hash=hash_source_files(folder, [config_path, *tokenizer_files, *index_files, *shard_files]),
+        source_hash=hash_source_files(folder, [config_path, *tokenizer_files, *index_files, *shard_files])
+        if options.hash_source
+        else "",
         tensors=tensors,
     )
 
@@ -438,7 +441,7 @@ def is_gguf_file(source: str) -> bool:
     return Path(source).is_file() and Path(source).suffix.lower() == ".gguf"
 
 
-def read_gguf_file(source: str, work_dir: Path, _options: IngestOptions) -> SourceModel:
+def read_gguf_file(source: str, work_dir: Path, options: IngestOptions) -> SourceModel:
     path = Path(source)
     contained_file(path, source_root(path.parent))
     model = GGUFModel(path)
@@ -450,7 +453,7 @@ def read_gguf_file(source: str, work_dir: Path, _options: IngestOptions) -> Sour
         path=path,
         config=model.config,
         tokenizer_dir=tokenizer_dir,
-        source_hash=hash_source_files(path.parent, [path]),
+        source_hash=hash_source_files(path.parent, [path]) if options.hash_source else "",
         tensors=model,
     )
 
