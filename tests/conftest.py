@@ -44,6 +44,23 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("browser"))
 
 
+# The targets the session's tests ask of a model, one or two at a time: built together when the first
+# of them is asked for, they compile side by side (kiln/compile/side_by_side.py).
+BROWSER_TARGETS = ("cpu", "webgpu", "webgpu-subgroups", "wasm")
+MOBILE_TARGETS = ("android", "iphone", "metal")
+BUILT_TOGETHER = {
+    "tiny-llama-q4f32_1": (*BROWSER_TARGETS, "android", "iphone"),
+    "tiny-llama-q4f16_1": ("cpu", *MOBILE_TARGETS),
+    "SmolLM2-135M-Instruct-q4f32_1": BROWSER_TARGETS,
+    "SmolLM2-135M-Instruct-q4f16_1": ("webgpu", *MOBILE_TARGETS),
+    "SmolLM2-135M-Instruct-q0f32": ("cpu", "webgpu", "wasm"),
+    **{
+        f"tiny-{family}-q4f32_1": ("cpu", "webgpu", "wasm")
+        for family in ("qwen2", "phi3", "mistral", "gemma2", "gemma3")
+    },
+}
+
+
 class SessionBuilds:
     """Builds (source, quantization) → model folder, adding targets on demand (and rebuilding
     them all when a kept build was made by other Kiln code)."""
@@ -59,8 +76,9 @@ class SessionBuilds:
         with FileLock(self.dist / f".{model_id}.lock"):
             previous = json.loads(record.read_text()) if record.exists() else {}
             current = previous.get("kiln_code_digest") == kiln_code_digest()
-            missing = [t for t in targets if not current or t not in previous.get("targets", {})]
-            if missing:
+            wanted = [*targets, *(t for t in BUILT_TOGETHER.get(model_id, ()) if t not in targets)]
+            missing = [t for t in wanted if not current or t not in previous.get("targets", {})]
+            if set(missing) & set(targets):
                 build(
                     BuildRequest(
                         source=str(source),
