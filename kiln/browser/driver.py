@@ -37,9 +37,16 @@ WEBGPU_FLAG = "--enable-unsafe-webgpu"
 PRECISE_TIMESTAMP_FLAGS = ["--enable-dawn-features=allow_unsafe_apis", "--disable-dawn-features=timestamp_quantization"]
 
 
+_running = threading.local()
+
+
 @contextmanager
 def playwright_driver() -> Iterator:
-    """Playwright's driver (one per thread; it can launch any number of browsers)."""
+    """Playwright's driver: the one this thread runs already, or a new one for the block (a thread
+    can run one sync driver, which can launch any number of browsers)."""
+    if getattr(_running, "driver", None) is not None:
+        yield _running.driver
+        return
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -48,7 +55,11 @@ def playwright_driver() -> Iterator:
             "the system Chromium is used, no browser download is needed"
         ) from None
     with sync_playwright() as playwright:
-        yield playwright
+        _running.driver = playwright
+        try:
+            yield playwright
+        finally:
+            _running.driver = None
 
 
 @contextmanager

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 from helpers.paths import TESTS_DATA
-from helpers.web import run_kiln
+
+from kiln.cli import main
 
 PROMPTS = TESTS_DATA / "parity-prompts.txt"
 
 
 def parity(model_dir: Path, *args: str) -> tuple[int, dict]:
-    result = run_kiln("parity", str(model_dir), "--json", *args)
-    assert result.stdout, result.stderr[-3000:]
-    return result.returncode, json.loads(result.stdout)
+    """`kiln parity MODEL_DIR --json ARGS` run in this process (no second start of Python and TVM);
+    its Chromium comes from the session's Playwright driver when one runs."""
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        code = main(["parity", str(model_dir), "--json", *args])
+    assert report.getvalue(), f"kiln parity exited {code} without a report"
+    return code, json.loads(report.getvalue())
 
 
 def assert_contract_holds(code: int, report: dict, prompts: int, max_tokens: int) -> None:
