@@ -226,7 +226,7 @@ class TargetCompile:
     """One target's compile, as a compile process runs it (kiln/compile/side_by_side.py)."""
 
     source: Path  # the file or folder the build read (a hub download's snapshot)
-    ingest_options: IngestOptions
+    ingest_options: IngestOptions  # for that file or folder: no revision, no hash
     quantization: str
     overrides: dict[str, int]
     target: str
@@ -238,7 +238,7 @@ class TargetCompile:
     def run(self) -> tuple[dict[str, list[int]], float]:
         """The library's `planned_storage`, and the compile's seconds."""
         with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
-            source = ingest(self.source, Path(work), replace(self.ingest_options, hash_source=False))
+            source = ingest(self.source, Path(work), self.ingest_options)
             arch = architecture_for(source.config, config_file(source))
             config = arch.parse_config(source.config, config_file(source), self.overrides)
             model, _, _ = quantized_model(source, arch, config, quantization_named(self.quantization))
@@ -267,7 +267,7 @@ def compiles_side_by_side(
         entry = target_named(name, request.cpu_tuning)
         job = TargetCompile(
             source=source.path,
-            ingest_options=request.ingest_options(),
+            ingest_options=replace(request.ingest_options(), revision=None, hash_source=False),
             quantization=request.quantization,
             overrides=request.overrides(),
             target=name,

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers.assets import LLAMA_CPP_VOCABULARIES, llama_cpp_vocabulary, smollm2_gguf
-from helpers.hub import fake_hub
+from helpers.hub import FAKE_COMMIT, fake_hub
 
 from kiln.compile.source.gguf_source import model_name_from_gguf_path
 from kiln.compile.source.ingest import ingest
@@ -606,13 +606,16 @@ def hub_endpoint(tiny_hf_folder, tmp_path):
     thread.join()
 
 
-def ingest_in_subprocess(source: str, tmp_path: Path, **hub_environment: str) -> subprocess.CompletedProcess:
+def hub_environment(**hub_variables: str) -> dict[str, str]:
     """The hub client reads HF_* variables when imported, so each setting gets a fresh process."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGINGFACE_"))}
-    environment.update(HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1", **hub_environment)
+    return {**environment, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **hub_variables}
+
+
+def ingest_in_subprocess(source: str, tmp_path: Path, **hub_variables: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", INGEST_IN_SUBPROCESS, source, str(tmp_path / "work"), str(tmp_path / "tensors.npz")],
-        env=environment,
+        env=hub_environment(**hub_variables),
         capture_output=True,
         text=True,
         timeout=300,
@@ -647,6 +650,36 @@ def test_hub_id_is_downloaded_then_read_offline_from_the_cache(hub_endpoint, tin
     )
     assert offline.returncode == 0, offline.stdout + offline.stderr
     assert json.loads(offline.stdout.strip().splitlines()[-1]) == summary
+
+
+@pytest.mark.slow
+def test_a_hub_build_at_a_revision_compiles_its_targets_side_by_side(hub_endpoint, tmp_path):
+    """The compile processes read the build's download (its snapshot folder), not the hub id again."""
+    command = [
+        "compile",
+        "org/tiny",
+        "--revision",
+        "main",
+        "-q",
+        "q0f32",
+        "-t",
+        "cpu,wasm",
+        "-j",
+        "2",
+        "-o",
+        str(tmp_path),
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", *command, "--model-id", "hub"],
+        env=hub_environment(HF_ENDPOINT=hub_endpoint, HF_HOME=str(tmp_path / "hf")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kiln: compile cpu, wasm … (2 side by side" in result.stderr
+    record = json.loads((tmp_path / "hub" / "kiln-build.json").read_text())
+    assert record["source_revision"] == FAKE_COMMIT and sorted(record["targets"]) == ["cpu", "wasm"]
 
 
 @pytest.mark.slow

@@ -36,6 +36,8 @@ def compile_until(source: Path, output: Path, stage: str, targets: str = "cpu") 
             "q0f32",
             "-t",
             targets,
+            "--jobs",
+            "2",
             "-o",
             str(output),
             "--model-id",
