@@ -344,6 +344,26 @@ def test_harness_chats_and_loads_from_cache_on_the_next_visit(driver, tmp_path, 
         assert "from the browser cache" in page.inner_text("#stats")
 
 
+def test_the_harness_takes_no_click_before_it_listens_to_its_model_form(driver, tmp_path, url):
+    """Until the page has read the app config and listens to the model form, a click on Load would
+    submit the form natively: the page would reload with nothing loading (a reload clicked at once did)."""
+    held = []
+    with browser_page(driver, tmp_path / "profile", "about:blank") as (_, page):
+        page.route(f"{url}api/app-config.json", lambda route: held.append(route))
+        page.goto(f"{url}?model={MODEL_ID}")
+        for _ in range(200):
+            if held:
+                break
+            page.wait_for_timeout(50)
+        assert held, "the harness never asked for its app config"
+        assert page.get_attribute("body", "data-state") == "starting"
+        assert page.is_disabled("#load-button")
+        held[0].continue_()
+        wait_for_state(page, "idle", timeout_s=30)
+        assert page.is_enabled("#load-button")
+        assert page.input_value("#model-select") == MODEL_ID
+
+
 def test_a_rebuilt_model_is_fetched_again_and_a_corrupt_shard_is_refused(driver, tmp_path, tiny_dir):
     dist = tmp_path / "dist"
     copy = dist / MODEL_ID

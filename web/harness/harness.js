@@ -19,8 +19,10 @@ function setState(state) {
   $("send-button").disabled = !ready;
   $("reset-button").disabled = !ready;
   $("stop-button").disabled = !generating;
-  $("load-button").disabled = state === "loading" || generating;
-  $("model-select").disabled = state === "loading" || generating;
+  // "starting": until start() has read the app config and listens to the form, a click would submit it natively.
+  const busy = state === "starting" || state === "loading" || generating;
+  $("load-button").disabled = busy;
+  $("model-select").disabled = busy;
 }
 
 function showError(error) {
@@ -195,16 +197,20 @@ async function send(text) {
   $("prompt").focus();
 }
 
+function refuseToStart(error) {
+  showError(error);
+  setState("error");
+  $("load-button").disabled = true;
+}
+
 async function start() {
-  setState("idle");
   try {
     // mode "same-origin" also refuses a redirect to another origin.
     const response = await fetch(appConfigUrl(params.get("config"), location.href), { cache: "no-cache", mode: "same-origin" });
     page.appConfig = await response.json();
     checkAppConfigOrigins(page.appConfig, location.href);
   } catch (error) {
-    showError(new Error(`Could not read the app config: ${error.message}`));
-    $("load-button").disabled = true;
+    refuseToStart(new Error(`Could not read the app config: ${error.message}`));
     return;
   }
   const select = $("model-select");
@@ -215,8 +221,7 @@ async function start() {
     select.append(option);
   }
   if (select.options.length === 0) {
-    showError(new Error("No browser-ready models are served here: compile one with `kiln compile SOURCE -t webgpu,wasm`."));
-    $("load-button").disabled = true;
+    refuseToStart(new Error("No browser-ready models are served here: compile one with `kiln compile SOURCE -t webgpu,wasm`."));
     return;
   }
   if (params.has("model")) select.value = params.get("model");
@@ -248,6 +253,7 @@ async function start() {
     $("stats").textContent = "";
     $("prompt").focus();
   });
+  setState("idle");
 }
 
 start();
