@@ -119,7 +119,7 @@ class EngineError(KilnError):
 
 
 # The codes of web/src/errors.js that the native engine gives (a test holds the two lists together).
-ERROR_CODES = ("bad-request", "no-chat-template", "no-tool-support", "busy")
+ERROR_CODES = ("bad-request", "no-chat-template", "no-tool-support", "busy", "context-window-exceeded")
 
 
 class EngineBusy(EngineError):
@@ -335,8 +335,9 @@ class Engine:
             raise KilnError("the prompt is empty")
         window = self.model.context_window_size
         if len(prompt_ids) > window:
-            raise KilnError(
-                f"the prompt has {len(prompt_ids)} tokens, more than the context window of {window}", self.model_dir
+            raise EngineError(
+                "context-window-exceeded",
+                f"the prompt has {len(prompt_ids)} tokens, more than the context window of {window}",
             )
         vocab = self.model.vocab_size
         if not all(0 <= t < vocab for t in prompt_ids):

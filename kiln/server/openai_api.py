@@ -117,6 +117,7 @@ def event_stream(chunks: Iterator[dict], include_usage: bool, watch, engine) -> 
 REFUSALS = {
     "no-chat-template": ("model", "model_cannot_chat", " Raw text is completed at /v1/completions."),
     "no-tool-support": ("tools", "model_cannot_call_tools", ""),
+    "context-window-exceeded": (None, "context_length_exceeded", ""),
 }
 
 

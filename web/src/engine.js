@@ -197,7 +197,7 @@ export class ModelSession {
 
   checkRoom(count) {
     if (this.cachedIds.length + count > this.contextWindowSize) {
-      throw new EngineError("bad-request", `${this.cachedIds.length + count} tokens exceed the context window of ` +
+      throw new EngineError("context-window-exceeded", `${this.cachedIds.length + count} tokens exceed the context window of ` +
         `${this.contextWindowSize}; start a new chat.`);
     }
   }
@@ -895,7 +895,7 @@ export class Engine {
   replyRoom(promptIds, settings) {
     const room = this.session.contextWindowSize - promptIds.length;
     if (room <= 0) {
-      throw new EngineError("bad-request", `The conversation has ${promptIds.length} tokens; the context window holds ` +
+      throw new EngineError("context-window-exceeded", `The conversation has ${promptIds.length} tokens; the context window holds ` +
         `${this.session.contextWindowSize}. Start a new chat.`);
     }
     return Math.min(settings.maxTokens ?? room, room);

@@ -19,6 +19,7 @@ export const ERROR_CODES = [
   "incompatible-model", // the model was built by another Kiln major.minor or TVM series (see loader.js)
   "not-loaded",       // the engine was used before loading finished or after it failed
   "internal",         // anything else; the message carries the original error
+  "context-window-exceeded", // the conversation no longer fits the model's context window: start a new chat
 ];
 
 export class EngineError extends Error {
