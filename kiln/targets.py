@@ -72,6 +72,10 @@ def metal_target(host_triple: str) -> dict:
     }
 
 
+def arm64_linux_target() -> dict:
+    return {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic"}
+
+
 def android_target() -> dict:
     # 256 work-items and 16 KB of local memory per work-group: within what Adreno and Mali GPUs
     # allow (MLC's generic Android target leaves these to TVM's OpenCL defaults, the same numbers).
@@ -205,6 +209,15 @@ TARGETS: dict[str, TargetEntry] = {
             memory_limit=WASM32_MEMORY,
             cpu_kernels=True,
             converts_halves=False,
+        ),
+        TargetEntry(
+            "arm64-linux",
+            "aarch64 Linux CPUs (shared library for Kiln's mobile runtime; run here under qemu-aarch64)",
+            arm64_linux_target,
+            "cpu",
+            "arm64-linux-shared-library",
+            "so",
+            cpu_kernels=True,
         ),
         TargetEntry(
             "android",

@@ -11,6 +11,7 @@ from tvm import relax
 from kiln.compile.lower import kiln_pipeline
 from kiln.compile.lower.vm_functions import attach_vm_functions
 from kiln.compile.lower.webgpu_limits import check_webgpu_limits
+from kiln.compile.toolchain.mobile_runtime import link_arm64_linux_library
 from kiln.compile.toolchain.system_lib import export_system_library, system_lib_prefix
 from kiln.compile.toolchain.wasm_toolchain import link_threaded_wasm, link_tvmjs_wasm
 from kiln.errors import KilnError
@@ -30,6 +31,9 @@ EXPORTS = {
     "wasm": lambda executable, path: executable.export_library(str(path), fcompile=link_tvmjs_wasm),
     "threaded-wasm": lambda executable, path: executable.export_library(str(path), fcompile=link_threaded_wasm),
     "system-library": export_system_library,
+    "arm64-linux-shared-library": lambda executable, path: executable.export_library(
+        str(path), fcompile=link_arm64_linux_library
+    ),
 }
 # A row's `kernel_check`, given the generated device source.
 KERNEL_CHECKS = {"webgpu-limits": check_webgpu_limits}

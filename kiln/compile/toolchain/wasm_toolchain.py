@@ -293,7 +293,7 @@ def assemble_source_root(root: Path) -> Path:
     return root
 
 
-def _include_flags(root: Path) -> list[str]:
+def include_flags(root: Path) -> list[str]:
     return [
         f"-I{root / sub}"
         for sub in (
@@ -349,7 +349,7 @@ def build_web_runtime(
             timings = _compile_runtime_sources(emcc, root, staging, progress, flavor, position)
         info = dict(fingerprint, link_flags=LINK_FLAGS, compile_seconds=timings)
         (staging / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        _replace_dir(staging, runtime_dir, flavor)
+        replace_dir(staging, runtime_dir, lambda: web_runtime_is_built(runtime_dir, flavor=flavor))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return runtime_dir
@@ -377,7 +377,7 @@ def _compile_runtime_sources(
             [
                 emcc,
                 *_compile_flags(flavor),
-                *_include_flags(root),
+                *include_flags(root),
                 "-c",
                 str(source),
                 "-o",
@@ -391,8 +391,9 @@ def _compile_runtime_sources(
     return timings
 
 
-def _replace_dir(new: Path, target: Path, flavor: RuntimeFlavor) -> None:
-    """Move `new` to `target`, replacing a stale `target` (rename is atomic; rmtree comes after)."""
+def replace_dir(new: Path, target: Path, is_built: Callable[[], bool]) -> None:
+    """Move the cache entry `new` to `target`, replacing a stale `target` (rename is atomic; rmtree
+    comes after). When another process installed a build first (`is_built()`), theirs is as good."""
     stale = None
     if target.exists():
         stale = Path(tempfile.mkdtemp(prefix=f".{target.name}-stale-", dir=target.parent))
@@ -400,8 +401,7 @@ def _replace_dir(new: Path, target: Path, flavor: RuntimeFlavor) -> None:
     try:
         new.rename(target)
     except OSError:
-        # Another process installed a build first; theirs is as good as ours.
-        if not web_runtime_is_built(target, flavor=flavor):
+        if not is_built():
             raise
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
