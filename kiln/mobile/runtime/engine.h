@@ -1,0 +1,59 @@
+// The mobile engine: OpenAI chat completions over a Model, as web/src/engine.js's chatCompletion
+// gives them (the same prompt layout from the conv_template, sampler, stops, usage, finish reasons
+// and error codes), streamed as `chat.completion.chunk` JSON.
+#ifndef KILN_ENGINE_H_
+#define KILN_ENGINE_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model.h"
+#include "tokenizer.h"
+
+namespace kiln {
+
+// Receives each chunk's JSON; returns false to stop the completion (finish_reason "abort").
+using ChunkSink = std::function<bool(const std::string& chunk_json)>;
+
+class Engine {
+ public:
+  Engine(const std::string& folder, const std::string& model_lib);
+
+  void ChatCompletion(const std::string& request_json, const ChunkSink& on_chunk);
+  // From any thread: the running completion ends after its current step.
+  void Abort() { abort_requested_ = true; }
+  void Reset();
+  std::vector<int32_t> Tokenize(const std::string& text) const { return tokenizer_->Encode(text); }
+
+ private:
+  struct Conversation {
+    std::string text;
+    std::vector<int32_t> ids;
+  };
+  struct Prompt {
+    std::string text;
+    std::vector<int32_t> ids;
+  };
+
+  Prompt ChatPrompt(const json::Value& messages) const;
+  std::vector<float> PrefillPrompt(const std::vector<int32_t>& ids, int* prefilled);
+  void Forget();
+
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::string model_id_;
+  json::Object conv_template_;
+  std::vector<int32_t> stop_token_ids_;
+  std::vector<std::string> stop_strings_;
+  std::optional<Conversation> conversation_;
+  std::atomic<bool> generating_{false};
+  std::atomic<bool> abort_requested_{false};
+};
+
+}  // namespace kiln
+
+#endif  // KILN_ENGINE_H_

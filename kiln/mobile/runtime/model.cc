@@ -1,0 +1,280 @@
+#include "model.h"
+
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/dtype.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "errors.h"
+#include "md5.h"
+
+namespace kiln {
+namespace {
+
+namespace ffi = tvm::ffi;
+using tvm::runtime::Tensor;
+
+constexpr int64_t kSequenceId = 0;
+constexpr int64_t kPageSize = 16;  // kiln/model_memory.py's PAGE_SIZE: the libraries' KV-cache kernels assume it
+constexpr int kPooledAllocator = 2;
+constexpr const char* kSystemLibScheme = "system://";
+
+std::string Join(const std::string& folder, const std::string& name) {
+  return name.empty() || name[0] == '/' ? name : folder + "/" + name;
+}
+
+// A field of a model file that must be there with the right type; else a bad-model error naming the file.
+template <typename T>
+T Required(const json::Object& object, const char* key, const std::string& path) {
+  auto value = object.Get(key);
+  std::optional<T> typed = value.has_value() ? value->try_cast<T>() : std::nullopt;
+  if (!typed.has_value()) throw EngineError(ErrorCode::kBadModel, path + ": no valid \"" + key + "\"");
+  return *typed;
+}
+
+template <typename T>
+T Optional(const json::Object& object, const char* key, T fallback) {
+  auto value = object.Get(key);
+  if (!value.has_value() || *value == nullptr) return fallback;
+  return value->try_cast<T>().value_or(fallback);
+}
+
+std::string SeriesOf(const std::string& version) {
+  size_t first_dot = version.find('.');
+  size_t second_dot = first_dot == std::string::npos ? std::string::npos : version.find('.', first_dot + 1);
+  return version.substr(0, second_dot);
+}
+
+// Refuse a build of another Kiln major.minor or another TVM, as kiln/runtime.py's check_build_versions
+// and web/src/loader.js do.
+void CheckBuildVersions(const json::Object& build, const std::string& folder) {
+  std::string built_kiln = Optional<ffi::String>(build, "kiln_version", "");
+  json::Object versions = Optional<json::Object>(build, "versions", json::Object());
+  std::string built_tvm = Optional<ffi::String>(versions, "tvm", "");
+  if (SeriesOf(built_kiln) != SeriesOf(KILN_VERSION) || built_tvm != KILN_TVM_VERSION) {
+    throw EngineError(ErrorCode::kIncompatibleModel,
+                      folder + ": built by Kiln " + (built_kiln.empty() ? "(not recorded)" : built_kiln) +
+                          " with TVM " + (built_tvm.empty() ? "(not recorded)" : built_tvm) + ", but this runtime is Kiln " +
+                          KILN_VERSION + " with TVM " + KILN_TVM_VERSION + ", which runs builds of Kiln " +
+                          SeriesOf(KILN_VERSION) + ".x made with its TVM: rebuild the model with this kiln compile");
+  }
+}
+
+ffi::Function RequiredFunction(const ffi::Module& module, const char* name) {
+  ffi::Optional<ffi::Function> function = module->GetFunction(name);
+  if (!function.has_value()) {
+    throw EngineError(ErrorCode::kBadModel, std::string("the model library has no function ") + name +
+                                                "; rebuild it with kiln compile");
+  }
+  return *function;
+}
+
+ffi::Function GlobalFunction(const char* name) {
+  ffi::Optional<ffi::Function> function = ffi::Function::GetGlobal(name);
+  if (!function.has_value()) throw EngineError(ErrorCode::kInternal, std::string("the runtime lacks ") + name);
+  return *function;
+}
+
+std::vector<float> LastRow(const Tensor& logits) {
+  int64_t vocab = logits->shape[logits->ndim - 1];
+  int64_t rows = 1;
+  for (int i = 0; i < logits->ndim; ++i) rows *= logits->shape[i];
+  rows /= vocab;
+  std::vector<float> all(rows * vocab);
+  logits.CopyToBytes(all.data(), all.size() * sizeof(float));
+  return std::vector<float>(all.end() - vocab, all.end());
+}
+
+}  // namespace
+
+std::string ReadModelFile(const std::string& path, const char* what) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw EngineError(ErrorCode::kBadModel, path + ": " + what + " is missing or unreadable");
+  std::ostringstream bytes;
+  bytes << file.rdbuf();
+  return bytes.str();
+}
+
+json::Object ReadJsonFile(const std::string& path) {
+  std::string text = ReadModelFile(path, "the file");
+  ffi::String problem;
+  json::Value value = json::Parse(text, &problem);
+  if (!problem.empty()) throw EngineError(ErrorCode::kBadModel, path + ": malformed JSON (" + std::string(problem) + ")");
+  std::optional<json::Object> object = value.try_cast<json::Object>();
+  if (!object.has_value()) throw EngineError(ErrorCode::kBadModel, path + ": not a JSON object");
+  return *object;
+}
+
+Model::Model(const std::string& folder, const std::string& model_lib)
+    : folder_(folder),
+      build_(ReadJsonFile(Join(folder, "kiln-build.json"))),
+      chat_config_(ReadJsonFile(Join(folder, "mlc-chat-config.json"))),
+      library_(LoadLibrary(model_lib)),
+      vm_(RequiredFunction(library_, "vm_load_executable")().cast<ffi::Module>()) {
+  vocab_size_ = static_cast<int>(Required<int64_t>(chat_config_, "vocab_size", Join(folder, "mlc-chat-config.json")));
+  RequiredFunction(vm_, "vm_initialization")(static_cast<int>(kDLCPU), 0, kPooledAllocator);
+
+  std::string metadata_text = RequiredFunction(vm_, "_metadata")().cast<ffi::String>();
+  json::Object metadata = json::Parse(metadata_text).cast<json::Object>();
+  const std::string where = "the library's metadata";
+  context_window_size_ = static_cast<int>(Required<int64_t>(metadata, "context_window_size", where));
+  prefill_chunk_size_ = static_cast<int>(Required<int64_t>(metadata, "prefill_chunk_size", where));
+  sliding_window_size_ = static_cast<int>(Optional<int64_t>(metadata, "sliding_window_size", -1));
+  layer_window_size_ = static_cast<int>(Optional<int64_t>(metadata, "layer_sliding_window_size", -1));
+  layer_window_chunked_prefill_ = Optional<bool>(metadata, "layer_window_chunked_prefill", false);
+  embed_ = RequiredFunction(vm_, "embed");
+  prefill_ = RequiredFunction(vm_, "prefill");
+  decode_ = RequiredFunction(vm_, "decode");
+  LoadParams(Required<json::Array>(metadata, "params", where));
+
+  kv_cache_ = RequiredFunction(vm_, "create_tir_paged_kv_cache")(
+      ffi::Shape({1}), ffi::Shape({context_window_size_}), ffi::Shape({prefill_chunk_size_}), ffi::Shape({kPageSize}),
+      ffi::Shape({sliding_window_size_ > 0 ? 1 : 0}));
+  AddSequence();
+}
+
+ffi::Module Model::LoadLibrary(const std::string& model_lib) const {
+  CheckBuildVersions(build_, folder_);
+  if (model_lib.rfind(kSystemLibScheme, 0) == 0) {
+    std::string prefix = model_lib.substr(std::string(kSystemLibScheme).size()) + "_";
+    return GlobalFunction("ffi.SystemLib")(prefix).cast<ffi::Module>();
+  }
+  std::string path = model_lib;
+  if (path.empty()) {
+    json::Object targets = Optional<json::Object>(build_, "targets", json::Object());
+    json::Object entry = Optional<json::Object>(targets, KILN_TARGET, json::Object());
+    path = Optional<ffi::String>(entry, "library", "");
+    if (path.empty()) {
+      throw EngineError(ErrorCode::kBadModel, folder_ + ": no " KILN_TARGET " library in this model folder; build it with "
+                                                         "kiln compile … --target " KILN_TARGET);
+    }
+  }
+  path = Join(folder_, path);
+  if (!std::ifstream(path)) throw EngineError(ErrorCode::kBadModel, path + ": the model library is missing or unreadable");
+  return ffi::Module::LoadFromFile(path);
+}
+
+// The parameters in the order the library takes them, from shards whose md5 matches tensor-cache.json,
+// read one shard at a time (the peak is the weights plus one shard).
+void Model::LoadParams(const json::Array& param_specs) {
+  const std::string index_path = Join(folder_, "tensor-cache.json");
+  json::Object index = ReadJsonFile(index_path);
+  std::map<std::string, Tensor> loaded;
+  for (const ffi::Any& shard_any : Required<json::Array>(index, "records", index_path)) {
+    json::Object shard = shard_any.cast<json::Object>();
+    std::string shard_path = Join(folder_, Required<ffi::String>(shard, "dataPath", index_path));
+    std::string bytes = ReadModelFile(shard_path, "the weight shard");
+    if (static_cast<int64_t>(bytes.size()) != Required<int64_t>(shard, "nbytes", index_path)) {
+      throw EngineError(ErrorCode::kIntegrity, shard_path + ": the weight shard has " + std::to_string(bytes.size()) +
+                                                   " bytes, not the ones tensor-cache.json gives");
+    }
+    std::string md5 = Optional<ffi::String>(shard, "md5sum", "");
+    if (!md5.empty() && Md5Hex(bytes) != md5) {
+      throw EngineError(ErrorCode::kIntegrity,
+                        shard_path + ": the weight shard does not match its md5 in tensor-cache.json (corrupt or replaced)");
+    }
+    for (const ffi::Any& record_any : Required<json::Array>(shard, "records", index_path)) {
+      json::Object record = record_any.cast<json::Object>();
+      std::vector<int64_t> shape;
+      for (const ffi::Any& size : Required<json::Array>(record, "shape", index_path)) shape.push_back(size.cast<int64_t>());
+      int64_t offset = Required<int64_t>(record, "byteOffset", index_path);
+      int64_t nbytes = Required<int64_t>(record, "nbytes", index_path);
+      DLDataType dtype = ffi::StringToDLDataType(Required<ffi::String>(record, "dtype", index_path));
+      Tensor tensor = Tensor::Empty(ffi::Shape(shape), dtype, DLDevice{kDLCPU, 0});
+      if (offset < 0 || nbytes < 0 || offset + nbytes > static_cast<int64_t>(bytes.size()) ||
+          static_cast<size_t>(nbytes) != ffi::GetDataSize(*tensor.operator->())) {
+        throw EngineError(ErrorCode::kBadModel, index_path + ": the record of " +
+                                                    std::string(Required<ffi::String>(record, "name", index_path)) +
+                                                    " does not fit its shard");
+      }
+      tensor.CopyFromBytes(bytes.data() + offset, nbytes);
+      loaded.emplace(Required<ffi::String>(record, "name", index_path), tensor);
+    }
+  }
+  std::vector<Tensor> params;
+  for (const ffi::Any& spec : param_specs) {
+    std::string name = spec.cast<json::Object>().Get("name").value().cast<ffi::String>();
+    auto found = loaded.find(name);
+    if (found == loaded.end()) {
+      throw EngineError(ErrorCode::kBadModel,
+                        index_path + ": the tensor cache has no weight " + name + "; the model folder is from another build");
+    }
+    params.push_back(found->second);
+  }
+  params_ = ffi::Array<Tensor>(params.begin(), params.end());
+}
+
+void Model::AddSequence() {
+  GlobalFunction("vm.builtin.kv_state_add_sequence")(kv_cache_, kSequenceId);
+  if (sliding_window_size_ > 0) {
+    GlobalFunction("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(kv_cache_, kSequenceId,
+                                                                                   sliding_window_size_, 0);
+  }
+  cached_ids_.clear();
+}
+
+void Model::Reset() {
+  GlobalFunction("vm.builtin.kv_state_remove_sequence")(kv_cache_, kSequenceId);
+  AddSequence();
+}
+
+// Once a sliding window has dropped tokens, the ones before it cannot come back: then it forgets them all.
+int Model::Rollback(int count) {
+  if (count > 0 && sliding_window_size_ > 0 && static_cast<int>(cached_ids_.size()) > sliding_window_size_) {
+    Reset();
+  } else if (count > 0) {
+    GlobalFunction("vm.builtin.kv_state_popn")(kv_cache_, kSequenceId, count);
+    cached_ids_.resize(cached_ids_.size() - count);
+  }
+  return static_cast<int>(cached_ids_.size());
+}
+
+// Past a sliding window, tokens go one at a time (as kiln/runtime.py's _chunk_size explains).
+int Model::ChunkSize() const {
+  int cached = static_cast<int>(cached_ids_.size());
+  int room = prefill_chunk_size_;
+  if (sliding_window_size_ > 0) {
+    room = sliding_window_size_ + 1 - cached;
+  } else if (layer_window_size_ > 0 && cached > 0 && !layer_window_chunked_prefill_) {
+    room = layer_window_size_ - cached;
+  }
+  return std::max(1, std::min(prefill_chunk_size_, room));
+}
+
+std::vector<float> Model::Prefill(const std::vector<int32_t>& ids) {
+  if (ids.empty()) throw EngineError(ErrorCode::kBadRequest, "nothing to prefill: no tokens");
+  if (cached_ids_.size() + ids.size() > static_cast<size_t>(context_window_size_)) {
+    throw EngineError(ErrorCode::kContextWindowExceeded,
+                      std::to_string(cached_ids_.size() + ids.size()) + " tokens exceed the context window of " +
+                          std::to_string(context_window_size_) + "; start a new chat.");
+  }
+  std::vector<float> logits;
+  for (size_t start = 0; start < ids.size();) {
+    size_t size = std::min<size_t>(ChunkSize(), ids.size() - start);
+    std::vector<int32_t> chunk(ids.begin() + start, ids.begin() + start + size);
+    logits = Step(size > 1 ? "prefill" : "decode", chunk);
+    start += size;
+  }
+  return logits;
+}
+
+std::vector<float> Model::Decode(int32_t id) { return Prefill({id}); }
+
+std::vector<float> Model::Step(const char* function, const std::vector<int32_t>& ids) {
+  const int64_t count = static_cast<int64_t>(ids.size());
+  Tensor ids_tensor = Tensor::Empty(ffi::Shape({count}), DLDataType{kDLInt, 32, 1}, DLDevice{kDLCPU, 0});
+  ids_tensor.CopyFromBytes(ids.data(), ids.size() * sizeof(int32_t));
+  Tensor embeds = embed_(ids_tensor, params_).cast<Tensor>();
+  Tensor batch = embeds.CreateView(ffi::Shape({1, count, embeds->shape[embeds->ndim - 1]}), embeds->dtype);
+  GlobalFunction("vm.builtin.kv_state_begin_forward")(kv_cache_, ffi::Shape({kSequenceId}), ffi::Shape({count}));
+  const ffi::Function& step = std::string(function) == "prefill" ? prefill_ : decode_;
+  ffi::Array<ffi::Any> outputs = step(batch, kv_cache_, params_).cast<ffi::Array<ffi::Any>>();
+  GlobalFunction("vm.builtin.kv_state_end_forward")(kv_cache_);
+  cached_ids_.insert(cached_ids_.end(), ids.begin(), ids.end());
+  return LastRow(outputs[0].cast<Tensor>());
+}
+
+}  // namespace kiln

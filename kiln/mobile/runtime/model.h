@@ -1,0 +1,71 @@
+// A compiled model on TVM's runtime: the model folder checked and loaded, and the token-level
+// steps over one sequence in TVM's paged KV cache. The same layer as kiln/runtime.py's NativeModel
+// and web/src/engine.js's ModelSession; the engine builds chat completions on it.
+#ifndef KILN_MODEL_H_
+#define KILN_MODEL_H_
+
+#include <tvm/ffi/extra/json.h>
+#include <tvm/ffi/extra/module.h>
+#include <tvm/ffi/function.h>
+#include <tvm/runtime/tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln {
+
+namespace json = tvm::ffi::json;
+
+// A file of the model folder; a missing one is a bad-model error naming it and `what` it is.
+std::string ReadModelFile(const std::string& path, const char* what);
+
+// A JSON file of the model folder, parsed; a missing or malformed one is a bad-model error naming it.
+json::Object ReadJsonFile(const std::string& path);
+
+class Model {
+ public:
+  // `model_lib`: a shared library's path (relative paths from the model folder) or "system://<prefix>"
+  // for a model linked into the app; empty: the library kiln-build.json lists for this runtime's target.
+  Model(const std::string& folder, const std::string& model_lib);
+
+  // Append `ids` to the sequence (in chunks); the logits after the last one.
+  std::vector<float> Prefill(const std::vector<int32_t>& ids);
+  std::vector<float> Decode(int32_t id);
+  // Forget the last `count` cached tokens; returns how many stay cached.
+  int Rollback(int count);
+  void Reset();
+
+  const std::vector<int32_t>& cached_ids() const { return cached_ids_; }
+  int context_window_size() const { return context_window_size_; }
+  int vocab_size() const { return vocab_size_; }
+  const json::Object& chat_config() const { return chat_config_; }
+  const std::string& folder() const { return folder_; }
+
+ private:
+  tvm::ffi::Module LoadLibrary(const std::string& model_lib) const;
+  void LoadParams(const json::Array& param_specs);
+  void AddSequence();
+  int ChunkSize() const;
+  std::vector<float> Step(const char* function, const std::vector<int32_t>& ids);
+
+  std::string folder_;
+  json::Object build_;  // kiln-build.json
+  json::Object chat_config_;
+  tvm::ffi::Module library_;
+  tvm::ffi::Module vm_;
+  tvm::ffi::Function embed_, prefill_, decode_;
+  tvm::ffi::Array<tvm::runtime::Tensor> params_;
+  tvm::ffi::Any kv_cache_;
+  int context_window_size_ = 0;
+  int prefill_chunk_size_ = 0;
+  int sliding_window_size_ = -1;
+  int layer_window_size_ = -1;
+  bool layer_window_chunked_prefill_ = false;
+  int vocab_size_ = 0;
+  std::vector<int32_t> cached_ids_;
+};
+
+}  // namespace kiln
+
+#endif  // KILN_MODEL_H_
