@@ -17,7 +17,8 @@ setup: system python web
 
 # Debian packages: emscripten (the TVM web runtime and model wasm), Chromium (browser tests),
 # Node.js + npm (the web package), LLVM's binutils (static archives for phones) and lld (the
-# tests link them), PoCL and clang (the OpenCL kernel checks). Installed only when missing.
+# tests link them), PoCL and clang (the OpenCL kernel checks); for the mobile runtime on arm64,
+# the aarch64 C++ library (it links there) and qemu-user (the tests run it). Installed only when missing.
 system:
 	@missing=""; \
 	command -v emcc >/dev/null || missing="$$missing emscripten"; \
@@ -31,6 +32,13 @@ system:
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+	@arm64=""; \
+	command -v qemu-aarch64 >/dev/null || arm64="$$arm64 qemu-user"; \
+	[ -e /usr/aarch64-linux-gnu/lib/libstdc++.so.6 ] || arm64="$$arm64 libstdc++-12-dev-arm64-cross"; \
+	if [ -n "$$arm64" ]; then \
+	  echo "installing Debian packages for arm64:$$arm64"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$arm64; \
 	fi
 
 python: $(VENV)/.installed
@@ -48,9 +56,10 @@ web/node_modules/.installed: web/package-lock.json
 	cd web && npm ci --no-audit --no-fund
 	touch $@
 
-# The TVM web runtime, compiled once per TVM version into ~/.cache/kiln.
+# The TVM web runtime and the mobile runtime (arm64 Linux and this machine), compiled once per TVM
+# version into ~/.cache/kiln.
 runtime: setup
-	$(VENV)/bin/kiln doctor --build-runtime
+	$(VENV)/bin/kiln doctor --build-runtime --build-mobile-runtime
 
 # ruff lints and formats the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js)
 # and TypeScript for its JSDoc types (web/tsconfig.json).

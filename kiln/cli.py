@@ -93,18 +93,31 @@ def run_compile(args) -> int:
 
 def add_doctor(sub) -> None:
     p = sub.add_parser(
-        "doctor", help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, PoCL)"
+        "doctor",
+        help="check the toolchain (TVM, emscripten, node, Chromium, web runtime, LLVM tools, mobile runtime, PoCL)",
     )
     p.add_argument("--build-runtime", action="store_true", help="build the TVM web runtime if it is missing")
+    p.add_argument(
+        "--build-mobile-runtime",
+        action="store_true",
+        help="build the mobile runtime (libkiln) for every platform this machine can, if it is missing",
+    )
     p.set_defaults(run=run_doctor)
 
 
 def run_doctor(args) -> int:
-    from kiln.compile.toolchain import opencl_check, system_lib, wasm_toolchain
+    from kiln.compile.toolchain import mobile_runtime, opencl_check, system_lib, wasm_toolchain
 
     if args.build_runtime:
         wasm_toolchain.build_web_runtimes()
-    statuses = [*wasm_toolchain.toolchain_status(), *system_lib.toolchain_status(), opencl_check.pocl_status()]
+    if args.build_mobile_runtime:
+        mobile_runtime.build_mobile_runtimes()
+    statuses = [
+        *wasm_toolchain.toolchain_status(),
+        *system_lib.toolchain_status(),
+        *mobile_runtime.toolchain_status(),
+        opencl_check.pocl_status(),
+    ]
     for s in statuses:
         state = "ok " if s.ok else "MISSING (optional)" if s.optional else "MISSING"
         print(f"{state} {s.name}: {s.detail}" + ("" if s.ok else f"\n        fix: {s.fix}"))

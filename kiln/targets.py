@@ -119,6 +119,9 @@ class TargetEntry:
     # Also write the generated kernel source beside the library, with this extension (so that
     # kernels can be read and checked without a device: `kiln.compile.toolchain.opencl_check`).
     kernel_source: str | None = None
+    # Loaded by Kiln's mobile runtime (libkiln) built for this platform of
+    # kiln.compile.toolchain.mobile_runtime: `kiln package` bundles that runtime beside the libraries.
+    mobile_runtime: str | None = None
     # Runs on the CPU of the machine that loads it: `--cpu-tuning` chooses the instruction set.
     tunes_cpu: bool = False
     # The TVM device the native engine runs the library on; None: not on this machine's runtime.
@@ -217,6 +220,7 @@ TARGETS: dict[str, TargetEntry] = {
             "cpu",
             "arm64-linux-shared-library",
             "so",
+            mobile_runtime="arm64-linux",
             cpu_kernels=True,
         ),
         TargetEntry(

@@ -23,6 +23,7 @@ pytest.register_assert_rewrite("helpers")
 
 from helpers.assets import smollm2_gguf
 from helpers.failures import CommandResult
+from helpers.tiny_families import make_tiny_family
 from helpers.tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
 
 from kiln.cli import main
@@ -49,13 +50,13 @@ def pytest_collection_modifyitems(items):
 BROWSER_TARGETS = ("cpu", "webgpu", "webgpu-subgroups", "wasm")
 MOBILE_TARGETS = ("android", "iphone", "metal")
 BUILT_TOGETHER = {
-    "tiny-llama-q4f32_1": (*BROWSER_TARGETS, "android", "iphone"),
+    "tiny-llama-q4f32_1": (*BROWSER_TARGETS, "android", "iphone", "arm64-linux"),
     "tiny-llama-q4f16_1": ("cpu", *MOBILE_TARGETS),
     "SmolLM2-135M-Instruct-q4f32_1": BROWSER_TARGETS,
     "SmolLM2-135M-Instruct-q4f16_1": ("webgpu", *MOBILE_TARGETS),
     "SmolLM2-135M-Instruct-q0f32": ("cpu", "webgpu", "wasm"),
     **{
-        f"tiny-{family}-q4f32_1": ("cpu", "webgpu", "wasm")
+        f"tiny-{family}-q4f32_1": ("cpu", "webgpu", "wasm", "arm64-linux")
         for family in ("qwen2", "phi3", "mistral", "gemma2", "gemma3")
     },
 }
@@ -121,6 +122,27 @@ def tiny_build(builds, tiny_source):
     """tiny_build(quantization, targets) → model folder of the tiny Llama."""
     return lambda quantization, targets=("cpu",): builds.model_dir(
         tiny_source, "tiny-llama", quantization, list(targets)
+    )
+
+
+@pytest.fixture(scope="session")
+def family_source(tmp_path_factory):
+    """family_source(name) → a tiny model of that family (helpers.tiny_families), as a Hugging Face folder."""
+    made = {}
+
+    def source(name: str):
+        if name not in made:
+            made[name] = make_tiny_family(name, tmp_path_factory.mktemp("families") / name)
+        return made[name]
+
+    return source
+
+
+@pytest.fixture(scope="session")
+def family_build(builds, family_source):
+    """family_build(name, quantization, targets) → model folder of the family's tiny model."""
+    return lambda name, quantization, targets=("cpu",): builds.model_dir(
+        family_source(name), f"tiny-{name}", quantization, list(targets)
     )
 
 

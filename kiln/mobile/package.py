@@ -8,10 +8,12 @@ folder (`kiln compile … --target android,iphone`), relative paths taken from t
                      "bundle_weight": true, "estimated_vram_bytes": 300000000}]}
 
 MLC's `"device": "iphone"` is read as a one-platform list. Each platform gets
-`<output>/bundle-<platform>/`: `lib/libmodel_<platform>.a` (every model's objects in one archive),
-`mlc-app-config.json`, the weights of models with `bundle_weight` under `<model_id>/`, and
-`BUNDLE.md` (the TVM runtime to link against and the link line). Everything is checked before
-anything is written; bundles are built in a temporary folder and renamed into place.
+`<output>/bundle-<platform>/`: the models' libraries in `lib/` (a system-library platform's objects
+in one archive, `libmodel_<platform>.a`; arm64-linux's shared libraries beside Kiln's runtime
+`libkiln.so`), `include/kiln.h` (Kiln's C API) with the platform's bindings (Java for Android, a Swift
+module map for Apple), `mlc-app-config.json`, the weights of models with `bundle_weight` under
+`<model_id>/`, and `BUNDLE.md` (what to link and how). Everything is checked before anything is
+written; bundles are built in a temporary folder and renamed into place.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.app_config import MODEL_FILES, CompiledModel, model_needs, read_compiled_model
-from kiln.compile.pipeline import BUILD_RECORD, MODEL_ID
+from kiln.compile.pipeline import MODEL_ID
+from kiln.compile.toolchain.mobile_runtime import ensure_mobile_runtime
 from kiln.compile.staging import staging_folder
 from kiln.errors import KilnError
 from kiln.model_folder import read_json
@@ -39,12 +42,19 @@ from kiln.compile.toolchain.system_lib import (
 )
 from kiln.targets import TARGETS
 
-PLATFORMS = tuple(name for name, entry in TARGETS.items() if entry.system_lib)
+PLATFORMS = tuple(name for name, entry in TARGETS.items() if entry.system_lib or entry.mobile_runtime)
+RUNTIME_SOURCES = Path(__file__).parent / "runtime"
+JAVA_SOURCES = Path(__file__).parent / "java"
+# Swift imports kiln.h as the module `Kiln` (`import Kiln`) with this module map beside it.
+MODULE_MAP = 'module Kiln {\n  header "kiln.h"\n  export *\n}\n'
+APPLE_PLATFORMS = ("iphone", "metal")
 ENTRY_KEYS = {"model", "model_id", "bundle_weight", "estimated_vram_bytes", "model_url"}
 APP_CONFIG = "mlc-app-config.json"
 # How an app links the archive: nothing calls into the objects, their static constructors register
 # the models with the runtime, so the linker must keep every member.
 LINK_LINES = {
+    "arm64-linux": "clang --target=aarch64-linux-gnu -fuse-ld=lld app.c -Iinclude -Llib -lkiln "
+    "-Wl,-rpath,'$ORIGIN/lib'",
     "android": "-Wl,--whole-archive lib/libmodel_android.a -Wl,--no-whole-archive libtvm_runtime.a -lOpenCL",
     "iphone": "-Wl,-force_load,lib/libmodel_iphone.a libtvm_runtime.a -framework Metal -framework Foundation",
     "metal": "-Wl,-force_load,lib/libmodel_metal.a libtvm_runtime.a -framework Metal -framework Foundation",
@@ -64,10 +74,15 @@ class PackagedModel:
     estimated_vram_bytes: int
     model_url: str | None
 
-    def library(self, platform: str) -> tuple[Path, str]:
-        """The platform's `.tar` of objects and its system-lib prefix."""
+    def library(self, platform: str) -> tuple[Path, str | None]:
+        """The platform's library (a system library's `.tar` of objects) and its system-lib prefix."""
         record = self.compiled.build["targets"][platform]
-        return self.compiled.path / record["library"], record["system_lib_prefix"]
+        return self.compiled.path / record["library"], record.get("system_lib_prefix")
+
+    def model_lib(self, platform: str) -> str:
+        """What the app config names the library by: a system library's prefix, or its path in the bundle."""
+        path, prefix = self.library(platform)
+        return model_lib(prefix) if prefix else f"lib/{self.model_id}-{platform}{path.suffix}"
 
 
 @dataclass(frozen=True)
@@ -147,7 +162,7 @@ def read_package_config(path: Path) -> PackageConfig:
                     f"--model-id {model.compiled.model_id}",
                     path,
                 )
-    for platform in platforms:
+    for platform in (platform for platform in platforms if TARGETS[platform].system_lib):
         prefixes = Counter(model.library(platform)[1] for model in models)
         clashing = sorted(p for p, n in prefixes.items() if n > 1)
         if clashing:
@@ -189,7 +204,7 @@ def merged_archive(models: list[PackagedModel], platform: str, lib_dir: Path, wo
 def app_config_entry(model: PackagedModel, platform: str) -> dict:
     entry = {
         "model_id": model.model_id,
-        "model_lib": model_lib(model.library(platform)[1]),
+        "model_lib": model.model_lib(platform),
         "estimated_vram_bytes": model.estimated_vram_bytes,
     }
     if model.bundle_weight:
@@ -200,50 +215,122 @@ def app_config_entry(model: PackagedModel, platform: str) -> dict:
 
 
 def bundle_readme(config: PackageConfig, platform: str) -> str:
-    rows = "\n".join(
-        f"| `{m.model_id}` | `{model_lib(m.library(platform)[1])}` | `{m.library(platform)[1]}{LIBRARY_BIN_SYMBOL}` | "
-        f"{m.compiled.chat_config['quantization']} | {'bundled' if m.bundle_weight else m.model_url} |"
-        for m in config.models
-    )
+    entry = TARGETS[platform]
+    models = system_lib_section(config, platform) if entry.system_lib else shared_library_section(config, platform)
     return f"""# Kiln bundle for {platform}
 
 Built by Kiln from `{config.path.name}`.
 
-| model_id | model_lib | symbol | quantization | weights |
-|---|---|---|---|---|
-{rows}
-
-- `lib/libmodel_{platform}.a`: the models' kernels and Relax VM code, as system libraries.
-- `{APP_CONFIG}`: the app's model list (MLC's format); `model_path` is a folder of this bundle.
-
-## Runtime
-
-The libraries were compiled by Apache TVM **{tvm_runtime_version()}** and need the TVM runtime of
-exactly that version ({RUNTIME_BUILD[platform]}). The app loads a model through the runtime's
-system library of prefix `<model_lib>_`. Kiln could not run these libraries where it built them
-(its TVM runtime has no OpenCL or Metal device): they are checked by their objects and symbols.
-
+{models}
 ## Link line
 
 ```
 {LINK_LINES[platform]}
 ```
 
+{engine_section(platform)}"""
+
+
+def system_lib_section(config: PackageConfig, platform: str) -> str:
+    rows = "\n".join(
+        f"| `{m.model_id}` | `{m.model_lib(platform)}` | `{m.library(platform)[1]}{LIBRARY_BIN_SYMBOL}` | "
+        f"{m.compiled.chat_config['quantization']} | {'bundled' if m.bundle_weight else m.model_url} |"
+        for m in config.models
+    )
+    return f"""| model_id | model_lib | symbol | quantization | weights |
+|---|---|---|---|---|
+{rows}
+
+- `lib/libmodel_{platform}.a`: the models' kernels and Relax VM code, as system libraries.
+- `{APP_CONFIG}`: the app's model list (MLC's format); `model_path` is a folder of this bundle.
+
+The libraries were compiled by Apache TVM **{tvm_runtime_version()}** and need the TVM runtime of
+exactly that version ({RUNTIME_BUILD[platform]}). The app loads a model through the runtime's
+system library of prefix `<model_lib>_`. Kiln could not run these libraries where it built them
+(its TVM runtime has no OpenCL or Metal device): they are checked by their objects and symbols.
 The whole archive must be linked (`--whole-archive` / `-force_load`): nothing in the app calls
 into it, and the models register themselves with the runtime from static constructors.
 """
 
 
+def shared_library_section(config: PackageConfig, platform: str) -> str:
+    rows = "\n".join(
+        f"| `{m.model_id}` | `{m.model_lib(platform)}` | {m.compiled.chat_config['quantization']} | "
+        f"{'bundled' if m.bundle_weight else m.model_url} |"
+        for m in config.models
+    )
+    return f"""| model_id | model_lib | quantization | weights |
+|---|---|---|---|
+{rows}
+
+- `lib/libkiln.so` (and `lib/libkiln.a`): Kiln's runtime, Apache TVM **{tvm_runtime_version()}**'s runtime with
+  Kiln's engine, for {platform}; `include/kiln.h`, its C API.
+- `lib/<model_id>-{platform}.so`: each model's kernels and Relax VM code, loaded by the runtime.
+- `{APP_CONFIG}`: the app's model list; `model_path` is a folder of this bundle.
+
+An app creates an engine with `kiln_engine_create("{{\"model\": \"<model_path>\", \"model_lib\":
+\"<bundle>/<model_lib>\"}}")`. Kiln ran these libraries where it built them, under qemu-aarch64.
+"""
+
+
+def engine_section(platform: str) -> str:
+    """kiln.h, and what else an app of the platform gets to call it."""
+    extras = {
+        "android": "`java/`: `ai.kiln.KilnEngine` (Java/Kotlin) and its JNI side `kiln_jni.c`, to build with the "
+        "app's NDK against kiln.h and libkiln.",
+        "iphone": "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`.",
+        "metal": "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`.",
+    }
+    built_here = TARGETS[platform].mobile_runtime is not None
+    runtime = (
+        "`lib/libkiln.so` is that runtime, built by Kiln for this platform."
+        if built_here
+        else f"Kiln's runtime for {platform} (TVM's runtime with Kiln's engine, built from Kiln's "
+        "`kiln/mobile/runtime` sources) is not in this bundle: it needs the platform's SDK (the Android "
+        "NDK, Xcode), which the machine that built the bundle lacks. Nothing here was linked for the "
+        "platform; `kiln/mobile/runtime` compiles with the flags of `kiln.compile.toolchain.mobile_runtime`."
+    )
+    return f"""## Kiln's engine (kiln.h)
+
+`include/kiln.h` is Kiln's C API: an engine per model, OpenAI chat-completion JSON in, streamed
+`chat.completion.chunk` JSON out, the browser engine's error codes. {runtime}
+{extras.get(platform, "")}
+"""
+
+
+def write_models(config: PackageConfig, platform: str, folder: Path) -> None:
+    """The models' libraries in `lib/`: system libraries merged into one archive, shared ones as they are."""
+    if TARGETS[platform].system_lib:
+        work = folder.parent / f"objects-{platform}"
+        merged_archive(config.models, platform, folder / "lib", work)
+        shutil.rmtree(work)
+        return
+    for model in config.models:
+        shutil.copyfile(model.library(platform)[0], folder / model.model_lib(platform))
+
+
+def write_engine_files(platform: str, folder: Path) -> None:
+    """kiln.h, the runtime where it is built for the platform, and the bindings of its apps."""
+    (folder / "include").mkdir()
+    shutil.copyfile(RUNTIME_SOURCES / "kiln.h", folder / "include" / "kiln.h")
+    if platform in APPLE_PLATFORMS:
+        (folder / "include" / "module.modulemap").write_text(MODULE_MAP)
+    if platform == "android":
+        shutil.copytree(JAVA_SOURCES, folder / "java")
+    runtime = TARGETS[platform].mobile_runtime
+    if runtime is not None:
+        built = ensure_mobile_runtime(runtime)
+        for library in ("libkiln.so", "libkiln.a"):
+            shutil.copyfile(built / "lib" / library, folder / "lib" / library)
+
+
 def write_bundle(config: PackageConfig, platform: str, folder: Path) -> None:
-    work = folder.parent / f"objects-{platform}"
     (folder / "lib").mkdir(parents=True)
-    merged_archive(config.models, platform, folder / "lib", work)
-    shutil.rmtree(work)
+    write_models(config, platform, folder)
+    write_engine_files(platform, folder)
     for model in config.models:
         if model.bundle_weight:
-            shutil.copytree(
-                model.compiled.path, folder / model.model_id, ignore=shutil.ignore_patterns("libs", BUILD_RECORD)
-            )
+            shutil.copytree(model.compiled.path, folder / model.model_id, ignore=shutil.ignore_patterns("libs"))
     app_config = {"model_list": [app_config_entry(m, platform) for m in config.models]}
     (folder / APP_CONFIG).write_text(json.dumps(app_config, indent=2) + "\n")
     (folder / "BUNDLE.md").write_text(bundle_readme(config, platform))

@@ -95,7 +95,14 @@ def test_repackaging_replaces_a_bundle(two_models, tmp_path):
     package(write_config(tmp_path, config), tmp_path / "out")
     config["model_list"][0]["model_id"] = "renamed"
     bundle = package(write_config(tmp_path, config), tmp_path / "out")["android"]
-    assert sorted(p.name for p in bundle.iterdir()) == ["BUNDLE.md", "lib", "mlc-app-config.json", "renamed"]
+    assert sorted(p.name for p in bundle.iterdir()) == [
+        "BUNDLE.md",
+        "include",
+        "java",
+        "lib",
+        "mlc-app-config.json",
+        "renamed",
+    ]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bundle-android", "bundle-iphone"]
 
 

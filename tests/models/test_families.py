@@ -22,7 +22,6 @@ from helpers.tiny_families import (
     MISTRAL_WINDOW,
     PHI3_ORIGINAL_CONTEXT,
     TINY_FAMILIES,
-    make_tiny_family,
     write_family_gguf,
 )
 from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
@@ -36,23 +35,6 @@ from kiln.targets import TARGETS, target_named
 
 FAMILIES = sorted(TINY_FAMILIES)
 GREEDY_TOKENS = 32
-
-
-@pytest.fixture(scope="session")
-def family_source(tmp_path_factory):
-    made = {}
-
-    def source(name: str):
-        if name not in made:
-            made[name] = make_tiny_family(name, tmp_path_factory.mktemp("families") / name)
-        return made[name]
-
-    return source
-
-
-@pytest.fixture(scope="session")
-def family_build(builds, family_source):
-    return lambda name, quantization: builds.model_dir(family_source(name), f"tiny-{name}", quantization, ["cpu"])
 
 
 def greedy(model, ids: list[int], steps: int) -> list[int]:

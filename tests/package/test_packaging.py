@@ -122,6 +122,18 @@ def test_the_wheel_carries_the_served_web_files_and_no_dev_package(installed, el
     assert carried == {prefix: "web-llm" not in prefix for prefix in carried}
 
 
+def test_the_wheel_carries_the_mobile_runtimes_sources(installed, elsewhere):
+    listing = (
+        "import json; from kiln.mobile.package import JAVA_SOURCES, RUNTIME_SOURCES; "
+        "print(json.dumps([sorted(str(p.relative_to(d)) for p in d.rglob('*.*')) "
+        "for d in (RUNTIME_SOURCES, JAVA_SOURCES)]))"
+    )
+    runtime, java = json.loads(run([installed / "python", "-c", listing], cwd=elsewhere))
+    checkout = CHECKOUT / "kiln" / "mobile"
+    assert runtime == sorted(p.name for p in (checkout / "runtime").iterdir() if p.suffix in (".h", ".cc"))
+    assert java == sorted(str(p.relative_to(checkout / "java")) for p in (checkout / "java").rglob("*.*"))
+
+
 def test_a_wheel_without_the_web_packages_and_npm_is_one_clear_error(tmp_path):
     source = sources(tmp_path)
     no_npm = {**ENV, "PATH": str(Path(sys.executable).parent)}

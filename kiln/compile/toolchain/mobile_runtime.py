@@ -333,16 +333,26 @@ def _run_clang(command: list[str], path: Path) -> None:
         )
 
 
+def build_mobile_runtimes(progress: bool = True) -> list[Path]:
+    """The runtime of every platform whose cross toolchain this machine has."""
+    return [
+        ensure_mobile_runtime(platform.name, progress)
+        for platform in RUNTIME_PLATFORMS.values()
+        if not platform.needs or Path(platform.needs).is_file()
+    ]
+
+
 def toolchain_status() -> list[ToolStatus]:
-    """`kiln doctor`'s lines for the mobile runtime: the cross toolchain and the cached builds."""
+    """`kiln doctor`'s lines for the mobile runtime: the cross toolchain and the cached builds. Optional:
+    without them, only apps' runtimes cannot be built (models still compile for every target)."""
     statuses = []
     for platform in RUNTIME_PLATFORMS.values():
         if platform.needs and not Path(platform.needs).is_file():
-            statuses.append(
-                ToolStatus(f"{platform.name} C++ library", False, f"{platform.needs} is missing", platform.needs_fix)
-            )
+            problem = f"{platform.needs} is missing"
+            statuses.append(ToolStatus(f"{platform.name} C++ library", False, problem, platform.needs_fix, True))
             continue
         built = shutil.which("clang++") is not None and runtime_is_built(platform)
         detail = f"built in {platform.runtime_dir()}" if built else f"not built for TVM {tvm_version()}"
-        statuses.append(ToolStatus(f"Kiln runtime ({platform.name})", built, detail, None if built else BUILD_COMMAND))
+        fix = None if built else BUILD_COMMAND
+        statuses.append(ToolStatus(f"Kiln runtime ({platform.name})", built, detail, fix, optional=True))
     return statuses

@@ -228,8 +228,9 @@ void Engine::ChatCompletion(const std::string& request_json, const ChunkSink& on
   std::vector<int32_t> conversation_ids = prompt.ids;
   conversation_ids.insert(conversation_ids.end(), reply_ids.begin(), reply_ids.end());
   conversation_ = Conversation{prompt.text + text.text(), conversation_ids};
-  send(reply.Delta("", run.finish_reason));
-  send(reply.Usage(UsageJson(prompt.ids.size(), text.ids().size(), run, started)));
+  // The reply's end reaches the app even after it asked to stop: that is where it learns why and the usage.
+  on_chunk(reply.Delta("", run.finish_reason));
+  on_chunk(reply.Usage(UsageJson(prompt.ids.size(), text.ids().size(), run, started)));
 }
 
 void Engine::Reset() {

@@ -15,7 +15,8 @@ extern "C" {
 typedef struct kiln_engine kiln_engine;
 
 /* Called with each `chat.completion.chunk` as JSON (UTF-8, complete characters only); the last
- * chunk carries `usage`. Return non-zero to stop: the completion ends with finish_reason "abort". */
+ * chunk carries `usage`. Return non-zero to stop: no more content comes, and the completion ends
+ * with its last two chunks (finish_reason "abort", then the usage). */
 typedef int (*kiln_chunk_fn)(const char *chunk_json, void *user);
 
 /* What the functions that return an int return: KILN_OK, or an error code. The codes and their

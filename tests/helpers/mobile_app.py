@@ -1,0 +1,168 @@
+"""An app of Kiln's C API: tests/mobile/drivers/chat.c built against a mobile runtime and run, on arm64
+under qemu-aarch64, line by line (`create`, `chat`, `stop-after`, `abort-after`, `reset`, `tokenize`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.paths import CHECKOUT
+
+import tvm
+import tvm_ffi
+
+from kiln.compile.toolchain.mobile_runtime import KILN_SOURCES_DIR, RUNTIME_PLATFORMS, ensure_mobile_runtime
+from kiln.compile.toolchain.wasm_toolchain import HEADERS_DIR
+
+CHAT_DRIVER = CHECKOUT / "tests" / "mobile" / "drivers" / "chat.c"
+LOGITS_DRIVER = CHECKOUT / "tests" / "mobile" / "drivers" / "logits.cc"
+ARM64_SYSROOT = "/usr/aarch64-linux-gnu"
+REPLY_TIMEOUT_S = 600
+
+
+def build_chat_app(platform: str, output_dir: Path) -> Path:
+    """chat.c as a C99 program of `platform`, linked against that platform's libkiln.so."""
+    runtime = ensure_mobile_runtime(platform, progress=False)
+    triple = RUNTIME_PLATFORMS[platform].triple
+    program = output_dir / f"chat-{platform}"
+    command = [
+        "clang",
+        *([f"--target={triple}"] if triple else []),
+        "-std=c99",
+        "-Wall",
+        "-Werror",
+        "-fuse-ld=lld",
+        f"-I{runtime / 'include'}",
+        str(CHAT_DRIVER),
+        f"-L{runtime / 'lib'}",
+        "-lkiln",
+        "-lpthread",
+        f"-Wl,-rpath,{runtime / 'lib'}",
+        "-o",
+        str(program),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"{subprocess.list2cmdline(command)}\n{result.stderr[-4000:]}"
+    return program
+
+
+def build_model_driver(platform: str, output_dir: Path) -> Path:
+    """logits.cc, a C++ program over the runtime's model layer (model.h), for `platform`."""
+    runtime = ensure_mobile_runtime(platform, progress=False)
+    triple = RUNTIME_PLATFORMS[platform].triple
+    program = output_dir / f"logits-{platform}"
+    command = [
+        "clang++",
+        *([f"--target={triple}"] if triple else []),
+        "-std=c++17",
+        "-fuse-ld=lld",
+        f"-I{KILN_SOURCES_DIR}",
+        *(f"-I{path}" for path in tvm_include_dirs()),
+        str(LOGITS_DRIVER),
+        f"-L{runtime / 'lib'}",
+        "-lkiln",
+        f"-Wl,-rpath,{runtime / 'lib'}",
+        "-o",
+        str(program),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"{subprocess.list2cmdline(command)}\n{result.stderr[-4000:]}"
+    return program
+
+
+def tvm_include_dirs() -> list[Path]:
+    """TVM's headers as the runtime build has them: the wheels', and Kiln's stand-ins for what they lack."""
+    tvm_dir, ffi_dir = Path(tvm.__file__).parent, Path(tvm_ffi.__file__).parent
+    dirs = [tvm_dir / "include", ffi_dir / "include", ffi_dir / "3rdparty" / "dlpack" / "include"]
+    return [*dirs, HEADERS_DIR / "include"]
+
+
+def run_arm64(program: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["qemu-aarch64", "-L", ARM64_SYSROOT, str(program), *args],
+        capture_output=True,
+        text=True,
+        timeout=REPLY_TIMEOUT_S,
+        check=False,
+    )
+
+
+@dataclass
+class Reply:
+    chunks: list[dict] = field(default_factory=list)
+    status: int = 0
+    code: str | None = None
+    message: str = ""
+
+    @property
+    def content(self) -> str:
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in self.chunks if c["choices"])
+
+    @property
+    def finish_reason(self) -> str | None:
+        finishes = [c["choices"][0]["finish_reason"] for c in self.chunks if c["choices"]]
+        return next((reason for reason in finishes if reason), None)
+
+    @property
+    def usage(self) -> dict:
+        return self.chunks[-1]["usage"]
+
+
+class ChatApp:
+    """One running app process; `qemu` runs an arm64 one here."""
+
+    def __init__(self, program: Path, qemu: bool):
+        command = ["qemu-aarch64", "-L", ARM64_SYSROOT, str(program)] if qemu else [str(program)]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def _send(self, line: str) -> None:
+        assert "\n" not in line
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def _reply(self) -> Reply:
+        reply = Reply()
+        for line in self.process.stdout:
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            if kind == "chunk":
+                reply.chunks.append(json.loads(rest))
+            elif kind == "status":
+                status, code, message = (rest.split(" ", 2) + [""])[:3]
+                reply.status, reply.code, reply.message = int(status), None if code == "-" else code, message
+                return reply
+            else:
+                raise AssertionError(f"unexpected line from the app: {line!r}")
+        raise AssertionError(f"the app ended (exit {self.process.wait()}): {self.process.stderr.read()[-4000:]}")
+
+    def create(self, config: dict) -> Reply | None:
+        """None when the engine was created, else the failure."""
+        self._send("create " + json.dumps(config))
+        line = self.process.stdout.readline()
+        if line == "created\n":
+            return None
+        kind, _, rest = line.rstrip("\n").partition(" ")
+        assert kind == "status", f"unexpected line from the app: {line!r} {self.process.stderr.read()[-4000:]}"
+        status, code, message = (rest.split(" ", 2) + [""])[:3]
+        return Reply(status=int(status), code=code, message=message)
+
+    def chat(self, request: dict | str, stop_after: int = 0, abort_after: int = 0) -> Reply:
+        body = request if isinstance(request, str) else json.dumps(request)
+        if stop_after:
+            self._send(f"stop-after {stop_after} {body}")
+        elif abort_after:
+            self._send(f"abort-after {abort_after} {body}")
+        else:
+            self._send(f"chat {body}")
+        return self._reply()
+
+    def reset(self) -> Reply:
+        self._send("reset")
+        return self._reply()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
