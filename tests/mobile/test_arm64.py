@@ -192,3 +192,18 @@ def test_an_arm64_linux_bundle_links_as_its_readme_says_and_chats(arm64_model, n
     finally:
         app.close()
     assert reply.content == native.generate_chat(QUESTION, GenerationConfig(max_tokens=8, temperature=0)).text
+
+
+def test_smollm2_on_arm64_replies_as_the_native_engine(arm64_chat_app, smollm2_build):
+    model_dir = smollm2_build("q4f32_1", ["cpu", "arm64-linux"])
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    app = ChatApp(arm64_chat_app, qemu=True)
+    try:
+        assert app.create({"model": str(model_dir)}) is None
+        reply = app.chat({"messages": question, "temperature": 0, "max_tokens": 16})
+    finally:
+        app.close()
+    assert reply.status == 0, reply.message
+    expected = Engine(model_dir).generate_chat(question, GenerationConfig(max_tokens=16, temperature=0))
+    assert reply.content == expected.text
+    print(f"SmolLM2 under qemu-aarch64: {reply.usage['extra']['decode_tokens_per_s']:.1f} decode tok/s")
