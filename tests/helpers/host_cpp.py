@@ -34,9 +34,13 @@ def host_program(driver: str, runtime_sources: list[str], output_dir: Path) -> P
         f"-L{TVM_FFI / 'lib'}",
         "-ltvm_ffi",
         f"-Wl,-rpath,{TVM_FFI / 'lib'}",
-        "-o",
-        str(program),
     ]
+    return compiled(command, program)
+
+
+def compiled(command: list[str], program: Path) -> Path:
+    """`program`, built by `command` (a compiler line without its `-o`)."""
+    command = [*command, "-o", str(program)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"{subprocess.list2cmdline(command)}\n{result.stderr[-4000:]}"
     return program

@@ -8,10 +8,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.paths import CHECKOUT
-
 import tvm
 import tvm_ffi
+
+from helpers.host_cpp import compiled
+from helpers.paths import CHECKOUT
 
 from kiln.compile.toolchain.mobile_runtime import KILN_SOURCES_DIR, RUNTIME_PLATFORMS, ensure_mobile_runtime
 from kiln.compile.toolchain.wasm_toolchain import HEADERS_DIR
@@ -24,52 +25,30 @@ REPLY_TIMEOUT_S = 600
 
 def build_chat_app(platform: str, output_dir: Path) -> Path:
     """chat.c as a C99 program of `platform`, linked against that platform's libkiln.so."""
-    runtime = ensure_mobile_runtime(platform, progress=False)
-    triple = RUNTIME_PLATFORMS[platform].triple
-    program = output_dir / f"chat-{platform}"
-    command = [
-        "clang",
-        *([f"--target={triple}"] if triple else []),
-        "-std=c99",
-        "-Wall",
-        "-Werror",
-        "-fuse-ld=lld",
-        f"-I{runtime / 'include'}",
-        str(CHAT_DRIVER),
-        f"-L{runtime / 'lib'}",
-        "-lkiln",
-        "-lpthread",
-        f"-Wl,-rpath,{runtime / 'lib'}",
-        "-o",
-        str(program),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, f"{subprocess.list2cmdline(command)}\n{result.stderr[-4000:]}"
-    return program
+    return build_against_runtime(platform, CHAT_DRIVER, output_dir, ["clang", "-std=c99", "-Wall", "-Werror"])
 
 
 def build_model_driver(platform: str, output_dir: Path) -> Path:
     """logits.cc, a C++ program over the runtime's model layer (model.h), for `platform`."""
+    headers = [f"-I{KILN_SOURCES_DIR}", *(f"-I{path}" for path in tvm_include_dirs())]
+    return build_against_runtime(platform, LOGITS_DRIVER, output_dir, ["clang++", "-std=c++17", *headers])
+
+
+def build_against_runtime(platform: str, driver: Path, output_dir: Path, compiler: list[str]) -> Path:
     runtime = ensure_mobile_runtime(platform, progress=False)
     triple = RUNTIME_PLATFORMS[platform].triple
-    program = output_dir / f"logits-{platform}"
     command = [
-        "clang++",
+        *compiler,
         *([f"--target={triple}"] if triple else []),
-        "-std=c++17",
         "-fuse-ld=lld",
-        f"-I{KILN_SOURCES_DIR}",
-        *(f"-I{path}" for path in tvm_include_dirs()),
-        str(LOGITS_DRIVER),
+        f"-I{runtime / 'include'}",
+        str(driver),
         f"-L{runtime / 'lib'}",
         "-lkiln",
+        "-lpthread",
         f"-Wl,-rpath,{runtime / 'lib'}",
-        "-o",
-        str(program),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, f"{subprocess.list2cmdline(command)}\n{result.stderr[-4000:]}"
-    return program
+    return compiled(command, output_dir / f"{driver.stem}-{platform}")
 
 
 def tvm_include_dirs() -> list[Path]:
