@@ -61,11 +61,16 @@ web/node_modules/.installed: web/package-lock.json
 runtime: setup
 	$(VENV)/bin/kiln doctor --build-runtime --build-mobile-runtime
 
-# ruff lints and formats the Python (settings in pyproject.toml), ESLint for the web package (web/eslint.config.js)
-# and TypeScript for its JSDoc types (web/tsconfig.json).
+# ruff lints and formats the Python (settings in pyproject.toml), clang-format the mobile runtime's C, C++ and
+# Java (.clang-format), ESLint for the web package (web/eslint.config.js) and TypeScript for its JSDoc types
+# (web/tsconfig.json).
+CLANG_FORMATTED = $(filter-out %/unicode_tables.h,$(wildcard kiln/mobile/runtime/*.h kiln/mobile/runtime/*.cc \
+	kiln/mobile/java/*.c kiln/mobile/java/ai/kiln/*.java tests/mobile/drivers/*))
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CLANG_FORMATTED)
 	cd web && npx eslint . && npx tsc -p tsconfig.json
 
 test: setup lint runtime

@@ -8,28 +8,28 @@
 #include "kiln.h"
 
 /* `bytes` as a NUL-terminated string (free it), or NULL with an OutOfMemoryError pending. */
-static char *c_string(JNIEnv *env, jbyteArray bytes) {
+static char* c_string(JNIEnv* env, jbyteArray bytes) {
   jsize length = (*env)->GetArrayLength(env, bytes);
-  char *text = malloc((size_t)length + 1);
+  char* text = malloc((size_t)length + 1);
   if (text == NULL) {
     (*env)->ThrowNew(env, (*env)->FindClass(env, "java/lang/OutOfMemoryError"), "kiln: no memory for a string");
     return NULL;
   }
-  (*env)->GetByteArrayRegion(env, bytes, 0, length, (jbyte *)text);
+  (*env)->GetByteArrayRegion(env, bytes, 0, length, (jbyte*)text);
   text[length] = '\0';
   return text;
 }
 
-static jbyteArray java_bytes(JNIEnv *env, const char *text) {
+static jbyteArray java_bytes(JNIEnv* env, const char* text) {
   jsize length = (jsize)strlen(text);
   jbyteArray bytes = (*env)->NewByteArray(env, length);
-  if (bytes != NULL) (*env)->SetByteArrayRegion(env, bytes, 0, length, (const jbyte *)text);
+  if (bytes != NULL) (*env)->SetByteArrayRegion(env, bytes, 0, length, (const jbyte*)text);
   return bytes;
 }
 
-static void throw_kiln(JNIEnv *env, int status, const kiln_engine *engine) {
-  const char *code = kiln_last_error_code(engine);
-  const char *message = kiln_last_error(engine);
+static void throw_kiln(JNIEnv* env, int status, const kiln_engine* engine) {
+  const char* code = kiln_last_error_code(engine);
+  const char* message = kiln_last_error(engine);
   jclass type = (*env)->FindClass(env, "ai/kiln/KilnException");
   jmethodID init = (*env)->GetMethodID(env, type, "<init>", "(ILjava/lang/String;Ljava/lang/String;)V");
   jobject error = (*env)->NewObject(env, type, init, status, (*env)->NewStringUTF(env, code ? code : "internal"),
@@ -37,27 +37,27 @@ static void throw_kiln(JNIEnv *env, int status, const kiln_engine *engine) {
   if (error != NULL) (*env)->Throw(env, (jthrowable)error);
 }
 
-static kiln_engine *engine_of(jlong handle) { return (kiln_engine *)(intptr_t)handle; }
+static kiln_engine* engine_of(jlong handle) { return (kiln_engine*)(intptr_t)handle; }
 
-JNIEXPORT jlong JNICALL Java_ai_kiln_KilnEngine_create(JNIEnv *env, jclass type, jbyteArray config) {
-  char *text = c_string(env, config);
+JNIEXPORT jlong JNICALL Java_ai_kiln_KilnEngine_create(JNIEnv* env, jclass type, jbyteArray config) {
+  char* text = c_string(env, config);
   if (text == NULL) return 0;
-  kiln_engine *engine = kiln_engine_create(text);
+  kiln_engine* engine = kiln_engine_create(text);
   free(text);
   if (engine == NULL) throw_kiln(env, -1, NULL);
   return (jlong)(intptr_t)engine;
 }
 
 struct listener {
-  JNIEnv *env;
+  JNIEnv* env;
   jobject target;
   jmethodID on_chunk;
 };
 
 /* Stops the reply when the listener says so or throws (its exception stays pending for Java). */
-static int deliver(const char *chunk_json, void *user) {
-  struct listener *listener = user;
-  JNIEnv *env = listener->env;
+static int deliver(const char* chunk_json, void* user) {
+  struct listener* listener = user;
+  JNIEnv* env = listener->env;
   jbyteArray chunk = java_bytes(env, chunk_json);
   if (chunk == NULL) return 1;
   jboolean more = (*env)->CallBooleanMethod(env, listener->target, listener->on_chunk, chunk);
@@ -65,9 +65,9 @@ static int deliver(const char *chunk_json, void *user) {
   return (*env)->ExceptionCheck(env) || !more;
 }
 
-JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_chatCompletion(JNIEnv *env, jclass type, jlong handle,
-                                                            jbyteArray request, jobject target) {
-  char *text = c_string(env, request);
+JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_chatCompletion(JNIEnv* env, jclass type, jlong handle,
+                                                              jbyteArray request, jobject target) {
+  char* text = c_string(env, request);
   if (text == NULL) return;
   jclass listener_type = (*env)->GetObjectClass(env, target);
   struct listener listener = {env, target, (*env)->GetMethodID(env, listener_type, "onChunk", "([B)Z")};
@@ -76,20 +76,19 @@ JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_chatCompletion(JNIEnv *env, jclas
   if (status != KILN_OK && !(*env)->ExceptionCheck(env)) throw_kiln(env, status, engine_of(handle));
 }
 
-JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_abort(JNIEnv *env, jclass type, jlong handle) {
+JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_abort(JNIEnv* env, jclass type, jlong handle) {
   kiln_abort(engine_of(handle));
 }
 
-JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_reset(JNIEnv *env, jclass type, jlong handle) {
+JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_reset(JNIEnv* env, jclass type, jlong handle) {
   int status = kiln_reset(engine_of(handle));
   if (status != KILN_OK) throw_kiln(env, status, engine_of(handle));
 }
 
-JNIEXPORT jbyteArray JNICALL Java_ai_kiln_KilnEngine_tokenize(JNIEnv *env, jclass type, jlong handle,
-                                                            jbyteArray text) {
-  char *string = c_string(env, text);
+JNIEXPORT jbyteArray JNICALL Java_ai_kiln_KilnEngine_tokenize(JNIEnv* env, jclass type, jlong handle, jbyteArray text) {
+  char* string = c_string(env, text);
   if (string == NULL) return NULL;
-  const char *ids = kiln_tokenize(engine_of(handle), string);
+  const char* ids = kiln_tokenize(engine_of(handle), string);
   free(string);
   if (ids == NULL) {
     throw_kiln(env, -1, engine_of(handle));
@@ -98,6 +97,6 @@ JNIEXPORT jbyteArray JNICALL Java_ai_kiln_KilnEngine_tokenize(JNIEnv *env, jclas
   return java_bytes(env, ids);
 }
 
-JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_free(JNIEnv *env, jclass type, jlong handle) {
+JNIEXPORT void JNICALL Java_ai_kiln_KilnEngine_free(JNIEnv* env, jclass type, jlong handle) {
   kiln_engine_free(engine_of(handle));
 }

@@ -86,7 +86,8 @@ kiln_engine* kiln_engine_create(const char* config_json) {
   try {
     json::Object config = kiln::ParseRequest(config_json ? config_json : "");
     std::string model = StringField(config, "model");
-    if (model.empty()) throw kiln::EngineError(kiln::ErrorCode::kBadRequest, "the config needs \"model\": the model folder");
+    if (model.empty())
+      throw kiln::EngineError(kiln::ErrorCode::kBadRequest, "the config needs \"model\": the model folder");
     engine->engine = std::make_unique<kiln::Engine>(model, StringField(config, "model_lib"));
     return engine.release();
   } catch (...) {

@@ -132,10 +132,9 @@ std::vector<std::string> FormatChat(const json::Object& conv_template, const jso
   if (!seps || seps->empty()) throw BadModel("seps");
   std::vector<ChatTurn> turns = NormalizeMessages(messages);
   const bool has_system_message = turns.front().role == "system";
-  const std::string system =
-      SystemBlock(conv_template, has_system_message
-                                     ? turns.front().text
-                                     : ConvString(FieldOf(conv_template, "system_message"), "system_message"));
+  const std::string system = SystemBlock(
+      conv_template,
+      has_system_message ? turns.front().text : ConvString(FieldOf(conv_template, "system_message"), "system_message"));
   if (has_system_message) turns.erase(turns.begin());
   std::vector<std::string> pieces;
   if (!system.empty()) pieces.push_back(system);

@@ -37,9 +37,9 @@ class ReplyChunks {
  public:
   explicit ReplyChunks(const std::string& model)
       : head_("{\"id\":" + Quoted(CompletionId()) + ",\"object\":\"chat.completion.chunk\",\"created\":" +
-              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
-                                 std::chrono::system_clock::now().time_since_epoch())
-                                 .count()) +
+              std::to_string(
+                  std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+                      .count()) +
               ",\"model\":" + Quoted(model) + ",\"choices\":") {}
 
   // `delta_json`: the delta's members, e.g. "\"content\":\"Hi\"".
@@ -54,28 +54,6 @@ class ReplyChunks {
   std::string head_;
 };
 
-struct Run {
-  std::vector<int32_t> tokens;
-  const char* finish_reason = nullptr;
-  int prefilled = 0;
-  double prefill_seconds = 0;
-  Clock::time_point first_token_at, last_token_at;
-};
-
-// OpenAI's usage, with Kiln's timings in `extra` (README, "Benchmarks").
-std::string UsageJson(size_t prompt_tokens, size_t completion_tokens, const Run& run, Clock::time_point started) {
-  size_t generated = run.tokens.size();
-  std::string decode_rate =
-      generated > 1 ? Number((generated - 1) / SecondsBetween(run.first_token_at, run.last_token_at)) : "null";
-  return "{\"prompt_tokens\":" + std::to_string(prompt_tokens) + ",\"completion_tokens\":" +
-         std::to_string(completion_tokens) + ",\"total_tokens\":" + std::to_string(prompt_tokens + completion_tokens) +
-         ",\"extra\":{\"prefilled_tokens\":" + std::to_string(run.prefilled) +
-         ",\"time_to_first_token_s\":" + Number(SecondsBetween(started, run.first_token_at)) +
-         ",\"prefill_tokens_per_s\":" + Number(run.prefilled / run.prefill_seconds) +
-         ",\"decode_tokens_per_s\":" + decode_rate + ",\"e2e_latency_s\":" + Number(SecondsBetween(started, Clock::now())) +
-         ",\"mask_ms_per_token\":0}}";
-}
-
 std::vector<int32_t> IdsOf(const std::optional<ffi::Any>& value) {
   std::vector<int32_t> ids;
   if (!value.has_value() || *value == nullptr) return ids;
@@ -85,8 +63,13 @@ std::vector<int32_t> IdsOf(const std::optional<ffi::Any>& value) {
 }
 
 SamplingConfig SamplingOf(const GenerationSettings& settings) {
-  return {settings.temperature,      settings.top_p,           settings.top_k, settings.repetition_penalty,
-          settings.presence_penalty, settings.frequency_penalty, settings.seed};
+  return {settings.temperature,
+          settings.top_p,
+          settings.top_k,
+          settings.repetition_penalty,
+          settings.presence_penalty,
+          settings.frequency_penalty,
+          settings.seed};
 }
 
 // Clears a flag when the scope ends, however it ends.
@@ -100,6 +83,30 @@ class Holding {
 };
 
 }  // namespace
+
+struct Engine::Run {
+  std::vector<int32_t> tokens;
+  const char* finish_reason = nullptr;
+  int prefilled = 0;
+  double prefill_seconds = 0;
+  Clock::time_point first_token_at, last_token_at;
+};
+
+// OpenAI's usage, with Kiln's timings in `extra` (README, "Benchmarks").
+static std::string UsageJson(size_t prompt_tokens, size_t completion_tokens, const Engine::Run& run,
+                             Clock::time_point started) {
+  size_t generated = run.tokens.size();
+  std::string decode_rate =
+      generated > 1 ? Number((generated - 1) / SecondsBetween(run.first_token_at, run.last_token_at)) : "null";
+  return "{\"prompt_tokens\":" + std::to_string(prompt_tokens) +
+         ",\"completion_tokens\":" + std::to_string(completion_tokens) +
+         ",\"total_tokens\":" + std::to_string(prompt_tokens + completion_tokens) +
+         ",\"extra\":{\"prefilled_tokens\":" + std::to_string(run.prefilled) +
+         ",\"time_to_first_token_s\":" + Number(SecondsBetween(started, run.first_token_at)) +
+         ",\"prefill_tokens_per_s\":" + Number(run.prefilled / run.prefill_seconds) +
+         ",\"decode_tokens_per_s\":" + decode_rate +
+         ",\"e2e_latency_s\":" + Number(SecondsBetween(started, Clock::now())) + ",\"mask_ms_per_token\":0}}";
+}
 
 Engine::Engine(const std::string& folder, const std::string& model_lib)
     : model_(std::make_unique<Model>(folder, model_lib)) {
@@ -153,49 +160,65 @@ std::vector<float> Engine::PrefillPrompt(const std::vector<int32_t>& ids, int* p
 }
 
 void Engine::ChatCompletion(const std::string& request_json, const ChunkSink& on_chunk) {
-  if (generating_.exchange(true)) throw EngineError(ErrorCode::kBusy, "A generation is already running; wait for it or abort it.");
+  if (generating_.exchange(true))
+    throw EngineError(ErrorCode::kBusy, "A generation is already running; wait for it or abort it.");
   Holding holding(generating_);
   abort_requested_ = false;
   const Clock::time_point started = Clock::now();
   json::Object request = ParseRequest(request_json);
   GenerationSettings settings = SettingsOf(request, model_->chat_config());
-  if (request.Get("tools").has_value() && *request.Get("tools") != nullptr) {
-    throw EngineError(ErrorCode::kNoToolSupport, "The mobile runtime does not offer tools to a model yet.");
-  }
-  if (request.Get("response_format").has_value() && *request.Get("response_format") != nullptr) {
-    throw EngineError(ErrorCode::kBadResponseFormat, "The mobile runtime does not hold replies to a response_format yet.");
+  for (const char* refused : {"tools", "response_format"}) {
+    if (request.Get(refused).has_value() && *request.Get(refused) != nullptr) {
+      throw EngineError(ErrorCode::kBadRequest, std::string("The mobile runtime does not take ") + refused + " yet.");
+    }
   }
   Prompt prompt = ChatPrompt(request.Get("messages").value_or(json::Value(nullptr)));
   int64_t room = model_->context_window_size() - static_cast<int64_t>(prompt.ids.size());
   if (room <= 0) {
-    throw EngineError(ErrorCode::kContextWindowExceeded,
-                      "The conversation has " + std::to_string(prompt.ids.size()) + " tokens; the context window holds " +
-                          std::to_string(model_->context_window_size()) + ". Start a new chat.");
+    throw EngineError(ErrorCode::kContextWindowExceeded, "The conversation has " + std::to_string(prompt.ids.size()) +
+                                                             " tokens; the context window holds " +
+                                                             std::to_string(model_->context_window_size()) +
+                                                             ". Start a new chat.");
   }
-  const int64_t max_tokens = std::min(settings.max_tokens.value_or(room), room);
 
   ReplyChunks reply(model_id_);
   bool listening = true;
-  auto send = [&](const std::string& chunk) { listening = listening && on_chunk(chunk); };
   auto show = [&](const std::string& delta) {
-    if (!delta.empty()) send(reply.Delta("\"content\":" + Quoted(delta)));
+    if (!delta.empty() && listening) listening = on_chunk(reply.Delta("\"content\":" + Quoted(delta)));
+    return listening;
   };
   std::vector<std::string> stops = stop_strings_;
   stops.insert(stops.end(), settings.stop.begin(), settings.stop.end());
   TextStream text(*tokenizer_, stops);
-  send(reply.Delta("\"role\":\"assistant\",\"content\":\"\""));
-
+  listening = on_chunk(reply.Delta("\"role\":\"assistant\",\"content\":\"\""));
   Run run;
-  std::vector<float> logits;
   try {
-    logits = PrefillPrompt(prompt.ids, &run.prefilled);
+    run = DecodeReply(prompt.ids, settings, std::min(settings.max_tokens.value_or(room), room), text, show, started);
   } catch (...) {
     Forget();  // a step that failed halfway leaves the cache undefined
     throw;
   }
+  show(text.Flush());
+  std::vector<int32_t> reply_ids =
+      tokenizer_->Decode(text.ids()) == text.text() ? text.ids() : tokenizer_->Encode(text.text());
+  std::vector<int32_t> conversation_ids = prompt.ids;
+  conversation_ids.insert(conversation_ids.end(), reply_ids.begin(), reply_ids.end());
+  conversation_ = Conversation{prompt.text + text.text(), conversation_ids};
+  // The reply's end reaches the app even after it asked to stop: that is where it learns why and the usage.
+  on_chunk(reply.Delta("", run.finish_reason));
+  on_chunk(reply.Usage(UsageJson(prompt.ids.size(), text.ids().size(), run, started)));
+}
+
+// Prefills the prompt, then samples the reply into `text` (showing it as it comes) until a stop, the
+// length, an abort or an app that stops listening (web/src/engine.js's decodeReply).
+Engine::Run Engine::DecodeReply(const std::vector<int32_t>& prompt_ids, const GenerationSettings& settings,
+                                int64_t max_tokens, TextStream& text,
+                                const std::function<bool(const std::string&)>& show, Clock::time_point started) {
+  Run run;
+  std::vector<float> logits = PrefillPrompt(prompt_ids, &run.prefilled);
   run.prefill_seconds = SecondsBetween(started, Clock::now());
-  Sampler sampler(SamplingOf(settings), prompt.ids);
-  while (run.finish_reason == nullptr) {
+  Sampler sampler(SamplingOf(settings), prompt_ids);
+  for (;;) {
     int32_t token = sampler.Sample(logits.data(), logits.size());
     sampler.Record(token);
     run.tokens.push_back(token);
@@ -204,33 +227,20 @@ void Engine::ChatCompletion(const std::string& request_json, const ChunkSink& on
     bool stop_token = std::find(stop_token_ids_.begin(), stop_token_ids_.end(), token) != stop_token_ids_.end();
     if (stop_token && !settings.ignore_eos) {
       run.finish_reason = "stop";
-      break;
+      return run;
     }
     TextStream::Piece piece = text.Push(token);
-    show(piece.delta);
+    bool listening = show(piece.delta);
     if (piece.stopped) {
       run.finish_reason = "stop";
     } else if (static_cast<int64_t>(text.ids().size()) >= max_tokens) {
       run.finish_reason = "length";
     } else if (abort_requested_ || !listening) {
       run.finish_reason = "abort";
-    } else {
-      try {
-        logits = model_->Decode(token);
-      } catch (...) {
-        Forget();
-        throw;
-      }
     }
+    if (run.finish_reason != nullptr) return run;
+    logits = model_->Decode(token);
   }
-  show(text.Flush());
-  std::vector<int32_t> reply_ids = tokenizer_->Decode(text.ids()) == text.text() ? text.ids() : tokenizer_->Encode(text.text());
-  std::vector<int32_t> conversation_ids = prompt.ids;
-  conversation_ids.insert(conversation_ids.end(), reply_ids.begin(), reply_ids.end());
-  conversation_ = Conversation{prompt.text + text.text(), conversation_ids};
-  // The reply's end reaches the app even after it asked to stop: that is where it learns why and the usage.
-  on_chunk(reply.Delta("", run.finish_reason));
-  on_chunk(reply.Usage(UsageJson(prompt.ids.size(), text.ids().size(), run, started)));
 }
 
 void Engine::Reset() {

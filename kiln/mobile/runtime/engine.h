@@ -5,6 +5,7 @@
 #define KILN_ENGINE_H_
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "model.h"
+#include "request.h"
+#include "text_stream.h"
 #include "tokenizer.h"
 
 namespace kiln {
@@ -21,6 +24,8 @@ using ChunkSink = std::function<bool(const std::string& chunk_json)>;
 
 class Engine {
  public:
+  struct Run;  // one reply's tokens, why it ended, and when
+
   Engine(const std::string& folder, const std::string& model_lib);
 
   void ChatCompletion(const std::string& request_json, const ChunkSink& on_chunk);
@@ -40,6 +45,9 @@ class Engine {
   };
 
   Prompt ChatPrompt(const json::Value& messages) const;
+  Run DecodeReply(const std::vector<int32_t>& prompt_ids, const GenerationSettings& settings, int64_t max_tokens,
+                  TextStream& text, const std::function<bool(const std::string&)>& show,
+                  std::chrono::steady_clock::time_point started);
   std::vector<float> PrefillPrompt(const std::vector<int32_t>& ids, int* prefilled);
   void Forget();
 

@@ -11,24 +11,24 @@ namespace kiln {
 // The codes of ERROR_CODES in web/src/errors.js, in its order (a test holds the two lists together):
 // (enumerator, name). A code's integer, what the C API returns, is its place in the list from 1 on
 // (kSuccess, 0, is success), so that new codes, appended, leave the others' integers as they were.
-#define KILN_ERROR_CODES(X)                      \
-  X(kBadRequest, "bad-request")                  \
-  X(kBadResponseFormat, "bad-response-format")   \
-  X(kNoChatTemplate, "no-chat-template")         \
-  X(kNoToolSupport, "no-tool-support")           \
-  X(kBusy, "busy")                               \
-  X(kModelNotFound, "model-not-found")           \
-  X(kNoWebgpu, "no-webgpu")                      \
-  X(kUnsupportedGpu, "unsupported-gpu")          \
-  X(kDeviceLost, "device-lost")                  \
-  X(kOutOfMemory, "out-of-memory")               \
-  X(kQuotaExceeded, "quota-exceeded")            \
-  X(kNetwork, "network")                         \
-  X(kIntegrity, "integrity")                     \
-  X(kBadModel, "bad-model")                      \
-  X(kIncompatibleModel, "incompatible-model")    \
-  X(kNotLoaded, "not-loaded")                    \
-  X(kInternal, "internal")                       \
+#define KILN_ERROR_CODES(X)                    \
+  X(kBadRequest, "bad-request")                \
+  X(kBadResponseFormat, "bad-response-format") \
+  X(kNoChatTemplate, "no-chat-template")       \
+  X(kNoToolSupport, "no-tool-support")         \
+  X(kBusy, "busy")                             \
+  X(kModelNotFound, "model-not-found")         \
+  X(kNoWebgpu, "no-webgpu")                    \
+  X(kUnsupportedGpu, "unsupported-gpu")        \
+  X(kDeviceLost, "device-lost")                \
+  X(kOutOfMemory, "out-of-memory")             \
+  X(kQuotaExceeded, "quota-exceeded")          \
+  X(kNetwork, "network")                       \
+  X(kIntegrity, "integrity")                   \
+  X(kBadModel, "bad-model")                    \
+  X(kIncompatibleModel, "incompatible-model")  \
+  X(kNotLoaded, "not-loaded")                  \
+  X(kInternal, "internal")                     \
   X(kContextWindowExceeded, "context-window-exceeded")
 
 enum class ErrorCode : int {

@@ -17,61 +17,61 @@ typedef struct kiln_engine kiln_engine;
 /* Called with each `chat.completion.chunk` as JSON (UTF-8, complete characters only); the last
  * chunk carries `usage`. Return non-zero to stop: no more content comes, and the completion ends
  * with its last two chunks (finish_reason "abort", then the usage). */
-typedef int (*kiln_chunk_fn)(const char *chunk_json, void *user);
+typedef int (*kiln_chunk_fn)(const char* chunk_json, void* user);
 
 /* What the functions that return an int return: KILN_OK, or an error code. The codes and their
  * names (kiln_last_error_code) are the browser engine's, web/src/errors.js, in its order. */
 enum kiln_status {
   KILN_OK = 0,
-  KILN_BAD_REQUEST = 1,           /* "bad-request": the request is not JSON or has a bad field */
-  KILN_BAD_RESPONSE_FORMAT = 2,   /* "bad-response-format" */
-  KILN_NO_CHAT_TEMPLATE = 3,      /* "no-chat-template": a base model completes raw text only */
-  KILN_NO_TOOL_SUPPORT = 4,       /* "no-tool-support" */
-  KILN_BUSY = 5,                  /* "busy": a completion is already running */
-  KILN_MODEL_NOT_FOUND = 6,       /* "model-not-found" */
-  KILN_NO_WEBGPU = 7,             /* "no-webgpu" (the browser's) */
-  KILN_UNSUPPORTED_GPU = 8,       /* "unsupported-gpu" */
-  KILN_DEVICE_LOST = 9,           /* "device-lost" */
-  KILN_OUT_OF_MEMORY = 10,        /* "out-of-memory" */
-  KILN_QUOTA_EXCEEDED = 11,       /* "quota-exceeded" (the browser's) */
-  KILN_NETWORK = 12,              /* "network" */
-  KILN_INTEGRITY = 13,            /* "integrity": a weight shard does not match its digest */
-  KILN_BAD_MODEL = 14,            /* "bad-model": the model folder is missing files or inconsistent */
-  KILN_INCOMPATIBLE_MODEL = 15,   /* "incompatible-model": built by another Kiln major.minor or TVM */
-  KILN_NOT_LOADED = 16,           /* "not-loaded" */
-  KILN_INTERNAL = 17,             /* "internal": anything else */
+  KILN_BAD_REQUEST = 1,             /* "bad-request": the request is not JSON or has a bad field */
+  KILN_BAD_RESPONSE_FORMAT = 2,     /* "bad-response-format" */
+  KILN_NO_CHAT_TEMPLATE = 3,        /* "no-chat-template": a base model completes raw text only */
+  KILN_NO_TOOL_SUPPORT = 4,         /* "no-tool-support" */
+  KILN_BUSY = 5,                    /* "busy": a completion is already running */
+  KILN_MODEL_NOT_FOUND = 6,         /* "model-not-found" */
+  KILN_NO_WEBGPU = 7,               /* "no-webgpu" (the browser's) */
+  KILN_UNSUPPORTED_GPU = 8,         /* "unsupported-gpu" */
+  KILN_DEVICE_LOST = 9,             /* "device-lost" */
+  KILN_OUT_OF_MEMORY = 10,          /* "out-of-memory" */
+  KILN_QUOTA_EXCEEDED = 11,         /* "quota-exceeded" (the browser's) */
+  KILN_NETWORK = 12,                /* "network" */
+  KILN_INTEGRITY = 13,              /* "integrity": a weight shard does not match its digest */
+  KILN_BAD_MODEL = 14,              /* "bad-model": the model folder is missing files or inconsistent */
+  KILN_INCOMPATIBLE_MODEL = 15,     /* "incompatible-model": built by another Kiln major.minor or TVM */
+  KILN_NOT_LOADED = 16,             /* "not-loaded" */
+  KILN_INTERNAL = 17,               /* "internal": anything else */
   KILN_CONTEXT_WINDOW_EXCEEDED = 18 /* "context-window-exceeded": start a new chat */
 };
 
 /* `config_json`: {"model": "<model folder>", "model_lib": "<library path>" or "system://<prefix>",
  * "num_threads": n (optional, default: the cores)}. NULL on error: kiln_last_error(NULL) says why. */
-kiln_engine *kiln_engine_create(const char *config_json);
+kiln_engine* kiln_engine_create(const char* config_json);
 
 /* Run one chat completion (`request_json`: an OpenAI chat-completion request; "stream" is implied),
  * calling `on_chunk` for every chunk. Returns KILN_OK, or an error code with kiln_last_error set. */
-int kiln_chat_completion(kiln_engine *engine, const char *request_json, kiln_chunk_fn on_chunk, void *user);
+int kiln_chat_completion(kiln_engine* engine, const char* request_json, kiln_chunk_fn on_chunk, void* user);
 
 /* End the running completion from any thread: it finishes with finish_reason "abort". */
-void kiln_abort(kiln_engine *engine);
+void kiln_abort(kiln_engine* engine);
 
 /* Forget the chat: the next completion prefills its whole prompt. */
-int kiln_reset(kiln_engine *engine);
+int kiln_reset(kiln_engine* engine);
 
 /* The ids of `text` in the model's tokenizer as JSON ({"ids": [...]}), valid until the next call on
  * this engine; NULL on error. */
-const char *kiln_tokenize(kiln_engine *engine, const char *text);
+const char* kiln_tokenize(kiln_engine* engine, const char* text);
 
 /* The last error's message (UTF-8), valid until the next call on this engine; with a NULL engine,
  * why the last kiln_engine_create on this thread failed. NULL when there was none. */
-const char *kiln_last_error(const kiln_engine *engine);
+const char* kiln_last_error(const kiln_engine* engine);
 
 /* The code of the last error as the browser engine names it ("bad-request", …), or NULL. */
-const char *kiln_last_error_code(const kiln_engine *engine);
+const char* kiln_last_error_code(const kiln_engine* engine);
 
-void kiln_engine_free(kiln_engine *engine);
+void kiln_engine_free(kiln_engine* engine);
 
 /* This runtime's Kiln version ("major.minor.patch"): it loads models built by the same major.minor. */
-const char *kiln_version(void);
+const char* kiln_version(void);
 
 #ifdef __cplusplus
 }

@@ -57,17 +57,18 @@ void CheckBuildVersions(const json::Object& build, const std::string& folder) {
   if (SeriesOf(built_kiln) != SeriesOf(KILN_VERSION) || built_tvm != KILN_TVM_VERSION) {
     throw EngineError(ErrorCode::kIncompatibleModel,
                       folder + ": built by Kiln " + (built_kiln.empty() ? "(not recorded)" : built_kiln) +
-                          " with TVM " + (built_tvm.empty() ? "(not recorded)" : built_tvm) + ", but this runtime is Kiln " +
-                          KILN_VERSION + " with TVM " + KILN_TVM_VERSION + ", which runs builds of Kiln " +
-                          SeriesOf(KILN_VERSION) + ".x made with its TVM: rebuild the model with this kiln compile");
+                          " with TVM " + (built_tvm.empty() ? "(not recorded)" : built_tvm) +
+                          ", but this runtime is Kiln " + KILN_VERSION + " with TVM " + KILN_TVM_VERSION +
+                          ", which runs builds of Kiln " + SeriesOf(KILN_VERSION) +
+                          ".x made with its TVM: rebuild the model with this kiln compile");
   }
 }
 
 ffi::Function RequiredFunction(const ffi::Module& module, const char* name) {
   ffi::Optional<ffi::Function> function = module->GetFunction(name);
   if (!function.has_value()) {
-    throw EngineError(ErrorCode::kBadModel, std::string("the model library has no function ") + name +
-                                                "; rebuild it with kiln compile");
+    throw EngineError(ErrorCode::kBadModel,
+                      std::string("the model library has no function ") + name + "; rebuild it with kiln compile");
   }
   return *function;
 }
@@ -102,7 +103,8 @@ json::Object ReadJsonFile(const std::string& path) {
   std::string text = ReadModelFile(path, "the file");
   ffi::String problem;
   json::Value value = json::Parse(text, &problem);
-  if (!problem.empty()) throw EngineError(ErrorCode::kBadModel, path + ": malformed JSON (" + std::string(problem) + ")");
+  if (!problem.empty())
+    throw EngineError(ErrorCode::kBadModel, path + ": malformed JSON (" + std::string(problem) + ")");
   std::optional<json::Object> object = value.try_cast<json::Object>();
   if (!object.has_value()) throw EngineError(ErrorCode::kBadModel, path + ": not a JSON object");
   return *object;
@@ -148,12 +150,14 @@ ffi::Module Model::LoadLibrary(const std::string& model_lib) const {
     json::Object entry = Optional<json::Object>(targets, KILN_TARGET, json::Object());
     path = Optional<ffi::String>(entry, "library", "");
     if (path.empty()) {
-      throw EngineError(ErrorCode::kBadModel, folder_ + ": no " KILN_TARGET " library in this model folder; build it with "
-                                                         "kiln compile … --target " KILN_TARGET);
+      throw EngineError(ErrorCode::kBadModel, folder_ + ": no " KILN_TARGET
+                                                        " library in this model folder; build it with "
+                                                        "kiln compile … --target " KILN_TARGET);
     }
   }
   path = Join(folder_, path);
-  if (!std::ifstream(path)) throw EngineError(ErrorCode::kBadModel, path + ": the model library is missing or unreadable");
+  if (!std::ifstream(path))
+    throw EngineError(ErrorCode::kBadModel, path + ": the model library is missing or unreadable");
   return ffi::Module::LoadFromFile(path);
 }
 
@@ -173,13 +177,15 @@ void Model::LoadParams(const json::Array& param_specs) {
     }
     std::string md5 = Optional<ffi::String>(shard, "md5sum", "");
     if (!md5.empty() && Md5Hex(bytes) != md5) {
-      throw EngineError(ErrorCode::kIntegrity,
-                        shard_path + ": the weight shard does not match its md5 in tensor-cache.json (corrupt or replaced)");
+      throw EngineError(
+          ErrorCode::kIntegrity,
+          shard_path + ": the weight shard does not match its md5 in tensor-cache.json (corrupt or replaced)");
     }
     for (const ffi::Any& record_any : Required<json::Array>(shard, "records", index_path)) {
       json::Object record = record_any.cast<json::Object>();
       std::vector<int64_t> shape;
-      for (const ffi::Any& size : Required<json::Array>(record, "shape", index_path)) shape.push_back(size.cast<int64_t>());
+      for (const ffi::Any& size : Required<json::Array>(record, "shape", index_path))
+        shape.push_back(size.cast<int64_t>());
       int64_t offset = Required<int64_t>(record, "byteOffset", index_path);
       int64_t nbytes = Required<int64_t>(record, "nbytes", index_path);
       DLDataType dtype = ffi::StringToDLDataType(Required<ffi::String>(record, "dtype", index_path));
@@ -199,8 +205,8 @@ void Model::LoadParams(const json::Array& param_specs) {
     std::string name = spec.cast<json::Object>().Get("name").value().cast<ffi::String>();
     auto found = loaded.find(name);
     if (found == loaded.end()) {
-      throw EngineError(ErrorCode::kBadModel,
-                        index_path + ": the tensor cache has no weight " + name + "; the model folder is from another build");
+      throw EngineError(ErrorCode::kBadModel, index_path + ": the tensor cache has no weight " + name +
+                                                  "; the model folder is from another build");
     }
     params.push_back(found->second);
   }
@@ -211,7 +217,7 @@ void Model::AddSequence() {
   GlobalFunction("vm.builtin.kv_state_add_sequence")(kv_cache_, kSequenceId);
   if (sliding_window_size_ > 0) {
     GlobalFunction("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(kv_cache_, kSequenceId,
-                                                                                   sliding_window_size_, 0);
+                                                                                  sliding_window_size_, 0);
   }
   cached_ids_.clear();
 }

@@ -114,7 +114,8 @@ GenerationSettings SettingsOf(const json::Object& request, const json::Object& c
   }
   if (auto seed = Field(request, chat_config, "seed", false)) {
     auto integer = IntegerOf(*seed);
-    if (!integer.has_value() || *integer < 0 || *integer > kLargestSeed) BadRequest("seed must be an integer in [0, 2^53)");
+    if (!integer.has_value() || *integer < 0 || *integer > kLargestSeed)
+      BadRequest("seed must be an integer in [0, 2^53)");
     settings.seed = static_cast<uint64_t>(*integer);
   } else {
     settings.seed = RandomSeed();

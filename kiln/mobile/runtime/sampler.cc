@@ -21,7 +21,7 @@ constexpr double kGreedyBelowTemperature = 1e-5;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2Hi = 6.93147180369123816490e-01;  // k × kLn2Hi is exact (fdlibm's split)
 constexpr double kLn2Lo = 1.90821492927058770002e-10;
-constexpr double kExpUnderflow = -708.0;  // below, e^x is subnormal: its weight counts as 0
+constexpr double kExpUnderflow = -708.0;           // below, e^x is subnormal: its weight counts as 0
 constexpr std::array<double, 14> kExpTerms = [] {  // 1 / n! for n = 0 … 13, each the one before ÷ n
   std::array<double, 14> terms{1.0};
   for (size_t n = 1; n < terms.size(); ++n) terms[n] = terms[n - 1] / static_cast<double>(n);

@@ -441,8 +441,8 @@ class MetaspacePreTokenizer final : public PreTokenizer {
     static const TokenizerRegex kSpace = TokenizerRegex::Literal(" ");
     Piece replaced{ReplaceAll(piece.text, kSpace, replacement_text_), piece.at_text_start};
     bool starts_with_replacement = replaced.text.compare(0, replacement_text_.size(), replacement_text_) == 0;
-    bool prepend = prepend_scheme_ == PrependScheme::kAlways ||
-                   (prepend_scheme_ == PrependScheme::kFirst && piece.at_text_start);
+    bool prepend =
+        prepend_scheme_ == PrependScheme::kAlways || (prepend_scheme_ == PrependScheme::kFirst && piece.at_text_start);
     if (prepend && !starts_with_replacement) replaced.text.insert(0, replacement_text_);
     if (!split_) return {replaced};
     auto is_replacement = [this](char32_t c) { return c == replacement_; };
@@ -872,7 +872,7 @@ class BytePairModel {
   std::optional<int32_t> unknown_id_;
   bool fuse_unknown_ = false;
   bool byte_fallback_ = false;
-  bool ignore_merges_ = false;  // a word that is itself a token is taken whole
+  bool ignore_merges_ = false;                        // a word that is itself a token is taken whole
   std::array<std::optional<int32_t>, 256> byte_ids_;  // <0x00> ... <0xFF>
 };
 
@@ -984,7 +984,7 @@ class AddedTokenTrie {
   }
 
   std::vector<std::optional<size_t>> tokens_ = {std::nullopt};  // per node, the token that ends there
-  std::unordered_map<uint64_t, uint32_t> children_;              // by EdgeKey
+  std::unordered_map<uint64_t, uint32_t> children_;             // by EdgeKey
 };
 
 struct Segment {

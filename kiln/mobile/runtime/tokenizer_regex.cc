@@ -131,7 +131,7 @@ struct PropertyItem {
 struct CharClass {
   std::vector<std::pair<char32_t, char32_t>> ranges;
   std::vector<PropertyItem> properties;
-  bool negated = false;  // [^...]
+  bool negated = false;    // [^...]
   std::bitset<128> ascii;  // Contains() for ASCII, which most text is, without the table lookups
 
   bool Contains(char32_t code_point) const { return code_point < 128 ? ascii[code_point] : Test(code_point); }
@@ -418,7 +418,7 @@ class Parser {
 struct Instruction {
   enum class Kind { kCharacter, kSplit, kJump, kNegativeLookahead, kMatch };
   Kind kind;
-  size_t first = 0;         // kSplit: tried first; kJump: where to go
+  size_t first = 0;       // kSplit: tried first; kJump: where to go
   size_t second = 0;      // kSplit: tried when `first` fails; kNegativeLookahead: where to go after it
   size_t char_class = 0;  // kCharacter
 };

@@ -1,9 +1,11 @@
 import ai.kiln.KilnEngine;
 import ai.kiln.KilnException;
 
-/** A Java app of ai.kiln.KilnEngine, for tests/mobile/test_java.py: args are the engine's config, then
+/**
+ * A Java app of ai.kiln.KilnEngine, for tests/mobile/test_java.py: args are the engine's config, then
  * requests; prints "chunk <json>" per chunk and "status <code> <message>" after each request
- * ("abort-after <k> <json>" aborts from a second thread once k chunks came). */
+ * ("abort-after <k> <json>" aborts from a second thread once k chunks came).
+ */
 public final class KilnChat {
   public static void main(String[] args) throws Exception {
     KilnEngine engine;

@@ -15,18 +15,18 @@
 
 #define LINE_BYTES (1 << 20)
 
-static kiln_engine *engine = NULL;
+static kiln_engine* engine = NULL;
 
 struct listener {
   int chunks;
-  int stop_after;                /* 0: never */
-  int abort_after;               /* 0: never */
+  int stop_after;  /* 0: never */
+  int abort_after; /* 0: never */
   pthread_mutex_t lock;
   pthread_cond_t arrived;
 };
 
-static int on_chunk(const char *chunk_json, void *user) {
-  struct listener *listener = user;
+static int on_chunk(const char* chunk_json, void* user) {
+  struct listener* listener = user;
   printf("chunk %s\n", chunk_json);
   fflush(stdout);
   pthread_mutex_lock(&listener->lock);
@@ -37,8 +37,8 @@ static int on_chunk(const char *chunk_json, void *user) {
   return stop;
 }
 
-static void *abort_when_due(void *user) {
-  struct listener *listener = user;
+static void* abort_when_due(void* user) {
+  struct listener* listener = user;
   pthread_mutex_lock(&listener->lock);
   while (listener->chunks < listener->abort_after) pthread_cond_wait(&listener->arrived, &listener->lock);
   pthread_mutex_unlock(&listener->lock);
@@ -47,13 +47,13 @@ static void *abort_when_due(void *user) {
 }
 
 static void print_status(int status) {
-  const char *code = kiln_last_error_code(engine);
-  const char *message = kiln_last_error(engine);
+  const char* code = kiln_last_error_code(engine);
+  const char* message = kiln_last_error(engine);
   printf("status %d %s %s\n", status, code ? code : "-", message ? message : "");
   fflush(stdout);
 }
 
-static void chat(const char *request, int stop_after, int abort_after) {
+static void chat(const char* request, int stop_after, int abort_after) {
   struct listener listener = {0, stop_after, abort_after, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
   pthread_t aborter;
   if (abort_after > 0) pthread_create(&aborter, NULL, abort_when_due, &listener);
@@ -69,19 +69,19 @@ static void chat(const char *request, int stop_after, int abort_after) {
 }
 
 /* "<k> <rest>" -> k, and *rest after the space. */
-static int count_then(char *text, char **rest) {
+static int count_then(char* text, char** rest) {
   int count = (int)strtol(text, rest, 10);
   if (**rest == ' ') *rest += 1;
   return count;
 }
 
 int main(void) {
-  char *line = malloc(LINE_BYTES);
+  char* line = malloc(LINE_BYTES);
   while (fgets(line, LINE_BYTES, stdin)) {
     line[strcspn(line, "\n")] = '\0';
-    char *argument = strchr(line, ' ');
+    char* argument = strchr(line, ' ');
     argument = argument ? argument + 1 : line + strlen(line);
-    char *rest;
+    char* rest;
     if (strncmp(line, "create ", 7) == 0) {
       engine = kiln_engine_create(argument);
       if (engine) {
@@ -101,7 +101,7 @@ int main(void) {
     } else if (strcmp(line, "reset") == 0) {
       print_status(kiln_reset(engine));
     } else if (strncmp(line, "tokenize ", 9) == 0) {
-      const char *ids = kiln_tokenize(engine, argument);
+      const char* ids = kiln_tokenize(engine, argument);
       if (ids) {
         printf("ids %s\n", ids);
         fflush(stdout);

@@ -3,6 +3,8 @@
 //   {"messages": [...]} → {"pieces": [...], "ids": [...]} or {"error": {"code": ..., "message": ...}};
 //     the ids are EncodePrompt's with a stand-in tokenizer: a piece's byte count, then its bytes;
 //   {"pieces": [...], "previous": "<text>"} → {"parts": [...]}: PiecesFrom the previous text's size.
+#include "chat_format.h"
+
 #include <tvm/ffi/extra/json.h>
 
 #include <fstream>
@@ -11,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "chat_format.h"
 #include "errors.h"
 
 namespace json = tvm::ffi::json;

@@ -1,8 +1,8 @@
 // The error codes of kiln/mobile/runtime/errors.h, one a line: "<integer> <name>", from 1 on; then
 // the code and message of an EngineError thrown and caught.
-#include <iostream>
-
 #include "errors.h"
+
+#include <iostream>
 
 int main() {
   for (int value = 1; *kiln::ErrorCodeName(static_cast<kiln::ErrorCode>(value)) != '\0'; ++value) {

@@ -41,7 +41,9 @@ public final class KilnEngine implements AutoCloseable {
   /** Ends the running completion after its current step (finish_reason "abort"); from any thread. */
   public void abort() {
     long current = handle;
-    if (current != 0) abort(current);
+    if (current != 0) {
+      abort(current);
+    }
   }
 
   /** Forgets the chat: the next completion prefills its whole prompt. */
@@ -63,7 +65,9 @@ public final class KilnEngine implements AutoCloseable {
   }
 
   private long open() {
-    if (handle == 0) throw new IllegalStateException("the engine is closed");
+    if (handle == 0) {
+      throw new IllegalStateException("the engine is closed");
+    }
     return handle;
   }
 
