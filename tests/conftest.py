@@ -30,14 +30,16 @@ from kiln.cli import main
 from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
 
 
-# A test that uses one of these compiles a model (or runs `kiln compile`): it is slow, whatever its
-# own markers say, so that `make test-fast` runs no compiler.
+# A test that uses one of these compiles a model (or runs `kiln compile`), and every test of the mobile
+# runtime compiles C or C++: they are slow, whatever their own markers say, so that `make test-fast`
+# runs no compiler.
 COMPILING_FIXTURES = {"builds", "run_compile"}
+COMPILING_FOLDERS = {"mobile"}
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if COMPILING_FIXTURES & set(item.fixturenames):
+        if COMPILING_FIXTURES & set(item.fixturenames) or item.path.parent.name in COMPILING_FOLDERS:
             item.add_marker(pytest.mark.slow)
         # SwiftShader takes both cores: two browser tests side by side would each run at half speed
         # (past their timeouts), so one pytest-xdist worker runs them all, the other the rest.
