@@ -4,6 +4,7 @@ library (its JSON and containers), in seconds rather than the minutes of a whole
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -44,3 +45,23 @@ def compiled(command: list[str], program: Path) -> Path:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"{subprocess.list2cmdline(command)}\n{result.stderr[-4000:]}"
     return program
+
+
+class DriverProcess:
+    """A driver kept running: a JSON request line in, a JSON answer line out."""
+
+    def __init__(self, *command: str | Path):
+        self.process = subprocess.Popen(
+            list(map(str, command)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8"
+        )
+
+    def ask(self, request):
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        assert answer, f"the driver stopped (exit status {self.process.wait()}) on {request!r}"
+        return json.loads(answer)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        assert self.process.wait(timeout=10) == 0

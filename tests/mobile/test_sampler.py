@@ -5,15 +5,13 @@ Python's bit for bit."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from helpers.host_cpp import host_program
+from helpers.host_cpp import DriverProcess, host_program
 
 from kiln.engine import GenerationConfig
 from kiln.sampling import Mulberry32, Sampler, exp_nonpositive
@@ -22,27 +20,9 @@ from kiln.sampling import Mulberry32, Sampler, exp_nonpositive
 SPECIAL_LOGITS = [0.0, -0.0, 1.0, -1.0, 2.5, 2.5, -np.inf, 3.4e38, -3.4e38, 1e-38, -1e-45, 80.0, -80.0]
 
 
-class SamplerDriver:
-    """tests/mobile/drivers/sample.cc running, one JSON request and answer a line."""
-
-    def __init__(self, program):
-        self.process = subprocess.Popen([program], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(self, request: dict) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        assert answer, f"the driver exited with {self.process.wait()}"
-        return json.loads(answer)
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        assert self.process.wait(timeout=10) == 0
-
-
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    driver = SamplerDriver(host_program("sample.cc", ["sampler.cc"], tmp_path_factory.mktemp("sampler")))
+    driver = DriverProcess(host_program("sample.cc", ["sampler.cc"], tmp_path_factory.mktemp("sampler")))
     yield driver
     driver.close()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.assets import LLAMA_CPP_VOCABULARIES, llama_cpp_vocabulary, smollm2_gguf
-from helpers.host_cpp import RUNTIME_SOURCES, host_program
+from helpers.host_cpp import RUNTIME_SOURCES, DriverProcess, host_program
 from helpers.tiny_llama import LLAMA_2_TOKENS, write_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -252,26 +252,6 @@ KIND_PARAMS = [pytest.param(kind, marks=pytest.mark.slow) if kind == "smollm2" e
 # ---- the driver ----------------------------------------------------------------------------
 
 
-class TokenizeProcess:
-    """The driver on one tokenizer.json, kept running: a JSON request line in, a JSON answer out."""
-
-    def __init__(self, program: Path, tokenizer_json: Path):
-        self.process = subprocess.Popen(
-            [program, tokenizer_json], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8"
-        )
-
-    def ask(self, request):
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        assert answer, f"the driver stopped (exit status {self.process.wait()}) on {request!r}"
-        return json.loads(answer)
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait()
-
-
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Path:
     return host_program("tokenize.cc", ["tokenizer.cc", "tokenizer_regex.cc"], tmp_path_factory.mktemp("tokenize"))
@@ -284,17 +264,17 @@ class Tokenizers:
         self.program = program
         self.tmp_path_factory = tmp_path_factory
         self.paths: dict[str, Path] = {}
-        self.running: dict[str, tuple[TokenizeProcess, Tokenizer]] = {}
+        self.running: dict[str, tuple[DriverProcess, Tokenizer]] = {}
 
     def path(self, kind: str) -> Path:
         if kind not in self.paths:
             self.paths[kind] = KINDS[kind](self.tmp_path_factory.mktemp(kind))
         return self.paths[kind]
 
-    def __getitem__(self, kind: str) -> tuple[TokenizeProcess, Tokenizer]:
+    def __getitem__(self, kind: str) -> tuple[DriverProcess, Tokenizer]:
         if kind not in self.running:
             path = self.path(kind)
-            self.running[kind] = (TokenizeProcess(self.program, path), Tokenizer.from_file(str(path)))
+            self.running[kind] = (DriverProcess(self.program, path), Tokenizer.from_file(str(path)))
         return self.running[kind]
 
     def close(self) -> None:
@@ -314,7 +294,7 @@ def about(program: Path, tokenizer_json: Path) -> dict:
     return json.loads(subprocess.run([program, tokenizer_json, "--about"], capture_output=True, check=True).stdout)
 
 
-def assert_same(process: TokenizeProcess, reference: Tokenizer, text: str) -> None:
+def assert_same(process: DriverProcess, reference: Tokenizer, text: str) -> None:
     ids = reference.encode(text, add_special_tokens=False).ids
     assert process.ask(text) == {"ids": ids, "text": reference.decode(ids, skip_special_tokens=False)}, text
 
@@ -343,7 +323,7 @@ def test_llama_cpp_vocabularies_as_tokenizers(vocabulary, program, tmp_path):
     tokenizer_json = from_gguf(path, tmp_path)
     reference = Tokenizer.from_file(str(tokenizer_json))
     texts = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
-    process = TokenizeProcess(program, tokenizer_json)
+    process = DriverProcess(program, tokenizer_json)
     try:
         for text in texts + TRICKY_TEXTS:
             assert_same(process, reference, text)
@@ -357,7 +337,7 @@ def test_split_behaviors_as_tokenizers(behavior, invert, program, tokenizers, tm
     reference = Tokenizer.from_file(str(tokenizers.path("gpt2")))
     split = pre_tokenizers.Split(Regex(r"\s+|\p{N}"), behavior, invert=invert)
     reference.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(False, use_regex=False)])
-    process = TokenizeProcess(program, save(reference, tmp_path / "tokenizer.json"))
+    process = DriverProcess(program, save(reference, tmp_path / "tokenizer.json"))
     try:
         for text in TRICKY_TEXTS:
             assert_same(process, reference, text)
