@@ -138,6 +138,22 @@ class ChatApp:
             self._send(f"chat {body}")
         return self._reply()
 
+    def pull(self, request: dict) -> Reply:
+        self._send(f"pull {json.dumps(request)}")
+        return self._reply()
+
+    def pull_and_drop(self, request: dict, after: int) -> list[dict]:
+        """The first `after` chunks of a reply whose stream is then dropped."""
+        self._send(f"pull-drop {after} {json.dumps(request)}")
+        chunks = []
+        for line in self.process.stdout:
+            if line == "dropped\n":
+                return chunks
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            assert kind == "chunk", f"unexpected line from the app: {line!r}"
+            chunks.append(json.loads(rest))
+        raise AssertionError(f"the app ended (exit {self.process.wait()}): {self.process.stderr.read()[-4000:]}")
+
     def reset(self) -> Reply:
         self._send("reset")
         return self._reply()

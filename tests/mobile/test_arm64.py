@@ -122,6 +122,18 @@ def test_a_reply_ends_with_abort_when_asked_from_another_thread_or_by_the_callba
         assert reply.usage["completion_tokens"] < GREEDY_TOKENS
 
 
+def test_pulled_chunks_are_the_streamed_ones_and_a_dropped_stream_frees_the_engine(app):
+    app.reset()
+    streamed = app.chat(request(max_tokens=12))
+    app.reset()
+    pulled = app.pull(request(max_tokens=12))
+    assert pulled.status == 0, pulled.message
+    assert pulled.content == streamed.content and pulled.finish_reason == streamed.finish_reason
+    assert len(app.pull_and_drop(request(ignore_eos=True), after=3)) == 3
+    after_drop = app.chat(request(max_tokens=4))
+    assert after_drop.status == 0 and after_drop.finish_reason == "length", after_drop.message
+
+
 def test_a_prompt_past_the_context_window_gets_its_code(app):
     long_question = [{"role": "user", "content": "the river " * 600}]
     reply = app.chat(request(messages=long_question))

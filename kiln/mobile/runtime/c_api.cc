@@ -1,9 +1,7 @@
 // kiln.h over kiln::Engine: every exception becomes an error code and a message, never a crash
 // through the C boundary.
-#include <tvm/ffi/error.h>
-
 #include <memory>
-#include <new>
+#include <optional>
 #include <string>
 
 #include "engine.h"
@@ -18,6 +16,13 @@ struct kiln_engine {
   std::string tokenized;
 };
 
+struct kiln_stream {
+  kiln_engine* engine;
+  std::shared_ptr<kiln::ChunkStream> chunks;
+  std::string current;
+  int status = -1;
+};
+
 namespace {
 
 namespace json = tvm::ffi::json;
@@ -26,32 +31,10 @@ namespace ffi = tvm::ffi;
 thread_local std::string create_error;
 thread_local std::string create_error_code;
 
-struct Failure {
-  kiln::ErrorCode code;
-  std::string message;
-};
-
-// The failure of the exception being handled, as the browser engine's asEngineError sees it.
-Failure CurrentFailure() {
-  try {
-    throw;
-  } catch (const kiln::EngineError& error) {
-    return {error.code(), error.what()};
-  } catch (const std::bad_alloc&) {
-    return {kiln::ErrorCode::kOutOfMemory, "Out of memory: the model does not fit in the memory the app has."};
-  } catch (const ffi::Error& error) {
-    return {kiln::ErrorCode::kInternal, error.kind() + ": " + error.message()};
-  } catch (const std::exception& error) {
-    return {kiln::ErrorCode::kInternal, error.what()};
-  } catch (...) {
-    return {kiln::ErrorCode::kInternal, "an unknown error"};
-  }
-}
-
-int Record(kiln_engine* engine, const Failure& failure) {
-  engine->last_error = failure.message;
-  engine->last_error_code = kiln::ErrorCodeName(failure.code);
-  return static_cast<int>(failure.code);
+int Record(kiln_engine* engine, const kiln::EngineError& error) {
+  engine->last_error = error.what();
+  engine->last_error_code = kiln::ErrorCodeName(error.code());
+  return static_cast<int>(error.code());
 }
 
 template <typename Call>
@@ -63,7 +46,7 @@ int Guarded(kiln_engine* engine, Call call) {
     call();
     return KILN_OK;
   } catch (...) {
-    return Record(engine, CurrentFailure());
+    return Record(engine, kiln::AsEngineError(std::current_exception()));
   }
 }
 
@@ -91,9 +74,9 @@ kiln_engine* kiln_engine_create(const char* config_json) {
     engine->engine = std::make_unique<kiln::Engine>(model, StringField(config, "model_lib"));
     return engine.release();
   } catch (...) {
-    Failure failure = CurrentFailure();
-    create_error = failure.message;
-    create_error_code = kiln::ErrorCodeName(failure.code);
+    kiln::EngineError failure = kiln::AsEngineError(std::current_exception());
+    create_error = failure.what();
+    create_error_code = kiln::ErrorCodeName(failure.code());
     return nullptr;
   }
 }
@@ -104,6 +87,33 @@ int kiln_chat_completion(kiln_engine* engine, const char* request_json, kiln_chu
       return on_chunk == nullptr || on_chunk(chunk.c_str(), user) == 0;
     });
   });
+}
+
+kiln_stream* kiln_chat_completion_start(kiln_engine* engine, const char* request_json) {
+  auto stream = std::make_unique<kiln_stream>();
+  stream->engine = engine;
+  int status = Guarded(engine, [&] { stream->chunks = engine->engine->Start(request_json ? request_json : ""); });
+  return status == KILN_OK ? stream.release() : nullptr;
+}
+
+const char* kiln_stream_next(kiln_stream* stream) {
+  if (std::optional<std::string> chunk = stream->chunks->Next()) {
+    stream->current = std::move(*chunk);
+    return stream->current.c_str();
+  }
+  const std::optional<kiln::EngineError>& error = stream->chunks->error();
+  stream->status = error ? Record(stream->engine, *error) : KILN_OK;
+  return nullptr;
+}
+
+int kiln_stream_status(const kiln_stream* stream) { return stream->status; }
+
+void kiln_stream_free(kiln_stream* stream) {
+  if (stream == nullptr) return;
+  stream->chunks->Cancel();
+  while (stream->chunks->Next()) {
+  }
+  delete stream;
 }
 
 void kiln_abort(kiln_engine* engine) {

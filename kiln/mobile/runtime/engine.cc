@@ -129,6 +129,7 @@ Engine::Engine(const std::string& folder, const std::string& model_lib)
   if (auto stops = conv_template_.Get("stop_str"); stops.has_value() && *stops != nullptr) {
     for (const ffi::Any& stop : stops->cast<json::Array>()) stop_strings_.emplace_back(stop.cast<ffi::String>());
   }
+  worker_ = std::thread([this] { Work(); });
 }
 
 // A conversation that continues the previous one (its text starts with the last prompt and reply)
@@ -159,12 +160,67 @@ std::vector<float> Engine::PrefillPrompt(const std::vector<int32_t>& ids, int* p
   return model_->Prefill(std::vector<int32_t>(ids.begin() + kept, ids.end()));
 }
 
-void Engine::ChatCompletion(const std::string& request_json, const ChunkSink& on_chunk) {
-  if (generating_.exchange(true))
+Engine::~Engine() {
+  abort_requested_ = true;
+  {
+    std::lock_guard<std::mutex> lock(task_mutex_);
+    stopping_ = true;
+  }
+  task_posted_.notify_one();
+  worker_.join();
+}
+
+void Engine::Work() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(task_mutex_);
+      task_posted_.wait(lock, [this] { return stopping_ || task_; });
+      if (!task_) return;
+      task = std::move(task_);
+      task_ = nullptr;
+    }
+    task();
+  }
+}
+
+std::shared_ptr<ChunkStream> Engine::Start(const std::string& request_json) {
+  if (generating_.exchange(true)) {
     throw EngineError(ErrorCode::kBusy, "A generation is already running; wait for it or abort it.");
-  Holding holding(generating_);
+  }
   abort_requested_ = false;
+  auto stream = std::make_shared<ChunkStream>();
+  {
+    std::lock_guard<std::mutex> lock(task_mutex_);
+    task_ = [this, stream, request_json] {
+      std::optional<EngineError> failure;
+      try {
+        Complete(request_json, *stream);
+      } catch (...) {
+        failure = AsEngineError(std::current_exception());
+      }
+      generating_ = false;  // before the reader hears of the end, so that it may start the next one
+      stream->Finish(failure);
+    };
+  }
+  task_posted_.notify_one();
+  return stream;
+}
+
+void Engine::ChatCompletion(const std::string& request_json, const ChunkSink& on_chunk) {
+  std::shared_ptr<ChunkStream> stream = Start(request_json);
+  while (std::optional<std::string> chunk = stream->Next()) {
+    if (!on_chunk(*chunk)) stream->Cancel();
+  }
+  if (stream->error()) throw *stream->error();
+}
+
+void Engine::Complete(const std::string& request_json, ChunkStream& stream) {
   const Clock::time_point started = Clock::now();
+  auto on_chunk = [&stream](std::string chunk) {
+    stream.Push(std::move(chunk));
+    return !stream.cancelled();
+  };
   json::Object request = ParseRequest(request_json);
   GenerationSettings settings = SettingsOf(request, model_->chat_config());
   for (const char* refused : {"tools", "response_format"}) {

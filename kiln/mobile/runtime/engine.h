@@ -6,12 +6,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "chunk_stream.h"
 #include "model.h"
 #include "request.h"
 #include "text_stream.h"
@@ -22,12 +26,18 @@ namespace kiln {
 // Receives each chunk's JSON; returns false to stop the completion (finish_reason "abort").
 using ChunkSink = std::function<bool(const std::string& chunk_json)>;
 
+// Every model step runs on the engine's own worker thread, whichever thread asks: TVM gives each
+// thread that runs a parallel kernel a thread pool of its own for good, and apps call from many.
 class Engine {
  public:
   struct Run;  // one reply's tokens, why it ended, and when
 
   Engine(const std::string& folder, const std::string& model_lib);
+  ~Engine();
 
+  // Start a completion on the worker; its chunks come through the stream (a busy engine throws here).
+  std::shared_ptr<ChunkStream> Start(const std::string& request_json);
+  // Run a completion, calling `on_chunk` on this thread for each chunk; throws its EngineError.
   void ChatCompletion(const std::string& request_json, const ChunkSink& on_chunk);
   // From any thread: the running completion ends after its current step.
   void Abort() { abort_requested_ = true; }
@@ -44,6 +54,8 @@ class Engine {
     std::vector<int32_t> ids;
   };
 
+  void Complete(const std::string& request_json, ChunkStream& stream);
+  void Work();
   Prompt ChatPrompt(const json::Value& messages) const;
   Run DecodeReply(const std::vector<int32_t>& prompt_ids, const GenerationSettings& settings, int64_t max_tokens,
                   TextStream& text, const std::function<bool(const std::string&)>& show,
@@ -60,6 +72,12 @@ class Engine {
   std::optional<Conversation> conversation_;
   std::atomic<bool> generating_{false};
   std::atomic<bool> abort_requested_{false};
+  // The worker's one task slot: one completion runs at a time.
+  std::mutex task_mutex_;
+  std::condition_variable task_posted_;
+  std::function<void()> task_;
+  bool stopping_ = false;
+  std::thread worker_;
 };
 
 }  // namespace kiln

@@ -15,8 +15,8 @@ extern "C" {
 typedef struct kiln_engine kiln_engine;
 
 /* Called with each `chat.completion.chunk` as JSON (UTF-8, complete characters only); the last
- * chunk carries `usage`. Return non-zero to stop: no more content comes, and the completion ends
- * with its last two chunks (finish_reason "abort", then the usage). */
+ * chunk carries `usage`. Return non-zero to stop: the reply ends after its current step, and its last
+ * two chunks (finish_reason "abort", then the usage) still come. */
 typedef int (*kiln_chunk_fn)(const char* chunk_json, void* user);
 
 /* What the functions that return an int return: KILN_OK, or an error code. The codes and their
@@ -50,6 +50,24 @@ kiln_engine* kiln_engine_create(const char* config_json);
 /* Run one chat completion (`request_json`: an OpenAI chat-completion request; "stream" is implied),
  * calling `on_chunk` for every chunk. Returns KILN_OK, or an error code with kiln_last_error set. */
 int kiln_chat_completion(kiln_engine* engine, const char* request_json, kiln_chunk_fn on_chunk, void* user);
+
+/* A completion whose chunks the app pulls, on any one thread at a time (what Kotlin's Flow and Swift's
+ * AsyncSequence wrap). */
+typedef struct kiln_stream kiln_stream;
+
+/* Start a chat completion; NULL on error (kiln_last_error(engine): a busy engine). Errors of the
+ * request itself end the stream: kiln_stream_next gives NULL and kiln_stream_status their code. */
+kiln_stream* kiln_chat_completion_start(kiln_engine* engine, const char* request_json);
+
+/* The next chunk's JSON, waiting for it; valid until the next call. NULL once the reply has ended. */
+const char* kiln_stream_next(kiln_stream* stream);
+
+/* -1 while chunks may still come; then KILN_OK, or the error code (kiln_last_error says why). */
+int kiln_stream_status(const kiln_stream* stream);
+
+/* Drop the stream: a reply still running ends after its current step (finish_reason "abort"), and
+ * the engine is free for the next completion when this returns. */
+void kiln_stream_free(kiln_stream* stream);
 
 /* End the running completion from any thread: it finishes with finish_reason "abort". */
 void kiln_abort(kiln_engine* engine);

@@ -3,6 +3,8 @@
  *   chat <request json>           -> "chunk <json>" per chunk, then "status <n> <code> <message>"
  *   stop-after <k> <request json> -> as chat, the callback asking to stop at the k-th chunk
  *   abort-after <k> <request json>-> as chat, a second thread calling kiln_abort once k chunks came
+ *   pull <request json>           -> as chat, pulling the chunks (kiln_chat_completion_start, kiln_stream_next)
+ *   pull-drop <k> <request json>  -> pulls k chunks, drops the stream, then "dropped"
  *   reset                         -> "status ..."
  *   tokenize <text>               -> "ids <json>" or "status ..."
  */
@@ -68,6 +70,30 @@ static void chat(const char* request, int stop_after, int abort_after) {
   print_status(status);
 }
 
+/* Pull the reply's chunks; with `drop_after` > 0, drop the stream after that many. */
+static void pull(const char* request, int drop_after) {
+  kiln_stream* stream = kiln_chat_completion_start(engine, request);
+  if (stream == NULL) {
+    print_status(-1);
+    return;
+  }
+  int pulled = 0;
+  const char* chunk;
+  while ((drop_after == 0 || pulled < drop_after) && (chunk = kiln_stream_next(stream)) != NULL) {
+    printf("chunk %s\n", chunk);
+    pulled += 1;
+  }
+  if (drop_after > 0) {
+    kiln_stream_free(stream);
+    printf("dropped\n");
+    fflush(stdout);
+    return;
+  }
+  int status = kiln_stream_status(stream);
+  kiln_stream_free(stream);
+  print_status(status);
+}
+
 /* "<k> <rest>" -> k, and *rest after the space. */
 static int count_then(char* text, char** rest) {
   int count = (int)strtol(text, rest, 10);
@@ -98,6 +124,11 @@ int main(void) {
     } else if (strncmp(line, "abort-after ", 12) == 0) {
       int count = count_then(argument, &rest);
       chat(rest, 0, count);
+    } else if (strncmp(line, "pull ", 5) == 0) {
+      pull(argument, 0);
+    } else if (strncmp(line, "pull-drop ", 10) == 0) {
+      int count = count_then(argument, &rest);
+      pull(rest, count);
     } else if (strcmp(line, "reset") == 0) {
       print_status(kiln_reset(engine));
     } else if (strncmp(line, "tokenize ", 9) == 0) {
