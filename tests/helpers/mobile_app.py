@@ -14,7 +14,12 @@ import tvm_ffi
 from helpers.host_cpp import compiled
 from helpers.paths import CHECKOUT
 
-from kiln.compile.toolchain.mobile_runtime import KILN_SOURCES_DIR, RUNTIME_PLATFORMS, ensure_mobile_runtime
+from kiln.compile.toolchain.mobile_runtime import (
+    KILN_SOURCES_DIR,
+    RUNTIME_PLATFORMS,
+    ensure_mobile_runtime,
+    platform_flags,
+)
 from kiln.compile.toolchain.wasm_toolchain import HEADERS_DIR
 
 CHAT_DRIVER = CHECKOUT / "tests" / "mobile" / "drivers" / "chat.c"
@@ -36,10 +41,9 @@ def build_model_driver(platform: str, output_dir: Path) -> Path:
 
 def build_against_runtime(platform: str, driver: Path, output_dir: Path, compiler: list[str]) -> Path:
     runtime = ensure_mobile_runtime(platform, progress=False)
-    triple = RUNTIME_PLATFORMS[platform].triple
     command = [
         *compiler,
-        *([f"--target={triple}"] if triple else []),
+        *platform_flags(RUNTIME_PLATFORMS[platform]),
         "-fuse-ld=lld",
         f"-I{runtime / 'include'}",
         str(driver),
@@ -92,10 +96,10 @@ class Reply:
 class ChatApp:
     """One running app process; `qemu` runs an arm64 one here."""
 
-    def __init__(self, program: Path, qemu: bool):
+    def __init__(self, program: Path, qemu: bool, env: dict | None = None):
         command = ["qemu-aarch64", "-L", ARM64_SYSROOT, str(program)] if qemu else [str(program)]
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
 
     def _send(self, line: str) -> None:
@@ -117,9 +121,9 @@ class ChatApp:
                 raise AssertionError(f"unexpected line from the app: {line!r}")
         raise AssertionError(f"the app ended (exit {self.process.wait()}): {self.process.stderr.read()[-4000:]}")
 
-    def create(self, config: dict) -> Reply | None:
+    def create(self, config: dict | str) -> Reply | None:
         """None when the engine was created, else the failure."""
-        self._send("create " + json.dumps(config))
+        self._send("create " + (config if isinstance(config, str) else json.dumps(config)))
         line = self.process.stdout.readline()
         if line == "created\n":
             return None
@@ -158,6 +162,7 @@ class ChatApp:
         self._send("reset")
         return self._reply()
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """The app's exit status, once its input has ended."""
         self.process.stdin.close()
-        self.process.wait(timeout=60)
+        return self.process.wait(timeout=60)

@@ -107,6 +107,7 @@ class RuntimePlatform:
     shared_library: bool  # lib/libkiln.so, linked here with lld
     needs: str | None = None  # a file of the cross toolchain the build needs, and the package that has it
     needs_fix: str | None = None
+    instrumented: tuple[str, ...] = ()  # flags for compiling and linking (a sanitizer)
 
     def runtime_dir(self) -> Path:
         return cache_dir() / "mobile-runtime" / tvm_version() / self.name
@@ -123,8 +124,12 @@ RUNTIME_PLATFORMS = {
             needs="/usr/aarch64-linux-gnu/lib/libstdc++.so.6",
             needs_fix=ARM64_LINUX_FIX,
         ),
-        # This machine's own build: the Java binding's and the sanitizer's tests load it.
+        # This machine's own builds: the Java binding's tests load the first, the C API's tests under
+        # AddressSanitizer the second (an app built with -fsanitize=address links it).
         RuntimePlatform("host", "", "cpu", shared_library=True),
+        RuntimePlatform(
+            "host-asan", "", "cpu", shared_library=True, instrumented=("-fsanitize=address", "-fno-omit-frame-pointer")
+        ),
     )
 }
 
@@ -139,8 +144,9 @@ def kiln_sources() -> list[Path]:
     return sorted(KILN_SOURCES_DIR.glob("*.cc"))
 
 
-def _target_flags(platform: RuntimePlatform) -> list[str]:
-    return [f"--target={platform.triple}"] if platform.triple else []
+def platform_flags(platform: RuntimePlatform) -> list[str]:
+    """clang's flags for compiling and linking for the platform (and for an app of it)."""
+    return [*([f"--target={platform.triple}"] if platform.triple else []), *platform.instrumented]
 
 
 def _kiln_defines(platform: RuntimePlatform) -> list[str]:
@@ -177,6 +183,7 @@ def runtime_fingerprint(platform: RuntimePlatform) -> dict:
         "tvm_ffi": importlib.metadata.version("apache-tvm-ffi"),
         "clang": clang_version.stdout.splitlines()[0] if clang_version.stdout else "unknown",
         "triple": platform.triple,
+        "instrumented": list(platform.instrumented),
         "compile_flags": [*COMPILE_FLAGS, *_kiln_defines(platform)],
         "sources": _sources_digest(),
     }
@@ -263,7 +270,7 @@ def _compile_sources(platform: RuntimePlatform, root: Path, out_dir: Path, progr
     sources = unity_sources(root, min(cores, len(TVM_RUNTIME_SOURCES))) + kiln_sources()
     objects = [out_dir / f"{index:02d}-{source.stem}.o" for index, source in enumerate(sources)]
     flags = [
-        *_target_flags(platform),
+        *platform_flags(platform),
         *COMPILE_FLAGS,
         *_kiln_defines(platform),
         *include_flags(root),
@@ -300,7 +307,7 @@ def _archive(objects: list[Path], archive: Path) -> None:
 def _link_shared_library(platform: RuntimePlatform, objects: list[Path], library: Path) -> None:
     command = [
         find_clang(),
-        *_target_flags(platform),
+        *platform_flags(platform),
         "-fuse-ld=lld",
         "-shared",
         "-o",
@@ -315,7 +322,7 @@ def _link_shared_library(platform: RuntimePlatform, objects: list[Path], library
 def link_arm64_linux_library(output: str | Path, objects: list[str], options: list[str] | None = None) -> None:
     """`fcompile` for TVM's `export_library`: a model's objects as an aarch64 Linux shared library,
     which resolves TVM's runtime symbols from the `libkiln.so` of the app that loads it."""
-    command = [find_clang(), *_target_flags(RUNTIME_PLATFORMS["arm64-linux"]), "-fuse-ld=lld", "-shared"]
+    command = [find_clang(), *platform_flags(RUNTIME_PLATFORMS["arm64-linux"]), "-fuse-ld=lld", "-shared"]
     _run_clang([*command, "-o", str(output), *map(str, objects), *(options or [])], Path(output))
 
 

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
+#include <utility>
 
 #include "errors.h"
 #include "md5.h"
@@ -99,6 +101,47 @@ std::string ReadModelFile(const std::string& path, const char* what) {
   return bytes.str();
 }
 
+namespace {
+
+// The bytes a tensor of `shape` and `dtype` takes; nullopt for a negative size or one past 2^62 bytes.
+std::optional<int64_t> TensorBytes(const json::Array& shape, DLDataType dtype) {
+  constexpr int64_t kLargest = int64_t{1} << 62;
+  int64_t bytes = (dtype.bits * dtype.lanes + 7) / 8;
+  for (const ffi::Any& size : shape) {
+    std::optional<int64_t> extent = size.as<int64_t>();
+    if (!extent.has_value() || *extent < 0 || (*extent > 0 && bytes > kLargest / *extent)) return std::nullopt;
+    bytes *= *extent;
+  }
+  return bytes;
+}
+
+// One weight of a shard, checked against the shard before anything is allocated for it.
+std::pair<std::string, Tensor> LoadRecord(const json::Object& record, const std::string& shard_bytes,
+                                          const std::string& index_path) {
+  std::string name = Required<ffi::String>(record, "name", index_path);
+  json::Array shape = Required<json::Array>(record, "shape", index_path);
+  int64_t offset = Required<int64_t>(record, "byteOffset", index_path);
+  int64_t nbytes = Required<int64_t>(record, "nbytes", index_path);
+  DLDataType dtype;
+  try {
+    dtype = ffi::StringToDLDataType(Required<ffi::String>(record, "dtype", index_path));
+  } catch (const ffi::Error&) {
+    throw EngineError(ErrorCode::kBadModel, index_path + ": the record of " + name + " has an unknown dtype");
+  }
+  std::optional<int64_t> expected = TensorBytes(shape, dtype);
+  int64_t available = static_cast<int64_t>(shard_bytes.size());
+  if (!expected || *expected != nbytes || offset < 0 || offset > available || nbytes > available - offset) {
+    throw EngineError(ErrorCode::kBadModel, index_path + ": the record of " + name + " does not fit its shard");
+  }
+  std::vector<int64_t> extents;
+  for (const ffi::Any& size : shape) extents.push_back(size.cast<int64_t>());
+  Tensor tensor = Tensor::Empty(ffi::Shape(extents), dtype, DLDevice{kDLCPU, 0});
+  tensor.CopyFromBytes(shard_bytes.data() + offset, nbytes);
+  return {name, tensor};
+}
+
+}  // namespace
+
 json::Object ReadJsonFile(const std::string& path) {
   std::string text = ReadModelFile(path, "the file");
   ffi::String problem;
@@ -181,23 +224,9 @@ void Model::LoadParams(const json::Array& param_specs) {
           ErrorCode::kIntegrity,
           shard_path + ": the weight shard does not match its md5 in tensor-cache.json (corrupt or replaced)");
     }
-    for (const ffi::Any& record_any : Required<json::Array>(shard, "records", index_path)) {
-      json::Object record = record_any.cast<json::Object>();
-      std::vector<int64_t> shape;
-      for (const ffi::Any& size : Required<json::Array>(record, "shape", index_path))
-        shape.push_back(size.cast<int64_t>());
-      int64_t offset = Required<int64_t>(record, "byteOffset", index_path);
-      int64_t nbytes = Required<int64_t>(record, "nbytes", index_path);
-      DLDataType dtype = ffi::StringToDLDataType(Required<ffi::String>(record, "dtype", index_path));
-      Tensor tensor = Tensor::Empty(ffi::Shape(shape), dtype, DLDevice{kDLCPU, 0});
-      if (offset < 0 || nbytes < 0 || offset + nbytes > static_cast<int64_t>(bytes.size()) ||
-          static_cast<size_t>(nbytes) != ffi::GetDataSize(*tensor.operator->())) {
-        throw EngineError(ErrorCode::kBadModel, index_path + ": the record of " +
-                                                    std::string(Required<ffi::String>(record, "name", index_path)) +
-                                                    " does not fit its shard");
-      }
-      tensor.CopyFromBytes(bytes.data() + offset, nbytes);
-      loaded.emplace(Required<ffi::String>(record, "name", index_path), tensor);
+    for (const ffi::Any& record : Required<json::Array>(shard, "records", index_path)) {
+      auto [name, tensor] = LoadRecord(record.try_cast<json::Object>().value_or(json::Object()), bytes, index_path);
+      loaded.emplace(name, tensor);
     }
   }
   std::vector<Tensor> params;
