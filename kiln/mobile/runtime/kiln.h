@@ -86,6 +86,7 @@ const char* kiln_last_error(const kiln_engine* engine);
 /* The code of the last error as the browser engine names it ("bad-request", …), or NULL. */
 const char* kiln_last_error_code(const kiln_engine* engine);
 
+/* Free the engine (its streams first); a completion still running ends first. */
 void kiln_engine_free(kiln_engine* engine);
 
 /* This runtime's Kiln version ("major.minor.patch"): it loads models built by the same major.minor. */
