@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 0
 SUDO     := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: setup system python web runtime lint test test-fast demo demo-build wheel clean
+.PHONY: setup system python web runtime mobile-runtime lint test test-fast demo demo-build wheel clean
 
 setup: system python web
 
@@ -56,10 +56,13 @@ web/node_modules/.installed: web/package-lock.json
 	cd web && npm ci --no-audit --no-fund
 	touch $@
 
-# The TVM web runtime and the mobile runtime (arm64 Linux and this machine), compiled once per TVM
-# version into ~/.cache/kiln.
+# The TVM web runtime, and the mobile runtime (arm64 Linux, this machine, this machine under
+# AddressSanitizer) for the tests, compiled once per TVM version into ~/.cache/kiln.
 runtime: setup
-	$(VENV)/bin/kiln doctor --build-runtime --build-mobile-runtime
+	$(VENV)/bin/kiln doctor --build-runtime
+
+mobile-runtime: setup
+	$(VENV)/bin/kiln doctor --build-mobile-runtime
 
 # ruff lints and formats the Python (settings in pyproject.toml), clang-format the mobile runtime's C, C++ and
 # Java (.clang-format), ESLint for the web package (web/eslint.config.js) and TypeScript for its JSDoc types
@@ -73,7 +76,7 @@ lint: setup
 	$(VENV)/bin/clang-format --dry-run --Werror $(CLANG_FORMATTED)
 	cd web && npx eslint . && npx tsc -p tsconfig.json
 
-test: setup lint runtime
+test: setup lint runtime mobile-runtime
 	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup lint
