@@ -92,9 +92,11 @@ struct Engine::Run {
   Clock::time_point first_token_at, last_token_at;
 };
 
+namespace {
+
 // OpenAI's usage, with Kiln's timings in `extra` (README, "Benchmarks").
-static std::string UsageJson(size_t prompt_tokens, size_t completion_tokens, const Engine::Run& run,
-                             Clock::time_point started) {
+std::string UsageJson(size_t prompt_tokens, size_t completion_tokens, const Engine::Run& run,
+                      Clock::time_point started) {
   size_t generated = run.tokens.size();
   std::string decode_rate =
       generated > 1 ? Number((generated - 1) / SecondsBetween(run.first_token_at, run.last_token_at)) : "null";
@@ -108,6 +110,8 @@ static std::string UsageJson(size_t prompt_tokens, size_t completion_tokens, con
          ",\"e2e_latency_s\":" + Number(SecondsBetween(started, Clock::now())) + ",\"mask_ms_per_token\":0}}";
 }
 
+}  // namespace
+
 Engine::Engine(const std::string& folder, const std::string& model_lib)
     : model_(std::make_unique<Model>(folder, model_lib)) {
   const std::string tokenizer_path = folder + "/tokenizer.json";
@@ -116,8 +120,8 @@ Engine::Engine(const std::string& folder, const std::string& model_lib)
   } catch (const TokenizerError& error) {
     throw EngineError(ErrorCode::kBadModel, tokenizer_path + ": " + error.what());
   }
-  json::Object build = ReadJsonFile(folder + "/kiln-build.json");
-  model_id_ = build.Get("model_id").has_value() ? std::string(build.Get("model_id")->cast<ffi::String>()) : folder;
+  std::optional<ffi::String> model_id = model_->build().Get("model_id").value_or(nullptr).try_cast<ffi::String>();
+  model_id_ = model_id.has_value() ? std::string(*model_id) : folder;
   const json::Object& chat_config = model_->chat_config();
   auto conv_template = chat_config.Get("conv_template");
   if (!conv_template.has_value() || !conv_template->try_cast<json::Object>().has_value()) {

@@ -39,6 +39,7 @@ class Model {
   const std::vector<int32_t>& cached_ids() const { return cached_ids_; }
   int context_window_size() const { return context_window_size_; }
   int vocab_size() const { return vocab_size_; }
+  const json::Object& build() const { return build_; }
   const json::Object& chat_config() const { return chat_config_; }
   const std::string& folder() const { return folder_; }
 
