@@ -126,6 +126,7 @@ def node_tokens(all_cases: list[dict]) -> list[list[list[int]]]:
     )
 
 
+@pytest.mark.slow  # some 18 s of node on 2 cores: most of what `make test-fast` would spend
 def test_python_and_node_pick_the_same_tokens():
     all_cases = cases(400)
     ours = [python_tokens(case) for case in all_cases]
