@@ -37,6 +37,7 @@ from kiln.compile.lower.library import (
     compile_library,
     library_metadata,
     param_specs,
+    prepare_toolchains,
     target_metadata,
 )
 from kiln.compile.quantization import Scheme, quantization_named
@@ -262,6 +263,7 @@ def compiles_side_by_side(
     jobs = min(request.jobs or default_jobs(len(request.targets)), len(request.targets))
     if jobs < 2:
         return {}
+    prepare_toolchains([target_named(name, request.cpu_tuning) for name in request.targets])
     compiles = {}
     for name in request.targets:
         entry = target_named(name, request.cpu_tuning)

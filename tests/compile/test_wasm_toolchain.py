@@ -14,8 +14,10 @@ import pytest
 from helpers.paths import WEB_DIR
 from helpers.web import run_node_module
 
+from kiln.compile.lower.library import prepare_toolchains
 from kiln.compile.toolchain import wasm_toolchain
 from kiln.errors import KilnError
+from kiln.targets import target_named
 
 WASM32 = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}
 # library name → (target, linker): the CPU wasm library is linked threaded, as Kiln's wasm target does
@@ -279,3 +281,16 @@ def test_doctor_passes_without_the_optional_kernel_check_only():
     emcc_missing = wasm_toolchain.ToolStatus("emscripten", False, "not found", "apt-get install emscripten")
     assert doctor_exit_code([built, pocl_missing]) == 0
     assert doctor_exit_code([emcc_missing, pocl_missing]) == 1
+
+
+def test_a_build_has_the_web_runtimes_its_targets_link_ready_before_it_compiles_them_side_by_side(monkeypatch):
+    built = []
+    monkeypatch.setattr(wasm_toolchain, "build_web_runtime", lambda progress, flavor, position: built.append(flavor))
+    for targets, flavors in (
+        (("cpu", "webgpu", "webgpu-subgroups"), [wasm_toolchain.PLAIN_RUNTIME]),
+        (("wasm", "webgpu"), [wasm_toolchain.PLAIN_RUNTIME, wasm_toolchain.THREADED_RUNTIME]),
+        (("cpu", "arm64-linux", "android"), []),
+    ):
+        built.clear()
+        prepare_toolchains([target_named(target) for target in targets])
+        assert built == flavors, targets

@@ -13,7 +13,14 @@ from kiln.compile.lower.vm_functions import attach_vm_functions
 from kiln.compile.lower.webgpu_limits import check_webgpu_limits
 from kiln.compile.toolchain.mobile_runtime import link_arm64_linux_library
 from kiln.compile.toolchain.system_lib import export_system_library, system_lib_prefix
-from kiln.compile.toolchain.wasm_toolchain import link_threaded_wasm, link_tvmjs_wasm
+from kiln.compile.toolchain.wasm_toolchain import (
+    PLAIN_RUNTIME,
+    RUNTIME_FLAVORS,
+    THREADED_RUNTIME,
+    build_web_runtimes,
+    link_threaded_wasm,
+    link_tvmjs_wasm,
+)
 from kiln.errors import KilnError
 from kiln.model_memory import MIB, MemoryNeeds
 from kiln.models import DecoderConfig, DecoderModel, export_spec
@@ -35,6 +42,17 @@ EXPORTS = {
         str(path), fcompile=link_arm64_linux_library
     ),
 }
+# The web runtime a row's export links against. Compile processes that build side by side share the
+# cache: a build has it ready first (`prepare_toolchains`), or each process would build it (minutes).
+EXPORT_WEB_RUNTIMES = {"wasm": PLAIN_RUNTIME, "threaded-wasm": THREADED_RUNTIME}
+
+
+def prepare_toolchains(entries: list[TargetEntry]) -> None:
+    """Build what the rows' exports link against and the cache lacks, before they compile side by side."""
+    flavors = {EXPORT_WEB_RUNTIMES[entry.export] for entry in entries if entry.export in EXPORT_WEB_RUNTIMES}
+    build_web_runtimes(flavors=[flavor for flavor in RUNTIME_FLAVORS if flavor in flavors])
+
+
 # A row's `kernel_check`, given the generated device source.
 KERNEL_CHECKS = {"webgpu-limits": check_webgpu_limits}
 
