@@ -93,6 +93,13 @@ class Reply:
         return self.chunks[-1]["usage"]
 
 
+def read_status(line: str, reply: Reply) -> Reply:
+    """`reply` with the app's "status <n> <code or -> <message>" line (without "status ")."""
+    status, code, message = (line.split(" ", 2) + [""])[:3]
+    reply.status, reply.code, reply.message = int(status), None if code == "-" else code, message
+    return reply
+
+
 class ChatApp:
     """One running app process; `qemu` runs an arm64 one here."""
 
@@ -114,9 +121,7 @@ class ChatApp:
             if kind == "chunk":
                 reply.chunks.append(json.loads(rest))
             elif kind == "status":
-                status, code, message = (rest.split(" ", 2) + [""])[:3]
-                reply.status, reply.code, reply.message = int(status), None if code == "-" else code, message
-                return reply
+                return read_status(rest, reply)
             else:
                 raise AssertionError(f"unexpected line from the app: {line!r}")
         raise AssertionError(f"the app ended (exit {self.process.wait()}): {self.process.stderr.read()[-4000:]}")
@@ -129,8 +134,7 @@ class ChatApp:
             return None
         kind, _, rest = line.rstrip("\n").partition(" ")
         assert kind == "status", f"unexpected line from the app: {line!r} {self.process.stderr.read()[-4000:]}"
-        status, code, message = (rest.split(" ", 2) + [""])[:3]
-        return Reply(status=int(status), code=code, message=message)
+        return read_status(rest, Reply())
 
     def chat(self, request: dict | str, stop_after: int = 0, abort_after: int = 0) -> Reply:
         body = request if isinstance(request, str) else json.dumps(request)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import kiln
 from kiln.compile.toolchain.wasm_toolchain import (
     HEADERS_DIR,
     SOURCE_PATCHES,
@@ -32,7 +33,6 @@ from kiln.compile.toolchain.wasm_toolchain import (
     replace_dir,
     tvm_version,
 )
-import kiln
 from kiln.errors import KilnError
 
 KILN_SOURCES_DIR = Path(__file__).parents[2] / "mobile" / "runtime"
@@ -99,18 +99,21 @@ COMPILE_FLAGS = (
 
 @dataclass(frozen=True)
 class RuntimePlatform:
-    """One platform `libkiln` is built for: clang's target triple and what the build links there."""
+    """One platform `libkiln` is built for (`lib/libkiln.a` and `lib/libkiln.so`, linked here with lld):
+    clang's target triple and what the build needs there."""
 
     name: str
     triple: str
     kiln_target: str  # the target whose model libraries it loads (kiln-build.json's, by default)
-    shared_library: bool  # lib/libkiln.so, linked here with lld
     needs: str | None = None  # a file of the cross toolchain the build needs, and the package that has it
     needs_fix: str | None = None
     instrumented: tuple[str, ...] = ()  # flags for compiling and linking (a sanitizer)
 
     def runtime_dir(self) -> Path:
         return cache_dir() / "mobile-runtime" / tvm_version() / self.name
+
+    def has_toolchain(self) -> bool:
+        return self.needs is None or Path(self.needs).is_file()
 
 
 RUNTIME_PLATFORMS = {
@@ -120,16 +123,13 @@ RUNTIME_PLATFORMS = {
             "arm64-linux",
             "aarch64-linux-gnu",
             "arm64-linux",
-            shared_library=True,
             needs="/usr/aarch64-linux-gnu/lib/libstdc++.so.6",
             needs_fix=ARM64_LINUX_FIX,
         ),
         # This machine's own builds: the Java binding's tests load the first, the C API's tests under
         # AddressSanitizer the second (an app built with -fsanitize=address links it).
-        RuntimePlatform("host", "", "cpu", shared_library=True),
-        RuntimePlatform(
-            "host-asan", "", "cpu", shared_library=True, instrumented=("-fsanitize=address", "-fno-omit-frame-pointer")
-        ),
+        RuntimePlatform("host", "", "cpu"),
+        RuntimePlatform("host-asan", "", "cpu", instrumented=("-fsanitize=address", "-fno-omit-frame-pointer")),
     )
 }
 
@@ -158,6 +158,10 @@ def _kiln_defines(platform: RuntimePlatform) -> list[str]:
     ]
 
 
+def _compile_flags(platform: RuntimePlatform) -> list[str]:
+    return [*platform_flags(platform), *COMPILE_FLAGS, *_kiln_defines(platform)]
+
+
 def find_clang() -> str:
     clang = shutil.which("clang++")
     if clang is None:
@@ -182,16 +186,14 @@ def runtime_fingerprint(platform: RuntimePlatform) -> dict:
         "tvm": tvm_version(),
         "tvm_ffi": importlib.metadata.version("apache-tvm-ffi"),
         "clang": clang_version.stdout.splitlines()[0] if clang_version.stdout else "unknown",
-        "triple": platform.triple,
-        "instrumented": list(platform.instrumented),
-        "compile_flags": [*COMPILE_FLAGS, *_kiln_defines(platform)],
+        "compile_flags": _compile_flags(platform),
         "sources": _sources_digest(),
     }
 
 
 def runtime_is_built(platform: RuntimePlatform, fingerprint: dict | None = None) -> bool:
     runtime_dir = platform.runtime_dir()
-    if not all(path.is_file() for path in runtime_files(platform, runtime_dir).values()):
+    if not all(path.is_file() for path in runtime_files(runtime_dir).values()):
         return False
     try:
         recorded = json.loads((runtime_dir / BUILD_INFO).read_text())
@@ -201,15 +203,16 @@ def runtime_is_built(platform: RuntimePlatform, fingerprint: dict | None = None)
     return {key: recorded.get(key) for key in fingerprint} == fingerprint
 
 
-def runtime_files(platform: RuntimePlatform, runtime_dir: Path) -> dict[str, Path]:
-    files = {"header": runtime_dir / "include" / PUBLIC_HEADER, "archive": runtime_dir / "lib" / "libkiln.a"}
-    if platform.shared_library:
-        files["shared_library"] = runtime_dir / "lib" / "libkiln.so"
-    return files
+def runtime_files(runtime_dir: Path) -> dict[str, Path]:
+    return {
+        "header": runtime_dir / "include" / PUBLIC_HEADER,
+        "archive": runtime_dir / "lib" / "libkiln.a",
+        "shared_library": runtime_dir / "lib" / "libkiln.so",
+    }
 
 
 def check_cross_toolchain(platform: RuntimePlatform) -> None:
-    if platform.needs and not Path(platform.needs).is_file():
+    if not platform.has_toolchain():
         raise KilnError(
             f"the {platform.name} runtime needs the {platform.triple} C++ library; install it with "
             f"`{platform.needs_fix}`",
@@ -234,10 +237,9 @@ def ensure_mobile_runtime(platform_name: str, progress: bool = True) -> Path:
             root = assemble_source_root(Path(scratch))
             started = time.monotonic()
             objects = _compile_sources(platform, root, staging / "obj", progress)
-            files = runtime_files(platform, staging)
+            files = runtime_files(staging)
             _archive(objects, files["archive"])
-            if platform.shared_library:
-                _link_shared_library(platform, objects, files["shared_library"])
+            _link_shared_library(platform, objects, files["shared_library"])
         files["header"].parent.mkdir(parents=True)
         shutil.copyfile(KILN_SOURCES_DIR / PUBLIC_HEADER, files["header"])
         shutil.rmtree(staging / "obj")
@@ -269,13 +271,7 @@ def _compile_sources(platform: RuntimePlatform, root: Path, out_dir: Path, progr
     cores = os.cpu_count() or 1
     sources = unity_sources(root, min(cores, len(TVM_RUNTIME_SOURCES))) + kiln_sources()
     objects = [out_dir / f"{index:02d}-{source.stem}.o" for index, source in enumerate(sources)]
-    flags = [
-        *platform_flags(platform),
-        *COMPILE_FLAGS,
-        *_kiln_defines(platform),
-        *include_flags(root),
-        f"-I{KILN_SOURCES_DIR}",
-    ]
+    flags = [*_compile_flags(platform), *include_flags(root), f"-I{KILN_SOURCES_DIR}"]
     with (
         tqdm(
             total=len(sources),
@@ -345,7 +341,7 @@ def build_mobile_runtimes(progress: bool = True) -> list[Path]:
     return [
         ensure_mobile_runtime(platform.name, progress)
         for platform in RUNTIME_PLATFORMS.values()
-        if not platform.needs or Path(platform.needs).is_file()
+        if platform.has_toolchain()
     ]
 
 
@@ -354,7 +350,7 @@ def toolchain_status() -> list[ToolStatus]:
     without them, only apps' runtimes cannot be built (models still compile for every target)."""
     statuses = []
     for platform in RUNTIME_PLATFORMS.values():
-        if platform.needs and not Path(platform.needs).is_file():
+        if not platform.has_toolchain():
             problem = f"{platform.needs} is missing"
             statuses.append(ToolStatus(f"{platform.name} C++ library", False, problem, platform.needs_fix, True))
             continue

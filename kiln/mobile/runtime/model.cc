@@ -158,7 +158,12 @@ Model::Model(const std::string& folder, const std::string& model_lib)
       build_(ReadJsonFile(Join(folder, "kiln-build.json"))),
       chat_config_(ReadJsonFile(Join(folder, "mlc-chat-config.json"))),
       library_(LoadLibrary(model_lib)),
-      vm_(RequiredFunction(library_, "vm_load_executable")().cast<ffi::Module>()) {
+      vm_(RequiredFunction(library_, "vm_load_executable")().cast<ffi::Module>()),
+      add_sequence_(GlobalFunction("vm.builtin.kv_state_add_sequence")),
+      remove_sequence_(GlobalFunction("vm.builtin.kv_state_remove_sequence")),
+      begin_forward_(GlobalFunction("vm.builtin.kv_state_begin_forward")),
+      end_forward_(GlobalFunction("vm.builtin.kv_state_end_forward")),
+      popn_(GlobalFunction("vm.builtin.kv_state_popn")) {
   vocab_size_ = static_cast<int>(Required<int64_t>(chat_config_, "vocab_size", Join(folder, "mlc-chat-config.json")));
   RequiredFunction(vm_, "vm_initialization")(static_cast<int>(kDLCPU), 0, kPooledAllocator);
 
@@ -243,7 +248,7 @@ void Model::LoadParams(const json::Array& param_specs) {
 }
 
 void Model::AddSequence() {
-  GlobalFunction("vm.builtin.kv_state_add_sequence")(kv_cache_, kSequenceId);
+  add_sequence_(kv_cache_, kSequenceId);
   if (sliding_window_size_ > 0) {
     GlobalFunction("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(kv_cache_, kSequenceId,
                                                                                   sliding_window_size_, 0);
@@ -252,7 +257,7 @@ void Model::AddSequence() {
 }
 
 void Model::Reset() {
-  GlobalFunction("vm.builtin.kv_state_remove_sequence")(kv_cache_, kSequenceId);
+  remove_sequence_(kv_cache_, kSequenceId);
   AddSequence();
 }
 
@@ -261,7 +266,7 @@ int Model::Rollback(int count) {
   if (count > 0 && sliding_window_size_ > 0 && static_cast<int>(cached_ids_.size()) > sliding_window_size_) {
     Reset();
   } else if (count > 0) {
-    GlobalFunction("vm.builtin.kv_state_popn")(kv_cache_, kSequenceId, count);
+    popn_(kv_cache_, kSequenceId, count);
     cached_ids_.resize(cached_ids_.size() - count);
   }
   return static_cast<int>(cached_ids_.size());
@@ -290,7 +295,7 @@ std::vector<float> Model::Prefill(const std::vector<int32_t>& ids) {
   for (size_t start = 0; start < ids.size();) {
     size_t size = std::min<size_t>(ChunkSize(), ids.size() - start);
     std::vector<int32_t> chunk(ids.begin() + start, ids.begin() + start + size);
-    logits = Step(size > 1 ? "prefill" : "decode", chunk);
+    logits = Step(size > 1 ? prefill_ : decode_, chunk);
     start += size;
   }
   return logits;
@@ -298,16 +303,15 @@ std::vector<float> Model::Prefill(const std::vector<int32_t>& ids) {
 
 std::vector<float> Model::Decode(int32_t id) { return Prefill({id}); }
 
-std::vector<float> Model::Step(const char* function, const std::vector<int32_t>& ids) {
+std::vector<float> Model::Step(const ffi::Function& step, const std::vector<int32_t>& ids) {
   const int64_t count = static_cast<int64_t>(ids.size());
   Tensor ids_tensor = Tensor::Empty(ffi::Shape({count}), DLDataType{kDLInt, 32, 1}, DLDevice{kDLCPU, 0});
   ids_tensor.CopyFromBytes(ids.data(), ids.size() * sizeof(int32_t));
   Tensor embeds = embed_(ids_tensor, params_).cast<Tensor>();
   Tensor batch = embeds.CreateView(ffi::Shape({1, count, embeds->shape[embeds->ndim - 1]}), embeds->dtype);
-  GlobalFunction("vm.builtin.kv_state_begin_forward")(kv_cache_, ffi::Shape({kSequenceId}), ffi::Shape({count}));
-  const ffi::Function& step = std::string(function) == "prefill" ? prefill_ : decode_;
+  begin_forward_(kv_cache_, ffi::Shape({kSequenceId}), ffi::Shape({count}));
   ffi::Array<ffi::Any> outputs = step(batch, kv_cache_, params_).cast<ffi::Array<ffi::Any>>();
-  GlobalFunction("vm.builtin.kv_state_end_forward")(kv_cache_);
+  end_forward_(kv_cache_);
   cached_ids_.insert(cached_ids_.end(), ids.begin(), ids.end());
   return LastRow(outputs[0].cast<Tensor>());
 }

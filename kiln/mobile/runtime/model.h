@@ -48,7 +48,7 @@ class Model {
   void LoadParams(const json::Array& param_specs);
   void AddSequence();
   int ChunkSize() const;
-  std::vector<float> Step(const char* function, const std::vector<int32_t>& ids);
+  std::vector<float> Step(const tvm::ffi::Function& step, const std::vector<int32_t>& ids);
 
   std::string folder_;
   json::Object build_;  // kiln-build.json
@@ -56,6 +56,8 @@ class Model {
   tvm::ffi::Module library_;
   tvm::ffi::Module vm_;
   tvm::ffi::Function embed_, prefill_, decode_;
+  // TVM's KV-state builtins, looked up once (kiln/runtime.py's _kv_builtin).
+  tvm::ffi::Function add_sequence_, remove_sequence_, begin_forward_, end_forward_, popn_;
   tvm::ffi::Array<tvm::runtime::Tensor> params_;
   tvm::ffi::Any kv_cache_;
   int context_window_size_ = 0;
