@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kiln.app_config import MODEL_FILES, CompiledModel, model_needs, read_compiled_model
 from kiln.compile.pipeline import MODEL_ID
-from kiln.compile.toolchain.mobile_runtime import ensure_mobile_runtime
+from kiln.compile.toolchain.mobile_runtime import KILN_SOURCES_DIR, PUBLIC_HEADER, ensure_mobile_runtime
 from kiln.compile.staging import staging_folder
 from kiln.errors import KilnError
 from kiln.model_folder import read_json
@@ -43,7 +43,6 @@ from kiln.compile.toolchain.system_lib import (
 from kiln.targets import TARGETS
 
 PLATFORMS = tuple(name for name, entry in TARGETS.items() if entry.system_lib or entry.mobile_runtime)
-RUNTIME_SOURCES = Path(__file__).parent / "runtime"
 JAVA_SOURCES = Path(__file__).parent / "java"
 # Swift imports kiln.h as the module `Kiln` (`import Kiln`) with this module map beside it.
 MODULE_MAP = 'module Kiln {\n  header "kiln.h"\n  export *\n}\n'
@@ -312,7 +311,7 @@ def write_models(config: PackageConfig, platform: str, folder: Path) -> None:
 def write_engine_files(platform: str, folder: Path) -> None:
     """kiln.h, the runtime where it is built for the platform, and the bindings of its apps."""
     (folder / "include").mkdir()
-    shutil.copyfile(RUNTIME_SOURCES / "kiln.h", folder / "include" / "kiln.h")
+    shutil.copyfile(KILN_SOURCES_DIR / PUBLIC_HEADER, folder / "include" / PUBLIC_HEADER)
     if platform in APPLE_PLATFORMS:
         (folder / "include" / "module.modulemap").write_text(MODULE_MAP)
     if platform == "android":

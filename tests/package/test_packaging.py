@@ -124,9 +124,10 @@ def test_the_wheel_carries_the_served_web_files_and_no_dev_package(installed, el
 
 def test_the_wheel_carries_the_mobile_runtimes_sources(installed, elsewhere):
     listing = (
-        "import json; from kiln.mobile.package import JAVA_SOURCES, RUNTIME_SOURCES; "
+        "import json; from kiln.mobile.package import JAVA_SOURCES; "
+        "from kiln.compile.toolchain.mobile_runtime import KILN_SOURCES_DIR; "
         "print(json.dumps([sorted(str(p.relative_to(d)) for p in d.rglob('*.*')) "
-        "for d in (RUNTIME_SOURCES, JAVA_SOURCES)]))"
+        "for d in (KILN_SOURCES_DIR, JAVA_SOURCES)]))"
     )
     runtime, java = json.loads(run([installed / "python", "-c", listing], cwd=elsewhere))
     checkout = CHECKOUT / "kiln" / "mobile"
