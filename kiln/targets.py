@@ -72,8 +72,9 @@ def metal_target(host_triple: str) -> dict:
     }
 
 
-def arm64_linux_target() -> dict:
-    return {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic"}
+def arm64_cpu_target(triple: str) -> dict:
+    # ARMv8-A with NEON: every arm64 phone and board (`cpu`'s portable tuning on ARM).
+    return {"kind": "llvm", "mtriple": triple, "mcpu": "generic"}
 
 
 def android_target() -> dict:
@@ -216,7 +217,7 @@ TARGETS: dict[str, TargetEntry] = {
         TargetEntry(
             "arm64-linux",
             "aarch64 Linux CPUs (shared library for Kiln's mobile runtime; run here under qemu-aarch64)",
-            arm64_linux_target,
+            partial(arm64_cpu_target, "aarch64-linux-gnu"),
             "cpu",
             "arm64-linux-shared-library",
             "so",
@@ -232,6 +233,28 @@ TARGETS: dict[str, TargetEntry] = {
             "tar",
             system_lib=True,
             kernel_source="cl",
+        ),
+        TargetEntry(
+            "android-cpu",
+            "Android phones' CPUs (static library for arm64-v8a and Kiln's runtime, built by the app's NDK)",
+            partial(arm64_cpu_target, "aarch64-linux-android"),
+            "cpu",
+            "system-library",
+            "tar",
+            system_lib=True,
+            mobile_runtime="android",
+            cpu_kernels=True,
+        ),
+        TargetEntry(
+            "iphone-cpu",
+            "iPhones' and iPads' CPUs (static library for arm64 iOS and Kiln's runtime)",
+            partial(arm64_cpu_target, "arm64-apple-ios14.0"),
+            "cpu",
+            "system-library",
+            "tar",
+            system_lib=True,
+            mobile_runtime="iphone",
+            cpu_kernels=True,
         ),
         TargetEntry(
             "iphone",

@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(items):
 BROWSER_TARGETS = ("cpu", "webgpu", "webgpu-subgroups", "wasm")
 MOBILE_TARGETS = ("android", "iphone", "metal")
 BUILT_TOGETHER = {
-    "tiny-llama-q4f32_1": (*BROWSER_TARGETS, "android", "iphone", "arm64-linux"),
+    "tiny-llama-q4f32_1": (*BROWSER_TARGETS, "android", "iphone", "arm64-linux", "android-cpu", "iphone-cpu"),
     "tiny-llama-q4f16_1": ("cpu", *MOBILE_TARGETS),
     "SmolLM2-135M-Instruct-q4f32_1": (*BROWSER_TARGETS, "arm64-linux"),
     "SmolLM2-135M-Instruct-q4f16_1": ("webgpu", *MOBILE_TARGETS),

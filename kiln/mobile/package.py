@@ -27,7 +27,13 @@ from pathlib import Path
 
 from kiln.app_config import MODEL_FILES, CompiledModel, model_needs, read_compiled_model
 from kiln.compile.pipeline import MODEL_ID
-from kiln.compile.toolchain.mobile_runtime import KILN_SOURCES_DIR, PUBLIC_HEADER, ensure_mobile_runtime
+from kiln.compile.toolchain.mobile_runtime import (
+    KILN_SOURCES_DIR,
+    PUBLIC_HEADER,
+    RUNTIME_PLATFORMS,
+    ensure_mobile_runtime,
+    runtime_files,
+)
 from kiln.compile.staging import staging_folder
 from kiln.errors import KilnError
 from kiln.model_folder import read_json
@@ -46,7 +52,6 @@ PLATFORMS = tuple(name for name, entry in TARGETS.items() if entry.system_lib or
 JAVA_SOURCES = Path(__file__).parent / "java"
 # Swift imports kiln.h as the module `Kiln` (`import Kiln`) with this module map beside it.
 MODULE_MAP = 'module Kiln {\n  header "kiln.h"\n  export *\n}\n'
-APPLE_PLATFORMS = ("iphone", "metal")
 ENTRY_KEYS = {"model", "model_id", "bundle_weight", "estimated_vram_bytes", "model_url"}
 APP_CONFIG = "mlc-app-config.json"
 # How an app links the archive: nothing calls into the objects, their static constructors register
@@ -54,6 +59,11 @@ APP_CONFIG = "mlc-app-config.json"
 LINK_LINES = {
     "arm64-linux": "clang --target=aarch64-linux-gnu -fuse-ld=lld app.c -Iinclude -Llib -lkiln "
     "-Wl,-rpath,'$ORIGIN/lib'",
+    # In the app's CMakeLists.txt (Gradle's externalNativeBuild), beside `add_executable`/`add_library(app …)`.
+    "android-cpu": "add_subdirectory(runtime kiln)\ntarget_link_libraries(app PRIVATE kiln "
+    "-Wl,--whole-archive ${CMAKE_CURRENT_SOURCE_DIR}/lib/libmodel_android-cpu.a -Wl,--no-whole-archive m)",
+    # In Xcode's "Other Linker Flags".
+    "iphone-cpu": "-Wl,-force_load,lib/libmodel_iphone-cpu.a lib/libkiln.a -lc++",
     "android": "-Wl,--whole-archive lib/libmodel_android.a -Wl,--no-whole-archive libtvm_runtime.a -lOpenCL",
     "iphone": "-Wl,-force_load,lib/libmodel_iphone.a libtvm_runtime.a -framework Metal -framework Foundation",
     "metal": "-Wl,-force_load,lib/libmodel_metal.a libtvm_runtime.a -framework Metal -framework Foundation",
@@ -243,13 +253,27 @@ def system_lib_section(config: PackageConfig, platform: str) -> str:
 - `lib/libmodel_{platform}.a`: the models' kernels and Relax VM code, as system libraries.
 - `{APP_CONFIG}`: the app's model list (MLC's format); `model_path` is a folder of this bundle.
 
-The libraries were compiled by Apache TVM **{tvm_runtime_version()}** and need the TVM runtime of
-exactly that version ({RUNTIME_BUILD[platform]}). The app loads a model through the runtime's
-system library of prefix `<model_lib>_`. Kiln could not run these libraries where it built them
-(its TVM runtime has no OpenCL or Metal device): they are checked by their objects and symbols.
-The whole archive must be linked (`--whole-archive` / `-force_load`): nothing in the app calls
-into it, and the models register themselves with the runtime from static constructors.
+{system_lib_runtime(platform)} The app loads a model through the runtime's
+system library of prefix `<model_lib>_`. The whole archive must be linked (`--whole-archive` /
+`-force_load`): nothing in the app calls into it, and the models register themselves with the
+runtime from static constructors.
 """
+
+
+def system_lib_runtime(platform: str) -> str:
+    """Which runtime a system library needs, and what Kiln could check of it."""
+    version = tvm_runtime_version()
+    if TARGETS[platform].mobile_runtime:
+        return (
+            f"The libraries were compiled by Apache TVM **{version}** for Kiln's runtime, which this bundle "
+            "carries (its engine finds a model's prefix in the model's `kiln-build.json`, so `model_lib` may be "
+            "left out)."
+        )
+    return (
+        f"The libraries were compiled by Apache TVM **{version}** and need the TVM runtime of exactly that "
+        f"version ({RUNTIME_BUILD[platform]}). Kiln could not run these libraries where it built them (its TVM "
+        "runtime has no OpenCL or Metal device): they are checked by their objects and symbols."
+    )
 
 
 def shared_library_section(config: PackageConfig, platform: str) -> str:
@@ -272,29 +296,46 @@ An app creates an engine with `kiln_engine_create("{{\"model\": \"<model_path>\"
 """
 
 
+def platform_triple(platform: str) -> str:
+    """The triple of the code an app of the platform runs on its CPU (a GPU target's host)."""
+    described = TARGETS[platform].tvm_target()
+    return described.get("host", described).get("mtriple", "")
+
+
 def engine_section(platform: str) -> str:
-    """kiln.h, and what else an app of the platform gets to call it."""
-    extras = {
-        "android": "`java/`: `ai.kiln.KilnEngine` (Java/Kotlin) and its JNI side `kiln_jni.c`, to build with the "
-        "app's NDK against kiln.h and libkiln.",
-        "iphone": "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`.",
-        "metal": "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`.",
-    }
-    built_here = TARGETS[platform].mobile_runtime is not None
-    runtime = (
-        "`lib/libkiln.so` is that runtime, built by Kiln for this platform."
-        if built_here
-        else f"Kiln's runtime for {platform} (TVM's runtime with Kiln's engine, built from Kiln's "
-        "`kiln/mobile/runtime` sources) is not in this bundle: it needs the platform's SDK (the Android "
-        "NDK, Xcode), which the machine that built the bundle lacks. Nothing here was linked for the "
-        "platform; `kiln/mobile/runtime` compiles with the flags of `kiln.compile.toolchain.mobile_runtime`."
-    )
+    """kiln.h, the runtime, and what else an app of the platform gets to call it."""
+    triple = platform_triple(platform)
+    bindings = ""
+    if "android" in triple:
+        bindings = (
+            "`java/`: `ai.kiln.KilnEngine` (Java/Kotlin) and its JNI side `kiln_jni.c`, to build with the "
+            "app's NDK against kiln.h and libkiln."
+        )
+    if "apple" in triple:
+        bindings = "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`."
+    runtime = TARGETS[platform].mobile_runtime
+    built_with = RUNTIME_PLATFORMS[runtime].built_with if runtime else None
     return f"""## Kiln's engine (kiln.h)
 
 `include/kiln.h` is Kiln's C API: an engine per model, OpenAI chat-completion JSON in, streamed
-`chat.completion.chunk` JSON out, the browser engine's error codes. {runtime}
-{extras.get(platform, "")}
+`chat.completion.chunk` JSON out, the browser engine's error codes. {RUNTIME_NOTES[built_with]}
+{bindings}
 """
+
+
+RUNTIME_NOTES = {
+    "clang": "`lib/libkiln.so` (and `lib/libkiln.a`) is that runtime, built by Kiln for this platform.",
+    "zig": "`lib/libkiln.a` is that runtime, compiled by Kiln for arm64 iOS with the clang and the Darwin "
+    "and libc++ headers of PyPI's `ziglang`; the app's Xcode links it (with `-lc++`). Kiln checked that "
+    "every symbol it needs is iOS's libSystem's or libc++'s; it was not linked or run on iOS.",
+    "sources": "`runtime/` is that runtime as sources with a `CMakeLists.txt` for the app's NDK (the link line "
+    "above). Kiln built that project for aarch64 Linux and ran it with this platform's model library "
+    "under qemu-aarch64; it could not build it with the NDK (there is none where Kiln runs), so bionic "
+    "and the NDK's libc++ were not tried.",
+    None: "Kiln's runtime for this platform (TVM's runtime with Kiln's engine, built from Kiln's "
+    "`kiln/mobile/runtime` sources) is not in this bundle: its GPU device code needs a TVM runtime "
+    "with OpenCL or Metal, which Kiln does not build yet. Nothing here was linked for the platform.",
+}
 
 
 def write_models(config: PackageConfig, platform: str, folder: Path) -> None:
@@ -309,18 +350,23 @@ def write_models(config: PackageConfig, platform: str, folder: Path) -> None:
 
 
 def write_engine_files(platform: str, folder: Path) -> None:
-    """kiln.h, the runtime where it is built for the platform, and the bindings of its apps."""
+    """kiln.h, the runtime where Kiln makes one for the platform, and the bindings of its apps."""
     (folder / "include").mkdir()
     shutil.copyfile(KILN_SOURCES_DIR / PUBLIC_HEADER, folder / "include" / PUBLIC_HEADER)
-    if platform in APPLE_PLATFORMS:
+    triple = platform_triple(platform)
+    if "apple" in triple:
         (folder / "include" / "module.modulemap").write_text(MODULE_MAP)
-    if platform == "android":
+    if "android" in triple:
         shutil.copytree(JAVA_SOURCES, folder / "java")
     runtime = TARGETS[platform].mobile_runtime
-    if runtime is not None:
-        built = ensure_mobile_runtime(runtime)
-        for library in ("libkiln.so", "libkiln.a"):
-            shutil.copyfile(built / "lib" / library, folder / "lib" / library)
+    if runtime is None:
+        return
+    made = ensure_mobile_runtime(runtime)
+    for name, path in runtime_files(RUNTIME_PLATFORMS[runtime], made).items():
+        if name == "cmake_lists":
+            shutil.copytree(path.parent, folder / "runtime")
+        elif name != "header":
+            shutil.copyfile(path, folder / "lib" / path.name)
 
 
 def write_bundle(config: PackageConfig, platform: str, folder: Path) -> None:

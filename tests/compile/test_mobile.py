@@ -27,9 +27,11 @@ EXPECTED_HEADER = {
     "android": ObjectHeader("elf", EM_AARCH64),
     "iphone": ObjectHeader("macho", CPU_TYPE_ARM64, PLATFORM_IOS),
     "metal": ObjectHeader("macho", CPU_TYPE_ARM64, PLATFORM_MACOS),
+    "android-cpu": ObjectHeader("elf", EM_AARCH64),
+    "iphone-cpu": ObjectHeader("macho", CPU_TYPE_ARM64, PLATFORM_IOS),
 }
 # Mach-O spells C names with a leading underscore.
-SYMBOL_PREFIX = {"android": "", "iphone": "_", "metal": "_"}
+SYMBOL_PREFIX = {"android": "", "iphone": "_", "metal": "_", "android-cpu": "", "iphone-cpu": "_"}
 
 
 def check_system_library(model_dir: Path, target: str, tmp_path: Path) -> None:
@@ -72,6 +74,11 @@ def test_building_another_target_keeps_the_static_archives(tiny_build, tiny_mobi
     assert len(archives) == len(MOBILE_TARGETS)
     tiny_build("q4f16_1", [*MOBILE_TARGETS, "cpu"])
     assert {p.name: p.read_bytes() for p in (tiny_mobile / "libs").glob("*.a")} == archives
+
+
+@pytest.mark.parametrize("target", ["android-cpu", "iphone-cpu"])
+def test_tiny_phone_cpu_system_libraries(tiny_build, target, tmp_path):
+    check_system_library(tiny_build("q4f32_1", ["cpu", target]), target, tmp_path)
 
 
 @pytest.mark.slow

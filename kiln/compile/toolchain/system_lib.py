@@ -167,8 +167,8 @@ def toolchain_status() -> list:
         ToolStatus(
             "mobile targets",
             True,
-            "android, iphone and metal build here; the TVM runtime "
-            "here has no OpenCL or Metal device, so their libraries are checked, not run",
+            "android, iphone and metal build here; the TVM runtime here has no OpenCL or Metal "
+            "device, so their libraries are checked, not run (android-cpu's run on arm64 under qemu)",
         )
     )
     return statuses

@@ -188,14 +188,19 @@ Model::Model(const std::string& folder, const std::string& model_lib)
 
 ffi::Module Model::LoadLibrary(const std::string& model_lib) const {
   CheckBuildVersions(build_, folder_);
-  if (model_lib.rfind(kSystemLibScheme, 0) == 0) {
-    std::string prefix = model_lib.substr(std::string(kSystemLibScheme).size()) + "_";
+  auto system_lib = [](const std::string& prefix) {
     return GlobalFunction("ffi.SystemLib")(prefix).cast<ffi::Module>();
+  };
+  if (model_lib.rfind(kSystemLibScheme, 0) == 0) {
+    return system_lib(model_lib.substr(std::string(kSystemLibScheme).size()) + "_");
   }
   std::string path = model_lib;
   if (path.empty()) {
     json::Object targets = Optional<json::Object>(build_, "targets", json::Object());
     json::Object entry = Optional<json::Object>(targets, KILN_TARGET, json::Object());
+    // A phone target's library is linked into the app: the build record names its prefix.
+    std::string prefix = Optional<ffi::String>(entry, "system_lib_prefix", "");
+    if (!prefix.empty()) return system_lib(prefix);
     path = Optional<ffi::String>(entry, "library", "");
     if (path.empty()) {
       throw EngineError(ErrorCode::kBadModel, folder_ + ": no " KILN_TARGET
