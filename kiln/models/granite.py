@@ -4,7 +4,7 @@
   before it is added to the residual stream (0.22);
 - `attention_multiplier`: the attention scores' scale before the softmax, in place of
   1/sqrt(head_dim) (1/head_dim in Granite 3.x); TVM's paged KV cache takes it as `sm_scale`;
-- `logits_scaling`: the logits are divided by it (8 or 16), tied output head or not.
+- `logits_scaling`: the logits are divided by it (8 in Granite 3.x 2B), tied output head or not.
 
 A field left out takes transformers' GraniteConfig default (each scalar 1.0, so no attention
 scale but 1). Biases (`attention_bias` on q, k, v and o; `mlp_bias`) as Llama's. The scalars are
