@@ -30,11 +30,14 @@ class LlamaConfig(DecoderConfig):
     mlp_bias: bool = False
 
 
-def llama_layers_config(read: ConfigReader, fields: dict[str, Any], **family_fields) -> LlamaConfig:
+def llama_layers_config(
+    read: ConfigReader, fields: dict[str, Any], config_class: type[LlamaConfig] = LlamaConfig, **family_fields
+) -> LlamaConfig:
     """The config of a family built from Llama's layers: `fields` from `read.decoder_fields` (as
-    the family adjusted them) and the family's own fields. The layers compute SiLU only."""
+    the family adjusted them) and the family's own fields (of its `config_class`). The layers
+    compute SiLU only."""
     read.expect("hidden_act", ("silu",), "silu")
-    return LlamaConfig(
+    return config_class(
         **fields,
         intermediate_size=read.get("intermediate_size", int),
         rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
@@ -61,6 +64,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.sm_scale = self.head_dim**-0.5  # the scores' scale before the softmax (Granite sets its own)
         qkv_heads = self.num_heads + 2 * self.num_kv_heads
         self.qkv_proj = Linear(config.hidden_size, qkv_heads * self.head_dim, dtype, bias=config.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, dtype, bias=config.o_proj_bias)
@@ -68,7 +72,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         batch, seq_len, _ = x.shape
         qkv = apply_rope(nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim)), kv_cache, self.config)
-        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5)
+        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.sm_scale)
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
 
 
@@ -95,22 +99,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: str, attention: type[LlamaAttention]):
+    def __init__(
+        self, config: LlamaConfig, dtype: str, attention: type[LlamaAttention], layer: type[LlamaDecoderLayer]
+    ):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, dtype, attention) for _ in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([layer(config, dtype, attention) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(DecoderModel):
-    # A family whose layers differ from Llama's only inside attention (Qwen3) subclasses with its own.
+    # A family whose layers differ from Llama's only inside attention (Qwen3), or around it (Granite's
+    # residual multiplier), subclasses with its own.
     attention_class: type[LlamaAttention] = LlamaAttention
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config: LlamaConfig, dtype: str):
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, self.attention_class)
+        self.model = LlamaModel(config, dtype, self.attention_class, self.layer_class)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
 
@@ -142,8 +148,14 @@ def fused_sources(config: LlamaConfig) -> dict[str, list[str]]:
 IGNORED_TENSORS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
 
-def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
-    config = decoder_hparams(metadata, tensors, "llama", ["LlamaForCausalLM"])
+def gguf_config(
+    metadata: Metadata,
+    tensors: GGUFTensors,
+    model_type: str = "llama",
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",),
+) -> dict:
+    """Also the config of the families llama.cpp converts as a Llama under a name of their own (Granite)."""
+    config = decoder_hparams(metadata, tensors, model_type, list(architectures))
     config["attention_bias"] = "blk.0.attn_q.bias" in tensors.names
     config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors.names
     if "rope_freqs.weight" in tensors.names:

@@ -40,7 +40,7 @@ class Qwen3Attention(LlamaAttention):
         qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))  # (batch, seq, heads, head_dim)
         q, k, v = nn.op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
         qkv = apply_rope(nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), kv_cache, self.config)
-        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5)
+        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.sm_scale)
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
 
 

@@ -20,6 +20,7 @@ from helpers.tiny_llama import (
     CHAT_TEMPLATES,
     CHATML_TOKENS,
     GEMMA_TOKENS,
+    GRANITE_TOKENS,
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     MISTRAL_V3_TOKENS,
@@ -108,6 +109,8 @@ CASES = [
     # Gemma 3 shows no system block for an empty system message but the blank line after it.
     Case("google-gemma-3-4b-it", GEMMA_TOKENS, "gemma", frozenset({"an empty system message"})),
     Case("google-gemma-2-2b-it", GEMMA_TOKENS, "gemma"),
+    # Granite 3.0, like Qwen3, shows a system block for an empty system message and none without one.
+    Case("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, "granite", frozenset({"an empty system message"})),
 ]
 
 

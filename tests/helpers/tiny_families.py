@@ -253,6 +253,31 @@ def add_gemma2_softcaps(config, writer: gguf.GGUFWriter) -> None:
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
+def granite():
+    """Granite's four scalars, seeded random and each far from its default of 1 (the attention scale
+    from 1/sqrt(head_dim) too), with tied embeddings as Granite 3.x has them."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    embedding, residual, attention, logits = np.random.default_rng(40).uniform((4, 0.2, 0.05, 1.5), (12, 0.6, 0.15, 3))
+    config = GraniteConfig(
+        **COMMON,
+        tie_word_embeddings=True,
+        embedding_multiplier=float(embedding),
+        residual_multiplier=float(residual),
+        attention_multiplier=float(attention),
+        logits_scaling=float(logits),
+    )
+    return config, GraniteForCausalLM
+
+
+def add_granite_scalars(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's GraniteModel converter: the four scalars under its names."""
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -273,6 +298,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     ),
     "gemma2": TinyFamily(gemma2, "gemma2", GEMMA2_PARTS, extra_gguf=add_gemma2_softcaps, norm_shift=1.0),
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
+    # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
+    "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
 }
 
 

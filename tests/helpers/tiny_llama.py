@@ -62,6 +62,10 @@ GEMMA_TOKENS = ChatTokens(
     sentencepiece=True,
     space_prefix=False,
 )
+# Granite 3.x: one token is the BOS, the EOS and the end of each turn; its tokenizer adds no BOS.
+GRANITE_TOKENS = ChatTokens(
+    ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>", "<|end_of_text|>"
+)
 CHAT_TEMPLATES = TESTS_DATA / "chat_templates"
 # Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
 TOOL_FAMILIES = {

@@ -16,6 +16,7 @@ from helpers.host_cpp import host_program
 from helpers.tiny_llama import (
     CHAT_TEMPLATES,
     GEMMA_TOKENS,
+    GRANITE_TOKENS,
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     MISTRAL_V3_TOKENS,
@@ -40,6 +41,7 @@ REAL_TEMPLATES = {
     "mistralai-Mistral-Large-Instruct-2407": MISTRAL_V3_TOKENS,
     "mistralai-Mistral-Nemo-Instruct-2407": TEKKEN_TOKENS,
     "google-gemma-3-4b-it": GEMMA_TOKENS,
+    "ibm-granite-granite-3.0-8b-instruct": GRANITE_TOKENS,
 }
 SYSTEM, USER, ASSISTANT = ({"role": role} for role in ("system", "user", "assistant"))
 MESSAGES = {

@@ -28,8 +28,11 @@ from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
 
 from kiln.browser.model import browser_model
 from kiln.compile.lower.library import target_metadata
-from kiln.models import MODELS
+from kiln.compile.source.gguf_source import GGUFMetadata
+from kiln.errors import KilnError
+from kiln.models import MODELS, GGUFTensors
 from kiln.models.decoder import export_spec, longrope_inv_freq
+from kiln.models.granite import SCALARS as GRANITE_SCALARS
 from kiln.runtime import NativeModel
 from kiln.targets import TARGETS, target_named
 
@@ -256,6 +259,64 @@ def test_qwen3_attention_biases_are_refused(family_source, tmp_path, run_compile
     assert_clean_failure(result, tmp_path / "out", "config.json", "attention_bias")
 
 
+def test_a_granite_config_with_an_activation_other_than_silu_is_refused(family_source, tmp_path, run_compile):
+    source = tmp_path / "granite-gelu"
+    shutil.copytree(family_source("granite"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", "hidden_act")
+
+
+def test_a_granite_config_that_leaves_fields_out_takes_transformers_defaults(tmp_path):
+    from transformers import GraniteConfig
+
+    config = MODELS["granite"].parse_config({"model_type": "granite"}, tmp_path / "config.json", {})
+    reference = GraniteConfig()
+    for scalar in GRANITE_SCALARS:
+        assert getattr(config, scalar) == getattr(reference, scalar), scalar
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    assert [getattr(config, f) for f in (*sizes, "vocab_size")] == [
+        getattr(reference, f) for f in (*sizes, "vocab_size")
+    ]
+    assert (config.context_window_size, config.rms_norm_eps, config.tie_word_embeddings) == (
+        reference.max_position_embeddings,
+        reference.rms_norm_eps,
+        reference.tie_word_embeddings,
+    )
+    assert config.rope_theta == reference.rope_parameters["rope_theta"] and config.rope_scaling is None
+
+
+def granite_gguf_metadata(path, **scalars) -> GGUFMetadata:
+    """The tiny Granite's hyperparameters as llama.cpp's converter writes them, with `scalars`."""
+    arch = "granite"
+    sizes = dict(embedding_length=64, feed_forward_length=128, block_count=2, context_length=512, vocab_size=384)
+    values = {f"{arch}.{key}": value for key, value in {**sizes, **scalars}.items()}
+    values.update({f"{arch}.attention.head_count": 4, f"{arch}.attention.layer_norm_rms_epsilon": 1e-5})
+    return GGUFMetadata({"general.architecture": arch, **values}, path)
+
+
+@pytest.mark.parametrize("written", [{}, dict(embedding_scale=0.0, residual_scale=0.0, logit_scale=0.0)])
+def test_a_granite_gguf_without_its_scalars_reads_as_llama_cpp_runs_it(written, tmp_path):
+    """llama.cpp's converter leaves out a scalar the config leaves out (or sets to 0); its loader then
+    scales by 1, and the attention scores by 1/sqrt(head_dim), not transformers' default of 1."""
+    from kiln.models import granite
+
+    tensors = GGUFTensors({"token_embd.weight"}, lambda name: None)
+    config = granite.gguf_config(granite_gguf_metadata(tmp_path / "tiny.gguf", **written), tensors)
+    parsed = MODELS["granite"].parse_config(config, tmp_path / "tiny.gguf", {})
+    assert [getattr(parsed, scalar) for scalar in GRANITE_SCALARS] == [1.0, 1.0, 16**-0.5, 1.0]
+
+
+def test_a_granite_gguf_without_rope_is_refused(tmp_path):
+    from kiln.models import granite
+
+    metadata = granite_gguf_metadata(tmp_path / "nope.gguf", **{"rope.scaling.finetuned": False})
+    with pytest.raises(KilnError, match="granite.rope.scaling.finetuned"):
+        granite.gguf_config(metadata, GGUFTensors({"token_embd.weight"}, lambda name: None))
+
+
 PHI3_MINI = dict(
     model_type="phi3",
     hidden_size=3072,
@@ -316,7 +377,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
     are Kiln's (kiln/compile/lower/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits

@@ -13,6 +13,7 @@ from helpers.paths import WEB_DIR
 from helpers.schema_corpus import SCHEMAS
 from helpers.tiny_llama import (
     CHAT_TEMPLATES,
+    GRANITE_TOKENS,
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     PHI_3_TOKENS,
@@ -91,6 +92,8 @@ WITH_A_SYSTEM_MESSAGE = [{"role": "system", "content": "You answer in one line."
         ("meta-llama-Llama-3.1-8B-Instruct", LLAMA_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
         ("microsoft-Phi-3.5-mini-instruct", PHI_3_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
         ("Qwen-Qwen2.5-7B-Instruct", QWEN_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),  # a default system message
+        # one special token ends each turn and the chat, and is the BOS, which the template does not print
+        ("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
         # SentencePiece. WebLLM encodes the system block and the first message apart, and Mistral's
         # template joins them in one turn: "\n\nWhat" becomes "\n\n▁What" (a known difference, in the README).
         ("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, [ONE_QUESTION, SEVERAL_TURNS]),
