@@ -122,7 +122,18 @@ class StageClock:
         except KilnError:
             raise
         except Exception as e:
-            raise KilnError(f"the {name} stage failed: {type(e).__name__}: {one_line(e) or 'no message'}") from e
+            named = underlying(e)
+            raise KilnError(
+                f"the {name} stage failed: {type(named).__name__}: {one_line(named) or 'no message'}"
+            ) from e
+
+
+def underlying(error: BaseException) -> BaseException:
+    """The exception to name: TVMScript's parser reports one raised while it parses a kernel (TVM's
+    KeyError 'beta_fast' for a YaRN without betas) as a DiagnosticError quoting the kernel's source."""
+    if isinstance(error, tvm.error.DiagnosticError) and error.__context__ is not None:
+        return underlying(error.__context__)
+    return error
 
 
 CODE_SUFFIXES = {".py", ".cc", ".h"}  # Kiln's Python, and the C++ it compiles into the web runtime
@@ -237,8 +248,12 @@ class TargetCompile:
     model_id: str
 
     def run(self) -> tuple[dict[str, list[int]], float]:
-        """The library's `planned_storage`, and the compile's seconds."""
-        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
+        """The library's `planned_storage`, and the compile's seconds. An exception from outside Kiln
+        becomes a KilnError here, where it still has its context (the build gets a pickled copy)."""
+        with (
+            StageClock.failing_as(f"compile {self.target}"),
+            tempfile.TemporaryDirectory(prefix="kiln-compile-") as work,
+        ):
             source = ingest(self.source, Path(work), self.ingest_options)
             arch = architecture_for(source.config, config_file(source))
             config = arch.parse_config(source.config, config_file(source), self.overrides)

@@ -9,7 +9,12 @@ from typing import Any
 
 from kiln.errors import KilnError
 
+from .decoder import MODEL_ROPES
+
 SUPPORTED_ROPE_SCALING = ("llama3", "yarn", "longrope", "gptj")
+# Ropes scaled from a pretraining context: transformers reads it from the top level of config.json
+# first, then from the scaling's own fields, then takes max_position_embeddings (standardize_rope_params).
+ORIGINAL_CONTEXT_ROPES = ("llama3", "yarn", "longrope")
 # Far above the largest published models (Llama 3.1 405B: hidden 16384, 126 layers; vocabularies
 # of 256k): a larger value is a corrupt or hostile config.json, refused before anything is sized by it.
 SIZE_LIMITS = {
@@ -69,7 +74,21 @@ class ConfigReader:
                     self.path,
                 )
             scaling = {**scaling, "rope_type": rope_type}
+            if rope_type in ORIGINAL_CONTEXT_ROPES:
+                scaling |= self.original_context(scaling)
         return theta, scaling
+
+    def original_context(self, scaling: dict[str, Any]) -> dict[str, Any]:
+        """The pretraining context a scaled rope starts from, and YaRN's factor when it is left out
+        (transformers: the ratio of the trained context to it)."""
+        trained = self.get("max_position_embeddings", int, 4096)
+        original = self.get(
+            "original_max_position_embeddings", int, scaling.get("original_max_position_embeddings") or trained
+        )
+        fields = {"original_max_position_embeddings": original}
+        if scaling["rope_type"] == "yarn" and scaling.get("factor") is None:
+            fields["factor"] = trained / original
+        return fields
 
     def decoder_fields(
         self, overrides: dict[str, int], max_context: int = 4096, partial_rotary: bool = False
@@ -116,6 +135,17 @@ class ConfigReader:
         window = self.get(key, int, None)
         if window is None or fields["context_window_size"] <= window:
             return fields
+        rope_type = (fields["rope_scaling"] or {}).get("rope_type")
+        if rope_type in MODEL_ROPES:
+            # Measured on a tiny YaRN Mistral: logits 7 apart from transformers' from the first
+            # position the window leaves a token out.
+            raise KilnError(
+                f"config.json {key} {window} is shorter than the context window "
+                f"({fields['context_window_size']}), and TVM's sliding-window KV cache does not "
+                f"position the {rope_type} RoPE Kiln applies in the model; build with "
+                f"--context-window-size {window} or less",
+                self.path,
+            )
         return {
             **fields,
             "sliding_window_size": window,

@@ -194,10 +194,13 @@ def cache_layer_kinds(config: DecoderConfig) -> list[str]:
 
 
 def rope_in_model(config: DecoderConfig) -> bool:
-    """TVM's paged KV cache applies every supported rope but longrope: its longrope kernel fails to
-    build in this TVM (and would pick the factors by chunk length), so the model applies that one,
-    and any a family applies itself."""
-    return config.family_applies_rope or (config.rope_scaling or {}).get("rope_type") == "longrope"
+    """TVM's paged KV cache applies the default, llama3 and gptj ropes; the model applies the others
+    (`MODEL_ROPES`) and any a family applies itself."""
+    return config.family_applies_rope or rope_type(config) in MODEL_ROPES
+
+
+def rope_type(config: DecoderConfig) -> str | None:
+    return (config.rope_scaling or {}).get("rope_type")
 
 
 def rope_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
@@ -219,12 +222,62 @@ def longrope_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(factor)
 
 
+def yarn_inv_freq(config: DecoderConfig) -> tuple[np.ndarray, float]:
+    """YaRN as transformers computes it (`modeling_rope_utils._compute_yarn_parameters`): each pair's
+    frequency ramps, pair by pair, from kept (the pairs that turn more than `beta_fast` times over the
+    original context) to divided by `factor` (those that turn less than `beta_slow` times), the ramp's
+    ends rounded outwards unless `truncate` is false; cos and sin scaled by the attention factor.
+    TVM's own YaRN kernel ramps by head element (the two halves of a pair then turn at different
+    frequencies), rounds nothing, scales nothing and needs both betas written."""
+    scaling = config.rope_scaling
+    rotary_dim = config.rotary_dim or config.head_dim
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def pair_turning(rotations: float) -> float:
+        """The (fractional) pair that turns `rotations` times over the original context."""
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low, high = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    # In float32, operation by operation as transformers computes them: the tables agree to the bit
+    # (float64 ones differ by an ulp in most pairs: 2.9e-5 of logits on the tiny Mistral, 1.5e-5 so).
+    f32 = np.float32
+    divisors = f32(config.rope_theta) ** (np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim))
+    kept = 1 - np.clip((np.arange(rotary_dim // 2, dtype=f32) - f32(low)) / f32((high - low) or 0.001), 0, 1)
+    inv_freq = 1 / (f32(factor) * divisors) * (1 - kept) + 1 / divisors * kept
+    return inv_freq, yarn_attention_factor(scaling)
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """`attention_factor`, else the YaRN paper's 0.1·m·ln(factor) + 1 (m = 1, or the ratio of it at
+    `mscale` and at `mscale_all_dim` when both are given: DeepSeek's)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 0.1 * m * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
+
+
+# The ropes the model applies (the cache's kernels then apply none): their frequencies and the factor
+# that scales cos and sin. TVM's longrope kernel fails to build in this TVM (and would pick the
+# factors by chunk length); its YaRN kernel is not transformers' YaRN (`yarn_inv_freq`).
+MODEL_ROPES: dict[str, Callable[[DecoderConfig], tuple[np.ndarray, float]]] = {
+    "longrope": longrope_inv_freq,
+    "yarn": yarn_inv_freq,
+}
+
+
 def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) -> nn.Tensor:
     """RoPE on the q and k heads of a fused qkv (batch, seq, heads, head_dim) when the family's
-    rope is longrope, which the cache does not compute."""
-    if not rope_in_model(config):
-        return qkv
-    return rotate_qkv(qkv, kv_cache, config, *longrope_inv_freq(config))
+    rope is one the model applies (`MODEL_ROPES`); the cache applies the others."""
+    frequencies = MODEL_ROPES.get(rope_type(config))
+    return qkv if frequencies is None else rotate_qkv(qkv, kv_cache, config, *frequencies(config))
 
 
 def rotate_qkv(

@@ -320,6 +320,45 @@ ALL_LOCAL_FAMILIES: dict[str, TinyFamily] = {
 }
 
 
+def with_yarn(make: Callable[[], tuple], **scaling) -> Callable[[], tuple]:
+    """A family's tiny config with YaRN over `YARN_ORIGINAL_CONTEXT` positions, 4 times as many trained."""
+
+    def made():
+        config, model_class = make()
+        config.rope_parameters = {
+            "rope_type": "yarn",
+            "rope_theta": rope_parameters(config)["rope_theta"],
+            "factor": config.max_position_embeddings / YARN_ORIGINAL_CONTEXT,
+            "original_max_position_embeddings": YARN_ORIGINAL_CONTEXT,
+            **scaling,
+        }
+        return config, model_class
+
+    return made
+
+
+def mistral_without_window():
+    """Mistral v0.2 and later: no sliding window (Kiln refuses a binding one with YaRN)."""
+    config, model_class = mistral()
+    config.sliding_window = None
+    return config, model_class
+
+
+YARN_ORIGINAL_CONTEXT = COMMON["max_position_embeddings"] // 4
+# YaRN as Qwen2.5's model cards write it (no betas: 32 and 1), and with each of its optional fields.
+YARN_FAMILIES: dict[str, TinyFamily] = {
+    "qwen2-yarn": replace(TINY_FAMILIES["qwen2"], make=with_yarn(qwen2)),
+    "qwen2-yarn-betas": replace(
+        TINY_FAMILIES["qwen2"], make=with_yarn(qwen2, beta_fast=8.0, beta_slow=2.0, truncate=False)
+    ),
+    "qwen3-yarn": replace(TINY_FAMILIES["qwen3"], make=with_yarn(qwen3, mscale=2.0, mscale_all_dim=1.0)),
+    "mistral-yarn": replace(
+        TINY_FAMILIES["mistral"], make=with_yarn(mistral_without_window, beta_fast=16.0, attention_factor=1.25)
+    ),
+    "llama-yarn": replace(TINY_FAMILIES["llama3"], make=with_yarn(llama3_with_biases, beta_slow=2.0)),
+}
+
+
 def randomize_biases_and_norms(model, seed: int) -> None:
     import torch
 
@@ -336,7 +375,7 @@ def make_tiny_family(name: str, folder: Path, seed: int = 0) -> Path:
     """The family's tiny model as a Hugging Face folder (safetensors, tokenizer, chat template)."""
     import torch
 
-    config, model_class = {**TINY_FAMILIES, **ALL_LOCAL_FAMILIES}[name].make()
+    config, model_class = {**TINY_FAMILIES, **ALL_LOCAL_FAMILIES, **YARN_FAMILIES}[name].make()
     folder.mkdir(parents=True, exist_ok=True)
     write_tokenizer(folder)
     torch.manual_seed(seed)
