@@ -170,3 +170,13 @@ class ChatApp:
         """The app's exit status, once its input has ended."""
         self.process.stdin.close()
         return self.process.wait(timeout=60)
+
+
+def greedy_arm64_reply(program: Path, config: dict, messages: list[dict], max_tokens: int) -> Reply:
+    """One greedy reply of an arm64 app under qemu, from an engine created with `config`."""
+    app = ChatApp(program, qemu=True)
+    try:
+        assert app.create(config) is None
+        return app.chat({"messages": messages, "temperature": 0, "max_tokens": max_tokens})
+    finally:
+        app.close()

@@ -12,7 +12,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from helpers.mobile_app import CHAT_DRIVER, ChatApp, build_chat_app, build_model_driver, run_arm64
+from helpers.mobile_app import (
+    CHAT_DRIVER,
+    ChatApp,
+    build_chat_app,
+    build_model_driver,
+    greedy_arm64_reply,
+    run_arm64,
+)
 
 from kiln.engine import Engine, GenerationConfig
 from kiln.mobile.package import LINK_LINES, package
@@ -196,25 +203,15 @@ def test_an_arm64_linux_bundle_links_as_its_readme_says_and_chats(arm64_model, n
     shutil.copyfile(CHAT_DRIVER, bundle / "app.c")
     link = subprocess.run(shlex.split(LINK_LINES["arm64-linux"]) + ["-o", "app"], cwd=bundle, capture_output=True)
     assert link.returncode == 0, link.stderr.decode()[-4000:]
-    app = ChatApp(bundle / "app", qemu=True)
-    try:
-        config = {"model": str(bundle / entry["model_path"]), "model_lib": str(bundle / entry["model_lib"])}
-        assert app.create(config) is None
-        reply = app.chat(request(max_tokens=8))
-    finally:
-        app.close()
+    config = {"model": str(bundle / entry["model_path"]), "model_lib": str(bundle / entry["model_lib"])}
+    reply = greedy_arm64_reply(bundle / "app", config, QUESTION, 8)
     assert reply.content == native.generate_chat(QUESTION, GenerationConfig(max_tokens=8, temperature=0)).text
 
 
 def test_smollm2_on_arm64_replies_as_the_native_engine(arm64_chat_app, smollm2_build):
     model_dir = smollm2_build("q4f32_1", ["cpu", "arm64-linux"])
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    app = ChatApp(arm64_chat_app, qemu=True)
-    try:
-        assert app.create({"model": str(model_dir)}) is None
-        reply = app.chat({"messages": question, "temperature": 0, "max_tokens": 16})
-    finally:
-        app.close()
+    reply = greedy_arm64_reply(arm64_chat_app, {"model": str(model_dir)}, question, 16)
     assert reply.status == 0, reply.message
     expected = Engine(model_dir).generate_chat(question, GenerationConfig(max_tokens=16, temperature=0))
     assert reply.content == expected.text

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from helpers.mobile_app import CHAT_DRIVER, ChatApp
+from helpers.mobile_app import CHAT_DRIVER, greedy_arm64_reply
 from helpers.mobile_objects import CPU_TYPE_ARM64, PLATFORM_IOS, ObjectHeader, archive_members, object_header
 
 from kiln.compile.toolchain.mobile_runtime import RUNTIME_PLATFORMS, zig_command, zig_path
@@ -67,13 +67,8 @@ def test_an_android_cpu_bundle_builds_with_its_cmake_project_and_chats_as_the_na
     run(["cmake", "-S", str(bundle), "-B", str(build), "-G", "Ninja", *CROSS_TOOLCHAIN])
     run(["ninja", "-C", str(build)])
 
-    app = ChatApp(build / "app", qemu=True)
-    try:
-        # No model_lib: the engine finds the model's system library by the prefix its build record names.
-        assert app.create({"model": str(bundle / "tiny")}) is None
-        reply = app.chat({"messages": QUESTION, "temperature": 0, "max_tokens": 16})
-    finally:
-        app.close()
+    # No model_lib: the engine finds the model's system library by the prefix its build record names.
+    reply = greedy_arm64_reply(build / "app", {"model": str(bundle / "tiny")}, QUESTION, 16)
     assert reply.status == 0, reply.message
     expected = Engine(phone_model).generate_chat(QUESTION, GenerationConfig(max_tokens=16, temperature=0))
     assert reply.content == expected.text
