@@ -278,6 +278,16 @@ def add_granite_scalars(config, writer: gguf.GGUFWriter) -> None:
     writer.add_logit_scale(config.logits_scaling)
 
 
+def smollm3():
+    """SmolLM3's layout: 4 layers, the 4th without RoPE as SmolLM3's every 4th (as llama.cpp runs a GGUF),
+    tied embeddings, grouped-query attention."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, no_rope_layer_interval=4, tie_word_embeddings=True)
+    assert config.no_rope_layers == [1, 1, 1, 0]
+    return config, SmolLM3ForCausalLM
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -300,6 +310,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
+    # llama.cpp converts SmolLM3 as a Llama (Q and K permuted) under its own name, the NoPE layers unwritten.
+    "smollm3": TinyFamily(smollm3, "smollm3", LLAMA_PARTS, permute_qk=True),
 }
 
 
