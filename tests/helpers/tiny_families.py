@@ -368,6 +368,8 @@ YARN_FAMILIES: dict[str, TinyFamily] = {
         TINY_FAMILIES["mistral"], make=with_yarn(mistral_without_window, beta_fast=16.0, attention_factor=1.25)
     ),
     "llama-yarn": replace(TINY_FAMILIES["llama3"], make=with_yarn(llama3_with_biases, beta_slow=2.0)),
+    # YaRN on the RoPE layers only (SmolLM3 3B's long-context setting): the NoPE layer is left unrotated.
+    "smollm3-yarn": replace(TINY_FAMILIES["smollm3"], make=with_yarn(smollm3, beta_fast=16.0)),
 }
 
 
