@@ -27,7 +27,7 @@ Not chosen: rendering in a child process under CPU and memory limits. The server
 request threads, and forking a multi-threaded process that holds loaded models is unsafe, while
 spawning a fresh interpreter costs ~100 ms per request; the browser engine cannot do either.
 Compile time and run time use this one environment, the one `transformers` renders with
-(trim_blocks, lstrip_blocks, `tojson`, `raise_exception`, `strftime_now`).
+(trim_blocks, lstrip_blocks, `tojson`, `raise_exception`, `strftime_now`, `{% generation %}`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jinja2
+import jinja2.ext
 from jinja2.compiler import CodeGenerator
 from jinja2.runtime import str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
@@ -580,6 +581,17 @@ TRANSFORMERS_GLOBALS = {"raise_exception": _raise_exception, "strftime_now": str
 ITERATING_FILTERS = ("join", "sum")
 
 
+class GenerationBlocks(jinja2.ext.Extension):
+    """transformers' `{% generation %}` … `{% endgeneration %}` (its AssistantTracker marks an assistant
+    turn for training masks; SmolLM3's template has it): the block renders as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> list:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox that also refuses to make huge values (see the module doc), with
     transformers' filters and globals."""
@@ -588,7 +600,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(BINOP_SIZES)
 
     def __init__(self, **options):
-        super().__init__(finalize=printed, **options)
+        super().__init__(finalize=printed, extensions=[GenerationBlocks], **options)
         for name in REMOVED_FILTERS:
             del self.filters[name]
         self.filters.update(TRANSFORMERS_FILTERS)

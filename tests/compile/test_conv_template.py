@@ -28,6 +28,7 @@ from helpers.tiny_llama import (
     QWEN_TOKENS,
     RAW_TEXTS,
     SMOLLM2_TOKENS,
+    SMOLLM3_TOKENS,
     TEKKEN_TOKENS,
     ChatTokens,
     write_tokenizer,
@@ -111,6 +112,8 @@ CASES = [
     Case("google-gemma-2-2b-it", GEMMA_TOKENS, "gemma"),
     # Granite 3.0, like Qwen3, shows a system block for an empty system message and none without one.
     Case("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, "granite", frozenset({"an empty system message"})),
+    # SmolLM3 shows its default instructions for an empty system message as for none; a conv_template, an empty block.
+    Case("HuggingFaceTB-SmolLM3-3B", SMOLLM3_TOKENS, "smollm3", frozenset({"an empty system message"})),
 ]
 
 

@@ -278,6 +278,16 @@ def add_granite_scalars(config, writer: gguf.GGUFWriter) -> None:
     writer.add_logit_scale(config.logits_scaling)
 
 
+def smollm3():
+    """SmolLM3's layout: 4 layers, the 4th without RoPE as SmolLM3's every 4th (as llama.cpp runs a GGUF),
+    tied embeddings, grouped-query attention."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, no_rope_layer_interval=4, tie_word_embeddings=True)
+    assert config.no_rope_layers == [1, 1, 1, 0]
+    return config, SmolLM3ForCausalLM
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -300,6 +310,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
+    # llama.cpp converts SmolLM3 as a Llama (Q and K permuted) under its own name, the NoPE layers unwritten.
+    "smollm3": TinyFamily(smollm3, "smollm3", LLAMA_PARTS, permute_qk=True),
 }
 
 
@@ -356,6 +368,8 @@ YARN_FAMILIES: dict[str, TinyFamily] = {
         TINY_FAMILIES["mistral"], make=with_yarn(mistral_without_window, beta_fast=16.0, attention_factor=1.25)
     ),
     "llama-yarn": replace(TINY_FAMILIES["llama3"], make=with_yarn(llama3_with_biases, beta_slow=2.0)),
+    # YaRN on the RoPE layers only (SmolLM3 3B's long-context setting): the NoPE layer is left unrotated.
+    "smollm3-yarn": replace(TINY_FAMILIES["smollm3"], make=with_yarn(smollm3, beta_fast=16.0)),
 }
 
 

@@ -66,6 +66,8 @@ GEMMA_TOKENS = ChatTokens(
 GRANITE_TOKENS = ChatTokens(
     ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>", "<|end_of_text|>"
 )
+# SmolLM3: ChatML's tags; its tokenizer adds no BOS and its template prints none.
+SMOLLM3_TOKENS = ChatTokens(("<|end_of_text|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>")
 CHAT_TEMPLATES = TESTS_DATA / "chat_templates"
 # Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
 TOOL_FAMILIES = {

@@ -23,6 +23,7 @@ from helpers.tiny_llama import (
     PHI_3_TOKENS,
     QWEN_TOKENS,
     SMOLLM2_TOKENS,
+    SMOLLM3_TOKENS,
     TEKKEN_TOKENS,
     write_tokenizer,
 )
@@ -42,6 +43,7 @@ REAL_TEMPLATES = {
     "mistralai-Mistral-Nemo-Instruct-2407": TEKKEN_TOKENS,
     "google-gemma-3-4b-it": GEMMA_TOKENS,
     "ibm-granite-granite-3.0-8b-instruct": GRANITE_TOKENS,
+    "HuggingFaceTB-SmolLM3-3B": SMOLLM3_TOKENS,
 }
 SYSTEM, USER, ASSISTANT = ({"role": role} for role in ("system", "user", "assistant"))
 MESSAGES = {

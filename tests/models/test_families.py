@@ -320,6 +320,73 @@ def test_a_granite_gguf_without_rope_is_refused(tmp_path):
         granite.gguf_config(metadata, GGUFTensors({"token_embd.weight"}, lambda name: None))
 
 
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(no_rope_layers=[1, 1, 0]), "no_rope_layers"),  # fewer flags than layers
+        # Without layer_types, transformers windows the NoPE layers.
+        (dict(use_sliding_window=True, sliding_window=16, layer_types=None), "sliding_window 16 binds on layers [3]"),
+        (
+            dict(
+                layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"],
+                sliding_window=16,
+            ),
+            "sliding_window",
+        ),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
+            "llama3",
+        ),
+    ],
+)
+def test_a_smollm3_config_the_family_does_not_compute_is_refused(changes, named, family_source, tmp_path, run_compile):
+    source = tmp_path / "smollm3-refused"
+    shutil.copytree(family_source("smollm3"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **changes}))
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", named)
+
+
+def test_a_smollm3_config_that_leaves_fields_out_takes_transformers_defaults(tmp_path):
+    from transformers import SmolLM3Config
+
+    config = MODELS["smollm3"].parse_config({"model_type": "smollm3"}, tmp_path / "config.json", {})
+    reference = SmolLM3Config()
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    assert [getattr(config, f) for f in (*sizes, "vocab_size", "rms_norm_eps", "tie_word_embeddings")] == [
+        getattr(reference, f) for f in (*sizes, "vocab_size", "rms_norm_eps", "tie_word_embeddings")
+    ]
+    assert config.rope_theta == reference.rope_parameters["rope_theta"] and config.rope_scaling is None
+    assert config.rope_layers == tuple(flag == 1 for flag in reference.no_rope_layers)
+
+
+def test_a_smollm3_with_its_own_no_rope_layers_matches_transformers(builds, family_source, tmp_path):
+    """no_rope_layers as written, not the every-4th default: here the first and third layers without RoPE."""
+    source = tmp_path / "smollm3-nope-0-2"
+    shutil.copytree(family_source("smollm3"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "no_rope_layers": [0, 1, 0, 1]}))
+    native = NativeModel(builds.model_dir(source, "tiny-smollm3-nope-0-2", "q0f32", ["cpu"]))
+    reference = reference_model(source)
+    assert reference.config.no_rope_layers == [0, 1, 0, 1]
+    for ids in PROMPTS:
+        native.reset()
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(native.all_logits(ids) - expected).max() <= LOGIT_TOLERANCE
+
+
 PHI3_MINI = dict(
     model_type="phi3",
     hidden_size=3072,
@@ -380,7 +447,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
     are Kiln's (kiln/compile/lower/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits

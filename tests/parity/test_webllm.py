@@ -18,6 +18,7 @@ from helpers.tiny_llama import (
     LLAMA_3_TOKENS,
     PHI_3_TOKENS,
     QWEN_TOKENS,
+    SMOLLM3_TOKENS,
     make_tiny_llama,
 )
 from helpers.webllm import MAX_TOKENS, assert_kiln_replies_the_same, webllm_replies
@@ -94,6 +95,9 @@ WITH_A_SYSTEM_MESSAGE = [{"role": "system", "content": "You answer in one line."
         ("Qwen-Qwen2.5-7B-Instruct", QWEN_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),  # a default system message
         # one special token ends each turn and the chat, and is the BOS, which the template does not print
         ("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, [ONE_QUESTION, WITH_A_SYSTEM_MESSAGE]),
+        # a system block of metadata and today's date, closed by a blank line; its default instructions
+        # (no system message) are longer than the tiny model's context in the tiny tokenizer
+        ("HuggingFaceTB-SmolLM3-3B", SMOLLM3_TOKENS, [WITH_A_SYSTEM_MESSAGE]),
         # SentencePiece. WebLLM encodes the system block and the first message apart, and Mistral's
         # template joins them in one turn: "\n\nWhat" becomes "\n\n▁What" (a known difference, in the README).
         ("mistralai-Mistral-7B-Instruct-v0.2", LLAMA_2_TOKENS, [ONE_QUESTION, SEVERAL_TURNS]),

@@ -8,6 +8,19 @@ from kiln.compile.chat_config.conversations.granite import GRANITE
 from kiln.compile.chat_config.conversations.llama import LLAMA_2, LLAMA_3
 from kiln.compile.chat_config.conversations.mistral import MISTRAL_V1, MISTRAL_V3, MISTRAL_V3_TEKKEN
 from kiln.compile.chat_config.conversations.phi3 import PHI_3
+from kiln.compile.chat_config.conversations.smollm3 import SMOLLM3
 from kiln.compile.chat_config.conversations.zephyr import ZEPHYR
 
-CONV_FAMILIES = (CHATML, LLAMA_3, PHI_3, ZEPHYR, LLAMA_2, MISTRAL_V1, MISTRAL_V3, GEMMA, MISTRAL_V3_TEKKEN, GRANITE)
+CONV_FAMILIES = (
+    CHATML,
+    LLAMA_3,
+    PHI_3,
+    ZEPHYR,
+    LLAMA_2,
+    MISTRAL_V1,
+    MISTRAL_V3,
+    GEMMA,
+    MISTRAL_V3_TEKKEN,
+    GRANITE,
+    SMOLLM3,
+)
