@@ -278,6 +278,22 @@ def add_granite_scalars(config, writer: gguf.GGUFWriter) -> None:
     writer.add_logit_scale(config.logits_scaling)
 
 
+def olmo2():
+    """OLMo 2 as released: untied embeddings, no biases."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2Config(**COMMON, tie_word_embeddings=False), Olmo2ForCausalLM
+
+
+OLMO2_PARTS = {
+    **{hf: part for hf, part in LLAMA_PARTS.items() if part not in ("attn_norm", "ffn_norm")},
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -300,6 +316,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
+    # llama.cpp converts OLMo 2 (and 3) as "olmo2", Q and K unpermuted.
+    "olmo2": TinyFamily(olmo2, "olmo2", OLMO2_PARTS),
 }
 
 
