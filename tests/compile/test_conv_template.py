@@ -24,6 +24,7 @@ from helpers.tiny_llama import (
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     MISTRAL_V3_TOKENS,
+    OLMO_2_TOKENS,
     PHI_3_TOKENS,
     QWEN_TOKENS,
     RAW_TEXTS,
@@ -111,6 +112,8 @@ CASES = [
     Case("google-gemma-2-2b-it", GEMMA_TOKENS, "gemma"),
     # Granite 3.0, like Qwen3, shows a system block for an empty system message and none without one.
     Case("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, "granite", frozenset({"an empty system message"})),
+    # OLMo 2 too (an empty system block, "<|system|>\n\n").
+    Case("allenai-OLMo-2-1124-7B-Instruct", OLMO_2_TOKENS, "olmo-2", frozenset({"an empty system message"})),
 ]
 
 

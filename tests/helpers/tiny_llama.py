@@ -66,6 +66,9 @@ GEMMA_TOKENS = ChatTokens(
 GRANITE_TOKENS = ChatTokens(
     ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>", "<|end_of_text|>"
 )
+# OLMo 2: <|endoftext|> is the BOS, the EOS and the end of each assistant turn; its roles (<|user|>, …)
+# are plain text to its tokenizer.
+OLMO_2_TOKENS = ChatTokens(("<|endoftext|>", "<|pad|>"), "<|endoftext|>", "<|endoftext|>")
 CHAT_TEMPLATES = TESTS_DATA / "chat_templates"
 # Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
 TOOL_FAMILIES = {

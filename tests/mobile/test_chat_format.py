@@ -17,6 +17,7 @@ from helpers.tiny_llama import (
     CHAT_TEMPLATES,
     GEMMA_TOKENS,
     GRANITE_TOKENS,
+    OLMO_2_TOKENS,
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     MISTRAL_V3_TOKENS,
@@ -42,6 +43,7 @@ REAL_TEMPLATES = {
     "mistralai-Mistral-Nemo-Instruct-2407": TEKKEN_TOKENS,
     "google-gemma-3-4b-it": GEMMA_TOKENS,
     "ibm-granite-granite-3.0-8b-instruct": GRANITE_TOKENS,
+    "allenai-OLMo-2-1124-7B-Instruct": OLMO_2_TOKENS,
 }
 SYSTEM, USER, ASSISTANT = ({"role": role} for role in ("system", "user", "assistant"))
 MESSAGES = {
