@@ -57,6 +57,7 @@ def rope_parameters_by_kind(hf_config: dict) -> dict[str, dict]:
 
 
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Olmo3Config:
+    # Fields written as null take the defaults, but for the window: null there is no window.
     hf_config = {**DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k == "sliding_window"}}
     others = {k: v for k, v in hf_config.items() if k not in ROPE_KEYS}
     # Each kind's RoPE read as a config of its own, so that it is checked as any family's.
