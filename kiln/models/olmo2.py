@@ -90,7 +90,7 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: LlamaConfig, dtype: str, attention: type[LlamaAttention]):
         super().__init__(config, dtype, attention)
-        del self.input_layernorm
+        del self.input_layernorm  # no norm before a sublayer
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:

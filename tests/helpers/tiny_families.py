@@ -406,6 +406,7 @@ def olmo3_yarn_on_full_layers():
     }
     return config, model_class
 
+
 # YaRN as Qwen2.5's model cards write it (no betas: 32 and 1), and with each of its optional fields.
 YARN_FAMILIES: dict[str, TinyFamily] = {
     "qwen2-yarn": replace(TINY_FAMILIES["qwen2"], make=with_yarn(qwen2)),

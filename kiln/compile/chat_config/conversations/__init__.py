@@ -11,4 +11,16 @@ from kiln.compile.chat_config.conversations.olmo import OLMO_2
 from kiln.compile.chat_config.conversations.phi3 import PHI_3
 from kiln.compile.chat_config.conversations.zephyr import ZEPHYR
 
-CONV_FAMILIES = (CHATML, LLAMA_3, PHI_3, ZEPHYR, LLAMA_2, MISTRAL_V1, MISTRAL_V3, GEMMA, MISTRAL_V3_TEKKEN, GRANITE, OLMO_2)
+CONV_FAMILIES = (
+    CHATML,
+    LLAMA_3,
+    PHI_3,
+    ZEPHYR,
+    LLAMA_2,
+    MISTRAL_V1,
+    MISTRAL_V3,
+    GEMMA,
+    MISTRAL_V3_TEKKEN,
+    GRANITE,
+    OLMO_2,
+)
