@@ -57,7 +57,6 @@ def rope_parameters_by_kind(hf_config: dict) -> dict[str, dict]:
 
 
 def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Olmo3Config:
-    # Fields written as null take the defaults, but for the window: null there is no window.
     hf_config = {**DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k == "sliding_window"}}
     others = {k: v for k, v in hf_config.items() if k not in ROPE_KEYS}
     # Each kind's RoPE read as a config of its own, so that it is checked as any family's.
@@ -69,6 +68,9 @@ def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Olmo
     fields = read.decoder_fields(overrides)
     kinds = layer_kinds(read, fields["num_hidden_layers"], 4)
     window = read.get("sliding_window", int, None)
+    if window is None and "sliding_attention" in kinds:
+        # transformers fails on such a config rather than read it as no window.
+        raise KilnError("config.json sliding_window is null, and layer_types has sliding_attention layers", path)
     binds = window is not None and fields["context_window_size"] > window
     if binds:
         fields["prefill_chunk_size"] = min(fields["prefill_chunk_size"], window - 1)

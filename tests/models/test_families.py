@@ -275,6 +275,8 @@ def test_a_granite_config_with_an_activation_other_than_silu_is_refused(family_s
         ("olmo2", "hidden_act", "gelu", "hidden_act"),
         # A rope on one kind of layer only that the model does not compute itself.
         ("olmo3", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, "'linear'"),
+        # transformers cannot run windowed layers without a window either.
+        ("olmo3", "sliding_window", None, "sliding_window"),
     ],
 )
 def test_an_olmo_config_field_kiln_does_not_compute_is_refused(
