@@ -24,6 +24,7 @@ from helpers.tiny_llama import (
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     MISTRAL_V3_TOKENS,
+    OLMO_2_TOKENS,
     PHI_3_TOKENS,
     QWEN_TOKENS,
     RAW_TEXTS,
@@ -114,6 +115,8 @@ CASES = [
     Case("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, "granite", frozenset({"an empty system message"})),
     # SmolLM3 shows its default instructions for an empty system message as for none; a conv_template, an empty block.
     Case("HuggingFaceTB-SmolLM3-3B", SMOLLM3_TOKENS, "smollm3", frozenset({"an empty system message"})),
+    # OLMo 2 too (an empty system block, "<|system|>\n\n").
+    Case("allenai-OLMo-2-1124-7B-Instruct", OLMO_2_TOKENS, "olmo-2", frozenset({"an empty system message"})),
 ]
 
 

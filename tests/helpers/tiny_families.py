@@ -288,6 +288,46 @@ def smollm3():
     return config, SmolLM3ForCausalLM
 
 
+def olmo2():
+    """OLMo 2 as released: untied embeddings, no biases."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2Config(**COMMON, tie_word_embeddings=False), Olmo2ForCausalLM
+
+
+OLMO3_WINDOW = 16  # shorter than the test prompts: the window binds
+
+
+def olmo3():
+    """OLMo 3 with transformers' layer pattern (every 4th layer full) and a window shorter than the
+    test prompts; the two kinds of layers share their RoPE (as in llama.cpp, which has one base)."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": COMMON["rope_theta"]}
+    config = Olmo3Config(
+        **{key: value for key, value in COMMON.items() if key != "rope_theta"} | {"num_hidden_layers": 4},
+        sliding_window=OLMO3_WINDOW,
+        tie_word_embeddings=False,
+        rope_parameters={"sliding_attention": dict(rope), "full_attention": dict(rope)},
+    )
+    return config, Olmo3ForCausalLM
+
+
+def add_olmo3_windows(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Olmo2Model converter, which also converts OLMo 3: the window and the windowed layers."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+
+
+OLMO2_PARTS = {
+    **{hf: part for hf, part in LLAMA_PARTS.items() if part not in ("attn_norm", "ffn_norm")},
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -312,6 +352,9 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
     # llama.cpp converts SmolLM3 as a Llama (Q and K permuted) under its own name, the NoPE layers unwritten.
     "smollm3": TinyFamily(smollm3, "smollm3", LLAMA_PARTS, permute_qk=True),
+    # llama.cpp converts OLMo 2 and 3 as "olmo2", Q and K unpermuted.
+    "olmo2": TinyFamily(olmo2, "olmo2", OLMO2_PARTS),
+    "olmo3": TinyFamily(olmo3, "olmo2", OLMO2_PARTS, extra_gguf=add_olmo3_windows),
 }
 
 
@@ -357,6 +400,25 @@ def mistral_without_window():
 
 
 YARN_ORIGINAL_CONTEXT = COMMON["max_position_embeddings"] // 4
+
+
+def olmo3_yarn_on_full_layers():
+    """OLMo 3's long-context RoPE: YaRN on the full layers only, the windowed layers' RoPE as it is
+    (the model then rotates q and k with each layer's frequencies)."""
+    config, model_class = olmo3()
+    rope = config.rope_parameters["sliding_attention"]
+    config.rope_parameters = {
+        "sliding_attention": rope,
+        "full_attention": {
+            **rope,
+            "rope_type": "yarn",
+            "factor": config.max_position_embeddings / YARN_ORIGINAL_CONTEXT,
+            "original_max_position_embeddings": YARN_ORIGINAL_CONTEXT,
+        },
+    }
+    return config, model_class
+
+
 # YaRN as Qwen2.5's model cards write it (no betas: 32 and 1), and with each of its optional fields.
 YARN_FAMILIES: dict[str, TinyFamily] = {
     "qwen2-yarn": replace(TINY_FAMILIES["qwen2"], make=with_yarn(qwen2)),
@@ -370,6 +432,7 @@ YARN_FAMILIES: dict[str, TinyFamily] = {
     "llama-yarn": replace(TINY_FAMILIES["llama3"], make=with_yarn(llama3_with_biases, beta_slow=2.0)),
     # YaRN on the RoPE layers only (SmolLM3 3B's long-context setting): the NoPE layer is left unrotated.
     "smollm3-yarn": replace(TINY_FAMILIES["smollm3"], make=with_yarn(smollm3, beta_fast=16.0)),
+    "olmo3-yarn-full-layers": replace(TINY_FAMILIES["olmo3"], make=olmo3_yarn_on_full_layers),
 }
 
 

@@ -68,6 +68,9 @@ GRANITE_TOKENS = ChatTokens(
 )
 # SmolLM3: ChatML's tags; its tokenizer adds no BOS and its template prints none.
 SMOLLM3_TOKENS = ChatTokens(("<|end_of_text|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>")
+# OLMo 2: <|endoftext|> is the BOS, the EOS and the end of each assistant turn; its roles (<|user|>, …)
+# are plain text to its tokenizer.
+OLMO_2_TOKENS = ChatTokens(("<|endoftext|>", "<|pad|>"), "<|endoftext|>", "<|endoftext|>")
 CHAT_TEMPLATES = TESTS_DATA / "chat_templates"
 # Families whose real chat templates render tools: (tokens, template file under CHAT_TEMPLATES).
 TOOL_FAMILIES = {

@@ -17,6 +17,7 @@ from helpers.tiny_llama import (
     CHAT_TEMPLATES,
     GEMMA_TOKENS,
     GRANITE_TOKENS,
+    OLMO_2_TOKENS,
     LLAMA_2_TOKENS,
     LLAMA_3_TOKENS,
     MISTRAL_V3_TOKENS,
@@ -44,6 +45,7 @@ REAL_TEMPLATES = {
     "google-gemma-3-4b-it": GEMMA_TOKENS,
     "ibm-granite-granite-3.0-8b-instruct": GRANITE_TOKENS,
     "HuggingFaceTB-SmolLM3-3B": SMOLLM3_TOKENS,
+    "allenai-OLMo-2-1124-7B-Instruct": OLMO_2_TOKENS,
 }
 SYSTEM, USER, ASSISTANT = ({"role": role} for role in ("system", "user", "assistant"))
 MESSAGES = {

@@ -230,7 +230,7 @@ def test_gemma3_in_float16_keeps_a_residual_stream_beyond_float16s_range(builds,
     )
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "olmo3"])
 def test_a_chat_past_the_window_matches_transformers(family, family_build, family_source):
     """Decoding past the window, then rolling back into it (a new turn) and going on."""
     from kiln.engine import Engine, GenerationConfig
@@ -270,6 +270,44 @@ def test_a_granite_config_with_an_activation_other_than_silu_is_refused(family_s
     result = run_compile(source, tmp_path / "out")
     assert result.returncode == 1
     assert_clean_failure(result, tmp_path / "out", "config.json", "hidden_act")
+
+
+@pytest.mark.parametrize(
+    "family, field, value, mention",
+    [
+        ("olmo2", "hidden_act", "gelu", "hidden_act"),
+        # A rope on one kind of layer only that the model does not compute itself.
+        ("olmo3", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, "'linear'"),
+        # transformers cannot run windowed layers without a window either.
+        ("olmo3", "sliding_window", None, "sliding_window"),
+    ],
+)
+def test_an_olmo_config_field_kiln_does_not_compute_is_refused(
+    family, field, value, mention, family_source, tmp_path, run_compile
+):
+    source = tmp_path / f"{family}-{field}"
+    shutil.copytree(family_source(family), source)
+    config = json.loads((source / "config.json").read_text())
+    if field == "rope_parameters":
+        value = {**config["rope_parameters"], "full_attention": value}
+    (source / "config.json").write_text(json.dumps({**config, field: value}))
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", mention)
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_an_olmo_config_that_leaves_fields_out_takes_transformers_defaults(family, tmp_path):
+    from transformers import AutoConfig
+
+    config = MODELS[family].parse_config({"model_type": family}, tmp_path / "config.json", {})
+    reference = AutoConfig.for_model(family)
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    assert [getattr(config, f) for f in (*sizes, "vocab_size", "rms_norm_eps", "tie_word_embeddings")] == [
+        getattr(reference, f) for f in (*sizes, "vocab_size", "rms_norm_eps", "tie_word_embeddings")
+    ]
+    ropes = reference.rope_parameters.get("full_attention", reference.rope_parameters)
+    assert config.rope_theta == ropes["rope_theta"] and config.rope_scaling is None
 
 
 def test_a_granite_config_that_leaves_fields_out_takes_transformers_defaults(tmp_path):
@@ -447,7 +485,9 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3"])
+@pytest.mark.parametrize(
+    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3"]
+)
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
     are Kiln's (kiln/compile/lower/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits
