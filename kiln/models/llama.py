@@ -71,10 +71,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         batch, seq_len, _ = x.shape
-        qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))  # (batch, seq, heads, head_dim)
-        qkv = self.rope(qkv, kv_cache, layer_id)
+        qkv = self.rope(self.fused_qkv(x), kv_cache, layer_id)
         attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.sm_scale)
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
+
+    def fused_qkv(self, x: nn.Tensor) -> nn.Tensor:
+        """The projected q, k and v as heads (Qwen3 and OLMo 2 normalize q and k here)."""
+        batch, seq_len, _ = x.shape
+        return nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))  # (batch, seq, heads, head_dim)
 
     def rope(self, qkv: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         """The RoPE the model applies to the layer's fused qkv (SmolLM3 leaves some layers out)."""

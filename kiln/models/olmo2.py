@@ -22,7 +22,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
 from .config_reader import ConfigReader
-from .decoder import Architecture, apply_rope
+from .decoder import Architecture
 from .gemma3 import swa_layers
 from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
 from .layers import RMSNorm
@@ -66,22 +66,13 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps, dtype)
 
-    def normalized_qkv(self, x: nn.Tensor) -> nn.Tensor:
-        """The fused projection with q and k normalized, as heads: (batch, seq, heads, head_dim)."""
+    def fused_qkv(self, x: nn.Tensor) -> nn.Tensor:
+        """The fused projection, q and k normalized over all their heads: (batch, seq, heads, head_dim)."""
         batch, seq_len, _ = x.shape
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = nn.op.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)  # (batch, seq, width)
         qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         return nn.op.reshape(qkv, (batch, seq_len, -1, self.head_dim))
-
-    def rope(self, qkv: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
-        return apply_rope(qkv, kv_cache, self.config)
-
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
-        batch, seq_len, _ = x.shape
-        qkv = self.rope(self.normalized_qkv(x), kv_cache, layer_id)
-        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.sm_scale)
-        return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):

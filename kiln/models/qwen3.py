@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tvm.relax.frontend import nn
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
 from .config_reader import ConfigReader
-from .decoder import Architecture, apply_rope
+from .decoder import Architecture
 from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
 from .layers import RMSNorm
 from .llama import IGNORED_TENSORS, LlamaAttention, LlamaConfig, LlamaForCausalLM, fused_sources, llama_layers_config
@@ -35,13 +34,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
-        batch, seq_len, _ = x.shape
-        qkv = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))  # (batch, seq, heads, head_dim)
-        q, k, v = nn.op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
-        qkv = apply_rope(nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), kv_cache, self.config)
-        attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.sm_scale)
-        return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
+    def fused_qkv(self, x: nn.Tensor) -> nn.Tensor:
+        """Llama's, with q and k normalized per head."""
+        q, k, v = nn.op.split(super().fused_qkv(x), [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+        return nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
