@@ -218,7 +218,10 @@ def _compiler_version(platform: RuntimePlatform) -> str:
     build = BUILDS[platform.built_with]
     if build.compiler is None:
         return "the app's"
-    result = subprocess.run([*build.compiler(platform), "--version"], capture_output=True, text=True, check=False)
+    # In a folder of its own: zig's driver writes an empty `a.o` even for --version.
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [*build.compiler(platform), "--version"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=scratch)
     return result.stdout.splitlines()[0] if result.stdout else "unknown"
 
 
