@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from . import gemma2, gemma3, granite, llama, mistral, phi3, qwen2, qwen3
+from . import gemma2, gemma3, granite, llama, ministral3, mistral, phi3, qwen2, qwen3
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
 from .gguf import GGUFMapping, GGUFTensors
 
@@ -22,6 +22,8 @@ MODELS: dict[str, Architecture] = {
         gemma3.ARCHITECTURE,
         gemma3.MULTIMODAL_ARCHITECTURE,
         granite.ARCHITECTURE,
+        ministral3.ARCHITECTURE,
+        ministral3.MULTIMODAL_ARCHITECTURE,
     )
 }
 

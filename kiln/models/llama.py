@@ -71,9 +71,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         batch, seq_len, _ = x.shape
-        qkv = apply_rope(nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim)), kv_cache, self.config)
+        qkv = self.positioned(nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim)), kv_cache)
         attended = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_heads, sm_scale=self.sm_scale)
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
+
+    def positioned(self, qkv: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
+        """What the fused qkv (batch, seq, heads, head_dim) gets from its positions before the cache:
+        RoPE where the model applies it (Ministral 3 also scales its queries by position)."""
+        return apply_rope(qkv, kv_cache, self.config)
 
 
 class LlamaMLP(nn.Module):

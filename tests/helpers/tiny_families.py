@@ -81,7 +81,7 @@ class TinyFamily:
     names it (GGUF architecture, Hugging Face → GGUF tensor parts, per-layer and global)."""
 
     make: Callable[[], tuple]  # () → (transformers config, model class)
-    gguf_architecture: str
+    gguf_architecture: str | None  # None: Kiln reads the family from no GGUF
     layer_tensors: dict[str, str]  # HF part after "model.layers.N." → GGUF part after "blk.N."
     permute_qk: bool = False
     extra_gguf: Callable[[object, gguf.GGUFWriter], None] = lambda config, writer: None
@@ -278,6 +278,37 @@ def add_granite_scalars(config, writer: gguf.GGUFWriter) -> None:
     writer.add_logit_scale(config.logits_scaling)
 
 
+# The test prompts run past it (34 tokens; 39 with 32 greedy ones after the first): the query scale
+# steps up twice.
+MINISTRAL3_ORIGINAL_CONTEXT = 16
+MINISTRAL3_QUERY_SCALE_BETA = float(np.random.default_rng(41).uniform(0.5, 1.0))
+
+
+def ministral3():
+    """Ministral 3's kind of config (YaRN with its betas and mscale pair, Llama 4's query scale), over an
+    original context the test prompts run past, with the query scale's β seeded random and far above
+    Ministral 3's 0.1 (at 0.1 the scale is 1.07 from the original context on)."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    config = Ministral3Config(
+        **{k: v for k, v in COMMON.items() if k != "rope_theta"},
+        head_dim=COMMON["hidden_size"] // COMMON["num_attention_heads"],
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": COMMON["max_position_embeddings"] / MINISTRAL3_ORIGINAL_CONTEXT,
+            "original_max_position_embeddings": MINISTRAL3_ORIGINAL_CONTEXT,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": MINISTRAL3_QUERY_SCALE_BETA,
+        },
+    )
+    return config, Ministral3ForCausalLM
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -300,6 +331,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
+    # llama.cpp converts Ministral 3 as "mistral3" with YaRN, which Kiln reads from no GGUF yet.
+    "ministral3": TinyFamily(ministral3, None, LLAMA_PARTS),
 }
 
 
@@ -356,6 +389,22 @@ YARN_FAMILIES: dict[str, TinyFamily] = {
         TINY_FAMILIES["mistral"], make=with_yarn(mistral_without_window, beta_fast=16.0, attention_factor=1.25)
     ),
     "llama-yarn": replace(TINY_FAMILIES["llama3"], make=with_yarn(llama3_with_biases, beta_slow=2.0)),
+    # With the query scale, which steps up at the original context (1 + β·ln 2 from there); without
+    # betas, and with betas of its own and Ministral 3's mscale pair.
+    "ministral3-yarn": replace(
+        TINY_FAMILIES["ministral3"], make=with_yarn(ministral3, llama_4_scaling_beta=MINISTRAL3_QUERY_SCALE_BETA)
+    ),
+    "ministral3-yarn-betas": replace(
+        TINY_FAMILIES["ministral3"],
+        make=with_yarn(
+            ministral3,
+            beta_fast=16.0,
+            beta_slow=2.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            llama_4_scaling_beta=MINISTRAL3_QUERY_SCALE_BETA,
+        ),
+    ),
 }
 
 
