@@ -8,8 +8,9 @@
   one the KV cache gives the step, as RoPE's. transformers computes the factor in float32 and rounds
   it to the query's dtype; so does Kiln. Within the original context the factor is 1.
 
-A `mistral3` checkpoint keeps the text tower's tensors under `model.language_model.` (transformers 5;
-`language_model.model.` before), beside a Pixtral vision tower and a projector that Kiln leaves out.
+A `mistral3` checkpoint keeps the text tower's tensors under `language_model.model.` and its head as
+`language_model.lm_head.weight` (as transformers 5.25 saves them; `model.language_model.` and `lm_head.weight`
+in the layout it loads into), beside a Pixtral vision tower and a projector that Kiln leaves out.
 Its output head ties to the embeddings as the top-level `tie_word_embeddings` says (transformers'
 Mistral3Config: true when left out). Ministral 3's instruct checkpoints are published FP8
 (`quantization_config`), which every family refuses (the BF16 releases build).
@@ -135,4 +136,5 @@ MULTIMODAL_ARCHITECTURE = Architecture(
         *IGNORED_TENSORS,
     ),
     decoder_prefixes=("model.language_model.", "language_model.model."),
+    head_prefixes=("", "language_model."),
 )

@@ -497,6 +497,88 @@ def test_the_text_tower_of_a_multimodal_gemma3_checkpoint_builds_as_its_gemma3_t
         assert np.array_equal(multimodal.all_logits(ids), text.all_logits(ids))
 
 
+def mistral3_checkpoint(text_source, folder):
+    """A multimodal `mistral3` checkpoint made with transformers' Mistral3 classes (a tiny Pixtral vision
+    tower and projector) around the text model in `text_source`, its head untied as Ministral 3 8B's."""
+    from transformers import AutoConfig, Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    text = reference_model(text_source)
+    vision = PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Mistral3Config(
+        text_config=AutoConfig.from_pretrained(text_source), vision_config=vision, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    shutil.copytree(text_source, folder)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+# transformers 5.25 saves a mistral3 in its earlier layout, and loads it into this one.
+MISTRAL3_LOADED_LAYOUT = {
+    "language_model.model.": "model.language_model.",
+    "language_model.lm_head.": "lm_head.",
+    "vision_tower.": "model.vision_tower.",
+    "multi_modal_projector.": "model.multi_modal_projector.",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["saved", "loaded"])
+def test_the_text_tower_of_a_multimodal_mistral3_checkpoint_builds_as_its_ministral3(
+    layout, builds, family_build, family_source, tmp_path
+):
+    """A `mistral3` checkpoint (Ministral 3 as released) in both tensor layouts: the text tower builds,
+    the vision tower and projector are left out, the untied head is the checkpoint's; logits are
+    transformers' Mistral3's."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "mistral3"
+    reference = mistral3_checkpoint(family_source("ministral3"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight"} <= set(tensors)
+    assert {name.split(".")[0] for name in tensors} == {"language_model", "vision_tower", "multi_modal_projector"}
+    if layout == "loaded":
+        renamed = {}
+        for name, values in tensors.items():
+            prefix = next(p for p in MISTRAL3_LOADED_LAYOUT if name.startswith(p))
+            renamed[MISTRAL3_LOADED_LAYOUT[prefix] + name.removeprefix(prefix)] = values
+        save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+
+    multimodal = NativeModel(builds.model_dir(folder, f"tiny-mistral3-{layout}", "q0f32", ["cpu"]))
+    text = NativeModel(family_build("ministral3", "q0f32"))
+    for ids in PROMPTS:
+        multimodal.reset()
+        text.reset()
+        logits = multimodal.all_logits(ids)
+        assert np.array_equal(logits, text.all_logits(ids))
+        with torch.no_grad():
+            expected = reference(input_ids=torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(logits - expected).max() <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["ministral3", "mistral3"])
+def test_an_fp8_checkpoint_is_refused(multimodal, family_source, tmp_path, run_compile):
+    """Ministral 3's instruct checkpoints are published FP8 (weight_scale_inv tensors beside them):
+    refused by config.json, never read as float weights."""
+    source = tmp_path / "fp8"
+    shutil.copytree(family_source("ministral3"), source)
+    config = json.loads((source / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None}
+    if multimodal:
+        config = {"model_type": "mistral3", "text_config": config, "vision_config": {"model_type": "pixtral"}}
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": fp8}))
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", "quantization_config", "fp8", "BF16")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
 def test_gemma3_4b_config_as_released_takes_transformers_defaults(tmp_path):
     """google/gemma-3-4b-it's config.json names only what differs from transformers' defaults."""
     config = MODELS["gemma3"].parse_config(
