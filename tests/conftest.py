@@ -59,7 +59,7 @@ BUILT_TOGETHER = {
     "SmolLM2-135M-Instruct-q0f32": ("cpu", "webgpu", "wasm"),
     **{
         f"tiny-{family}-q4f32_1": ("cpu", "webgpu", "wasm", "arm64-linux")
-        for family in ("qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite")
+        for family in ("qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "ministral3")
     },
 }
 

@@ -82,7 +82,7 @@ def check_logits_and_greedy_tokens(model_driver, model_dir, prompt_ids: list[int
     assert tokens == expected_tokens
 
 
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "ministral3"])
 def test_every_family_gives_the_x86_logits_and_greedy_tokens(family, family_build, model_driver):
     model_dir = family_build(family, "q4f32_1", ["cpu", "arm64-linux"])
     check_logits_and_greedy_tokens(model_driver, model_dir, list(range(3, 40)))

@@ -377,7 +377,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "ministral3"])
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
     are Kiln's (kiln/compile/lower/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits
