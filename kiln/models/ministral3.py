@@ -31,7 +31,16 @@ from kiln.errors import KilnError
 from . import mistral
 from .config_reader import ConfigReader
 from .decoder import Architecture
-from .llama import IGNORED_TENSORS, LlamaAttention, LlamaConfig, LlamaForCausalLM, fused_sources, llama_layers_config
+from .gguf import LLAMA_LAYER_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
+from .llama import (
+    IGNORED_TENSORS,
+    LlamaAttention,
+    LlamaConfig,
+    LlamaForCausalLM,
+    fused_sources,
+    llama_layers_config,
+    undo_rope_permutation,
+)
 
 
 @dataclass
@@ -115,12 +124,49 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
     attention_class = Ministral3Attention
 
 
+def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
+    """llama.cpp's Mistral3Model converter (architecture "mistral3"): Llama's hyperparameters (Q and K
+    permuted), YaRN's fields as config.json gave them, its mscale_all_dim as `yarn_log_multiplier` (mscale
+    is 1 in every Ministral 3) and β as `attention.temperature_scale`, which llama.cpp's loader takes as
+    0 (no query scale) when left out."""
+    arch = "mistral3"
+    config = decoder_hparams(metadata, tensors, "ministral3", ["Ministral3ForCausalLM"], rope_scalings=("none", "yarn"))
+    rope = {
+        "rope_type": "default",
+        "rope_theta": config.pop("rope_theta"),
+        # llama.cpp's original context for the query scale: the YaRN one, else the trained one.
+        "original_max_position_embeddings": metadata.get(
+            f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"], int
+        ),
+        "llama_4_scaling_beta": metadata.get(f"{arch}.attention.temperature_scale", 0.0, float),
+    }
+    if metadata.get(f"{arch}.rope.scaling.type", "none", str) == "yarn":
+        fields = {
+            "rope_type": "yarn",
+            "factor": metadata.require(f"{arch}.rope.scaling.factor", float),
+            "beta_fast": metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", None, float),
+            "beta_slow": metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", None, float),
+            "attention_factor": metadata.get(f"{arch}.rope.scaling.yarn_attn_factor", None, float),
+        }
+        log_multiplier = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", None, float)
+        if log_multiplier:
+            fields |= {"mscale": 1.0, "mscale_all_dim": log_multiplier}
+        rope |= {key: value for key, value in fields.items() if value is not None}
+    return {**config, "rope_parameters": rope}
+
+
 ARCHITECTURE = Architecture(
     model_type="ministral3",
     parse_config=parse_config,
     build=Ministral3ForCausalLM,
     fused_sources=fused_sources,
     ignored_tensors=IGNORED_TENSORS,
+    gguf=GGUFMapping(
+        architecture="mistral3",
+        config=gguf_config,
+        layer_tensors=LLAMA_LAYER_TENSORS,
+        restore_layout=undo_rope_permutation,
+    ),
 )
 
 MULTIMODAL_ARCHITECTURE = Architecture(

@@ -81,7 +81,7 @@ class TinyFamily:
     names it (GGUF architecture, Hugging Face → GGUF tensor parts, per-layer and global)."""
 
     make: Callable[[], tuple]  # () → (transformers config, model class)
-    gguf_architecture: str | None  # None: Kiln reads the family from no GGUF
+    gguf_architecture: str
     layer_tensors: dict[str, str]  # HF part after "model.layers.N." → GGUF part after "blk.N."
     permute_qk: bool = False
     extra_gguf: Callable[[object, gguf.GGUFWriter], None] = lambda config, writer: None
@@ -309,6 +309,19 @@ def ministral3():
     return config, Ministral3ForCausalLM
 
 
+def add_ministral3_rope(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Mistral3Model converter: YaRN's fields as config.json gives them, mscale_all_dim as
+    the log multiplier and the query scale's β as the attention temperature scale."""
+    scaling = rope_parameters(config)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(scaling["factor"])
+    writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(scaling["mscale_all_dim"])
+    writer.add_attn_temperature_scale(scaling["llama_4_scaling_beta"])
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -331,8 +344,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
-    # llama.cpp converts Ministral 3 as "mistral3" with YaRN, which Kiln reads from no GGUF yet.
-    "ministral3": TinyFamily(ministral3, None, LLAMA_PARTS),
+    # llama.cpp converts Ministral 3 as a Llama (Q and K permuted) under the name "mistral3".
+    "ministral3": TinyFamily(ministral3, "mistral3", LLAMA_PARTS, permute_qk=True, extra_gguf=add_ministral3_rope),
 }
 
 

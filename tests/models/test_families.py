@@ -84,7 +84,7 @@ def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, fami
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [family for family in FAMILIES if TINY_FAMILIES[family].gguf_architecture])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(
     family, builds, family_build, family_source, tmp_path_factory
 ):
@@ -315,6 +315,41 @@ def test_a_granite_gguf_without_rope_is_refused(tmp_path):
     metadata = granite_gguf_metadata(tmp_path / "nope.gguf", **{"rope.scaling.finetuned": False})
     with pytest.raises(KilnError, match="granite.rope.scaling.finetuned"):
         granite.gguf_config(metadata, GGUFTensors({"token_embd.weight"}, lambda name: None))
+
+
+def test_a_mistral3_gguf_reads_as_llama_cpp_runs_it(tmp_path):
+    """Without attention.temperature_scale llama.cpp's loader scales no query (β 0), and without YaRN
+    its rope is the plain one; with them, the YaRN and β of the config.json it was converted from."""
+    from kiln.models import ministral3
+
+    arch, path = "mistral3", tmp_path / "tiny.gguf"
+    sizes = dict(embedding_length=64, feed_forward_length=128, block_count=2, context_length=512, vocab_size=384)
+    values = {
+        "general.architecture": arch,
+        **{f"{arch}.{key}": value for key, value in sizes.items()},
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+    }
+    tensors = GGUFTensors({"token_embd.weight", "output.weight"}, lambda name: None)
+    plain = MODELS["ministral3"].parse_config(ministral3.gguf_config(GGUFMetadata(values, path), tensors), path, {})
+    assert (plain.rope_scaling, plain.query_scale_beta) == (None, 0.0)
+
+    yarn = {
+        f"{arch}.rope.scaling.{key}": value
+        for key, value in dict(
+            type="yarn", factor=16.0, original_context_length=64, yarn_beta_fast=32.0, yarn_beta_slow=1.0
+        ).items()
+    }
+    yarn |= {f"{arch}.rope.scaling.yarn_log_multiplier": 1.0, f"{arch}.attention.temperature_scale": 0.1}
+    config = ministral3.gguf_config(GGUFMetadata({**values, **yarn}, path), tensors)
+    parsed = MODELS["ministral3"].parse_config(config, path, {})
+    assert (parsed.query_scale_beta, parsed.query_scale_positions) == (0.1, 64)
+    assert {key: parsed.rope_scaling[key] for key in ("rope_type", "factor", "mscale", "mscale_all_dim")} == {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
 
 
 PHI3_MINI = dict(
