@@ -106,7 +106,7 @@ def scale_queries(qkv: nn.Tensor, kv_cache: PagedKVCache, config: Ministral3Conf
     def scale(x: te.Tensor, pos: te.Tensor) -> te.Tensor:
         def value(b, s, h, d):
             steps = tirx.floordiv(pos[b * x.shape[1] + s], original).astype("float32")
-            factor = (tirx.const(1, "float32") + np.float32(beta) * tirx.log(steps + tirx.const(1, "float32")))
+            factor = tirx.const(1, "float32") + np.float32(beta) * tirx.log(steps + tirx.const(1, "float32"))
             return tirx.if_then_else(h < query_heads, x[b, s, h, d] * factor.astype(x.dtype), x[b, s, h, d])
 
         return te.compute(x.shape, value, name="query_scale")
