@@ -317,6 +317,33 @@ def test_a_granite_gguf_without_rope_is_refused(tmp_path):
         granite.gguf_config(metadata, GGUFTensors({"token_embd.weight"}, lambda name: None))
 
 
+def test_a_mistral3_with_a_mistral_text_tower_builds_it_without_a_query_scale(tmp_path):
+    """Mistral Small 3.1's kind of mistral3: a `mistral` text tower (no YaRN, no β); the head ties as the
+    top-level tie_word_embeddings says, true when left out (transformers 5.25's Mistral3Config)."""
+    text = dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=384,
+        rope_theta=1e9,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    parse, path = MODELS["mistral3"].parse_config, tmp_path / "config.json"
+    config = parse({"model_type": "mistral3", "text_config": text}, path, {})
+    assert (config.query_scale_beta, config.rope_scaling, config.rope_theta) == (0.0, None, 1e9)
+    assert config.tie_word_embeddings
+    assert not parse(
+        {"model_type": "mistral3", "text_config": text, "tie_word_embeddings": False}, path, {}
+    ).tie_word_embeddings
+    with pytest.raises(KilnError, match="text_config model_type 'pixtral'"):
+        parse({"model_type": "mistral3", "text_config": {**text, "model_type": "pixtral"}}, path, {})
+
+
 def test_a_mistral3_gguf_reads_as_llama_cpp_runs_it(tmp_path):
     """Without attention.temperature_scale llama.cpp's loader scales no query (β 0), and without YaRN
     its rope is the plain one; with them, the YaRN and β of the config.json it was converted from."""
