@@ -14,7 +14,8 @@ in the layout it loads into), beside a Pixtral vision tower and a projector that
 Its output head ties to the embeddings as the top-level `tie_word_embeddings` says (transformers'
 Mistral3Config: true when left out). Ministral 3's instruct checkpoints are published FP8
 (`quantization_config`), which every family refuses (the BF16 releases build). llama.cpp converts
-Ministral 3 as "mistral3" (`gguf_config`); Mistral Small 3.1's text tower as a "llama".
+both as "mistral3" (`gguf_config`: a Mistral Small 3.1 without YaRN or β), its earlier versions the
+Mistral Smalls as a "llama".
 """
 
 from __future__ import annotations
