@@ -59,7 +59,18 @@ BUILT_TOGETHER = {
     "SmolLM2-135M-Instruct-q0f32": ("cpu", "webgpu", "wasm"),
     **{
         f"tiny-{family}-q4f32_1": ("cpu", "webgpu", "wasm", "arm64-linux")
-        for family in ("qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3")
+        for family in (
+            "qwen2",
+            "phi3",
+            "mistral",
+            "gemma2",
+            "gemma3",
+            "granite",
+            "smollm3",
+            "olmo2",
+            "olmo3",
+            "ministral3",
+        )
     },
 }
 

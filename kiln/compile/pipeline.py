@@ -227,7 +227,8 @@ def quantized_model(
 ) -> tuple[DecoderModel, SourceWeights, list[str]]:
     """The family's module with the scheme's stored weights, the source they are read from, and
     the names of the float weights they stand for."""
-    weights = SourceWeights(source, arch.fused_sources(config), arch.decoder_prefix(source.tensor_names()))
+    names = source.tensor_names()
+    weights = SourceWeights(source, arch.fused_sources(config), arch.decoder_prefix(names), arch.head_prefix(names))
     model = arch.build(config, scheme.model_dtype)
     float_names = [name for name, _ in model.named_parameters()]
     return scheme.quantize_model(model, weights), weights, float_names

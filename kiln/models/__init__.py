@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from . import gemma2, gemma3, granite, llama, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
+from . import gemma2, gemma3, granite, llama, ministral3, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
 from .gguf import GGUFMapping, GGUFTensors
 
@@ -25,6 +25,8 @@ MODELS: dict[str, Architecture] = {
         smollm3.ARCHITECTURE,
         olmo2.ARCHITECTURE,
         olmo3.ARCHITECTURE,
+        ministral3.ARCHITECTURE,
+        ministral3.MULTIMODAL_ARCHITECTURE,
     )
 }
 

@@ -96,6 +96,7 @@ class ConfigReader:
         """The `DecoderConfig` fields, read the way every Hugging Face decoder stores them; the
         context window defaults to the model's, at most `max_context`. RoPE over part of each head
         (`partial_rotary_factor`) is refused unless the family reads it itself."""
+        self.refuse_prequantized()
         if not partial_rotary:
             rope_parameters = self.hf_config.get("rope_parameters") or {}
             self.expect("partial_rotary_factor", (1, 1.0), rope_parameters.get("partial_rotary_factor", 1.0))
@@ -127,6 +128,18 @@ class ConfigReader:
             context_window_size=context,
             prefill_chunk_size=overrides.get("prefill_chunk_size") or min(context, 2048),
         )
+
+    def refuse_prequantized(self) -> None:
+        """Weights stored quantized by another tool (`quantization_config`: FP8 with its weight_scale or
+        weight_scale_inv tensors, GPTQ, AWQ, …) are not float weights, and Kiln does not dequantize them."""
+        quantization = self.get("quantization_config", dict, None)
+        if quantization is not None:
+            method = quantization.get("quant_method", "unnamed")
+            raise KilnError(
+                f"config.json quantization_config: the weights are stored {method}-quantized, and Kiln reads "
+                f"float weights (F32, F16, BF16) only; build from the model's BF16 release, or dequantize it first",
+                self.path,
+            )
 
     def sliding_window(self, fields: dict[str, Any], key: str = "sliding_window") -> dict[str, Any]:
         """`decoder_fields` with the model's sliding window turned on when the context window is

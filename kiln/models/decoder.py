@@ -80,10 +80,17 @@ class Architecture:
     # Where a checkpoint may keep the decoder's "model.*" tensors, when it holds more than the decoder
     # (the text tower of a multimodal checkpoint, named otherwise by other transformers versions).
     decoder_prefixes: tuple[str, ...] = ("model.",)
+    # Where such a checkpoint may keep the output head, "lm_head.*" (transformers 5 saves a mistral3's as
+    # "language_model.lm_head.weight", beside "language_model.model.*").
+    head_prefixes: tuple[str, ...] = ("",)
 
     def decoder_prefix(self, tensor_names: list[str]) -> str:
         names = set(tensor_names)
         return next((p for p in self.decoder_prefixes if f"{p}embed_tokens.weight" in names), self.decoder_prefixes[0])
+
+    def head_prefix(self, tensor_names: list[str]) -> str:
+        names = set(tensor_names)
+        return next((p for p in self.head_prefixes if f"{p}lm_head.weight" in names), self.head_prefixes[0])
 
 
 class DecoderModel(nn.Module):

@@ -66,10 +66,16 @@ class GGUFMapping:
 
 
 def decoder_hparams(
-    metadata: Metadata, tensors: GGUFTensors, model_type: str, architectures: list[str], partial_rotary: bool = False
+    metadata: Metadata,
+    tensors: GGUFTensors,
+    model_type: str,
+    architectures: list[str],
+    partial_rotary: bool = False,
+    rope_scalings: tuple[str, ...] = ("none", "linear"),
 ) -> dict:
     """The config.json fields every llama.cpp decoder stores the same way; RoPE over part of each
-    head (`partial_rotary_factor`) only for a family that computes it."""
+    head (`partial_rotary_factor`) only for a family that computes it, and a rope scaling other than
+    linear only for a family that reads it (`rope_scalings`)."""
     arch = metadata.require("general.architecture", str)
     hidden_size = metadata.size(f"{arch}.embedding_length")
     num_heads = metadata.size(f"{arch}.attention.head_count")
@@ -87,9 +93,10 @@ def decoder_hparams(
             metadata.path,
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none", str)
-    if scaling not in ("none", "linear"):
+    if scaling not in rope_scalings:
         raise KilnError(
-            f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type (supported: none, linear)", metadata.path
+            f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type (supported: {', '.join(rope_scalings)})",
+            metadata.path,
         )
     config = {
         "model_type": model_type,

@@ -81,7 +81,8 @@ class LlamaAttention(nn.Module):
         return nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))  # (batch, seq, heads, head_dim)
 
     def rope(self, qkv: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:
-        """The RoPE the model applies to the layer's fused qkv (SmolLM3 leaves some layers out)."""
+        """What the layer's fused qkv gets from its positions before the cache: RoPE where the model
+        applies it (SmolLM3 leaves some layers out; Ministral 3 also scales its queries by position)."""
         return apply_rope(qkv, kv_cache, self.config)
 
 

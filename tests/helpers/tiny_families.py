@@ -326,6 +326,48 @@ OLMO2_PARTS = {
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+# The test prompts run past it (34 tokens; 39 with 32 greedy ones after the first): the query scale
+# steps up twice.
+MINISTRAL3_ORIGINAL_CONTEXT = 16
+MINISTRAL3_QUERY_SCALE_BETA = float(np.random.default_rng(41).uniform(0.5, 1.0))
+
+
+def ministral3():
+    """Ministral 3's kind of config (YaRN with its betas and mscale pair, Llama 4's query scale), over an
+    original context the test prompts run past, with the query scale's β seeded random and far above
+    Ministral 3's 0.1 (at 0.1 the scale is 1.07 from the original context on)."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    config = Ministral3Config(
+        **{k: v for k, v in COMMON.items() if k != "rope_theta"},
+        head_dim=COMMON["hidden_size"] // COMMON["num_attention_heads"],
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": COMMON["max_position_embeddings"] / MINISTRAL3_ORIGINAL_CONTEXT,
+            "original_max_position_embeddings": MINISTRAL3_ORIGINAL_CONTEXT,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": MINISTRAL3_QUERY_SCALE_BETA,
+        },
+    )
+    return config, Ministral3ForCausalLM
+
+
+def add_ministral3_rope(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Mistral3Model converter: YaRN's fields as config.json gives them, mscale_all_dim as
+    the log multiplier and the query scale's β as the attention temperature scale."""
+    scaling = rope_parameters(config)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(scaling["factor"])
+    writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(scaling["mscale_all_dim"])
+    writer.add_attn_temperature_scale(scaling["llama_4_scaling_beta"])
 
 
 GEMMA2_PARTS = {
@@ -355,6 +397,8 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # llama.cpp converts OLMo 2 and 3 as "olmo2", Q and K unpermuted.
     "olmo2": TinyFamily(olmo2, "olmo2", OLMO2_PARTS),
     "olmo3": TinyFamily(olmo3, "olmo2", OLMO2_PARTS, extra_gguf=add_olmo3_windows),
+    # llama.cpp converts Ministral 3 as a Llama (Q and K permuted) under the name "mistral3".
+    "ministral3": TinyFamily(ministral3, "mistral3", LLAMA_PARTS, permute_qk=True, extra_gguf=add_ministral3_rope),
 }
 
 
@@ -433,6 +477,22 @@ YARN_FAMILIES: dict[str, TinyFamily] = {
     # YaRN on the RoPE layers only (SmolLM3 3B's long-context setting): the NoPE layer is left unrotated.
     "smollm3-yarn": replace(TINY_FAMILIES["smollm3"], make=with_yarn(smollm3, beta_fast=16.0)),
     "olmo3-yarn-full-layers": replace(TINY_FAMILIES["olmo3"], make=olmo3_yarn_on_full_layers),
+    # With the query scale, which steps up at the original context (1 + β·ln 2 from there); without
+    # betas, and with betas of its own and Ministral 3's mscale pair.
+    "ministral3-yarn": replace(
+        TINY_FAMILIES["ministral3"], make=with_yarn(ministral3, llama_4_scaling_beta=MINISTRAL3_QUERY_SCALE_BETA)
+    ),
+    "ministral3-yarn-betas": replace(
+        TINY_FAMILIES["ministral3"],
+        make=with_yarn(
+            ministral3,
+            beta_fast=16.0,
+            beta_slow=2.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            llama_4_scaling_beta=MINISTRAL3_QUERY_SCALE_BETA,
+        ),
+    ),
 }
 
 

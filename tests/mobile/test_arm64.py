@@ -83,7 +83,7 @@ def check_logits_and_greedy_tokens(model_driver, model_dir, prompt_ids: list[int
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3"]
+    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "ministral3"]
 )
 def test_every_family_gives_the_x86_logits_and_greedy_tokens(family, family_build, model_driver):
     model_dir = family_build(family, "q4f32_1", ["cpu", "arm64-linux"])

@@ -425,6 +425,68 @@ def test_a_smollm3_with_its_own_no_rope_layers_matches_transformers(builds, fami
         assert np.abs(native.all_logits(ids) - expected).max() <= LOGIT_TOLERANCE
 
 
+def test_a_mistral3_with_a_mistral_text_tower_builds_it_without_a_query_scale(tmp_path):
+    """Mistral Small 3.1's kind of mistral3: a `mistral` text tower (no YaRN, no β); the head ties as the
+    top-level tie_word_embeddings says, true when left out (transformers 5.25's Mistral3Config)."""
+    text = dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=384,
+        rope_theta=1e9,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    parse, path = MODELS["mistral3"].parse_config, tmp_path / "config.json"
+    config = parse({"model_type": "mistral3", "text_config": text}, path, {})
+    assert (config.query_scale_beta, config.rope_scaling, config.rope_theta) == (0.0, None, 1e9)
+    assert config.tie_word_embeddings
+    assert not parse(
+        {"model_type": "mistral3", "text_config": text, "tie_word_embeddings": False}, path, {}
+    ).tie_word_embeddings
+    with pytest.raises(KilnError, match="text_config model_type 'pixtral'"):
+        parse({"model_type": "mistral3", "text_config": {**text, "model_type": "pixtral"}}, path, {})
+
+
+def test_a_mistral3_gguf_reads_as_llama_cpp_runs_it(tmp_path):
+    """Without attention.temperature_scale llama.cpp's loader scales no query (β 0), and without YaRN
+    its rope is the plain one; with them, the YaRN and β of the config.json it was converted from."""
+    from kiln.models import ministral3
+
+    arch, path = "mistral3", tmp_path / "tiny.gguf"
+    sizes = dict(embedding_length=64, feed_forward_length=128, block_count=2, context_length=512, vocab_size=384)
+    values = {
+        "general.architecture": arch,
+        **{f"{arch}.{key}": value for key, value in sizes.items()},
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+    }
+    tensors = GGUFTensors({"token_embd.weight", "output.weight"}, lambda name: None)
+    plain = MODELS["ministral3"].parse_config(ministral3.gguf_config(GGUFMetadata(values, path), tensors), path, {})
+    assert (plain.rope_scaling, plain.query_scale_beta) == (None, 0.0)
+
+    yarn = {
+        f"{arch}.rope.scaling.{key}": value
+        for key, value in dict(
+            type="yarn", factor=16.0, original_context_length=64, yarn_beta_fast=32.0, yarn_beta_slow=1.0
+        ).items()
+    }
+    yarn |= {f"{arch}.rope.scaling.yarn_log_multiplier": 1.0, f"{arch}.attention.temperature_scale": 0.1}
+    config = ministral3.gguf_config(GGUFMetadata({**values, **yarn}, path), tensors)
+    parsed = MODELS["ministral3"].parse_config(config, path, {})
+    assert (parsed.query_scale_beta, parsed.query_scale_positions) == (0.1, 64)
+    assert {key: parsed.rope_scaling[key] for key in ("rope_type", "factor", "mscale", "mscale_all_dim")} == {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+
+
 PHI3_MINI = dict(
     model_type="phi3",
     hidden_size=3072,
@@ -486,7 +548,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
 @pytest.mark.parametrize(
-    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3"]
+    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "ministral3"]
 )
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
@@ -605,6 +667,88 @@ def test_the_text_tower_of_a_multimodal_gemma3_checkpoint_builds_as_its_gemma3_t
         multimodal.reset()
         text.reset()
         assert np.array_equal(multimodal.all_logits(ids), text.all_logits(ids))
+
+
+def mistral3_checkpoint(text_source, folder):
+    """A multimodal `mistral3` checkpoint made with transformers' Mistral3 classes (a tiny Pixtral vision
+    tower and projector) around the text model in `text_source`, its head untied as Ministral 3 8B's."""
+    from transformers import AutoConfig, Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    text = reference_model(text_source)
+    vision = PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Mistral3Config(
+        text_config=AutoConfig.from_pretrained(text_source), vision_config=vision, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    shutil.copytree(text_source, folder)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+# transformers 5.25 saves a mistral3 in its earlier layout, and loads it into this one.
+MISTRAL3_LOADED_LAYOUT = {
+    "language_model.model.": "model.language_model.",
+    "language_model.lm_head.": "lm_head.",
+    "vision_tower.": "model.vision_tower.",
+    "multi_modal_projector.": "model.multi_modal_projector.",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["saved", "loaded"])
+def test_the_text_tower_of_a_multimodal_mistral3_checkpoint_builds_as_its_ministral3(
+    layout, builds, family_build, family_source, tmp_path
+):
+    """A `mistral3` checkpoint (Ministral 3 as released) in both tensor layouts: the text tower builds,
+    the vision tower and projector are left out, the untied head is the checkpoint's; logits are
+    transformers' Mistral3's."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "mistral3"
+    reference = mistral3_checkpoint(family_source("ministral3"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight"} <= set(tensors)
+    assert {name.split(".")[0] for name in tensors} == {"language_model", "vision_tower", "multi_modal_projector"}
+    if layout == "loaded":
+        renamed = {}
+        for name, values in tensors.items():
+            prefix = next(p for p in MISTRAL3_LOADED_LAYOUT if name.startswith(p))
+            renamed[MISTRAL3_LOADED_LAYOUT[prefix] + name.removeprefix(prefix)] = values
+        save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+
+    multimodal = NativeModel(builds.model_dir(folder, f"tiny-mistral3-{layout}", "q0f32", ["cpu"]))
+    text = NativeModel(family_build("ministral3", "q0f32"))
+    for ids in PROMPTS:
+        multimodal.reset()
+        text.reset()
+        logits = multimodal.all_logits(ids)
+        assert np.array_equal(logits, text.all_logits(ids))
+        with torch.no_grad():
+            expected = reference(input_ids=torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(logits - expected).max() <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["ministral3", "mistral3"])
+def test_an_fp8_checkpoint_is_refused(multimodal, family_source, tmp_path, run_compile):
+    """Ministral 3's instruct checkpoints are published FP8 (weight_scale_inv tensors beside them):
+    refused by config.json, never read as float weights."""
+    source = tmp_path / "fp8"
+    shutil.copytree(family_source("ministral3"), source)
+    config = json.loads((source / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None}
+    if multimodal:
+        config = {"model_type": "mistral3", "text_config": config, "vision_config": {"model_type": "pixtral"}}
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": fp8}))
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 1
+    assert_clean_failure(result, tmp_path / "out", "config.json", "quantization_config", "fp8", "BF16")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 def test_gemma3_4b_config_as_released_takes_transformers_defaults(tmp_path):

@@ -18,12 +18,17 @@ class SourceWeights:
     source: SourceModel
     fused: dict[str, list[str]]  # the family's `fused_sources`
     decoder_prefix: str = "model."  # where the source keeps the decoder's "model.*" tensors
+    head_prefix: str = ""  # and its output head's "lm_head.*"
 
     def parts(self, name: str) -> list[str]:
-        return [
-            self.decoder_prefix + part.removeprefix("model.") if part.startswith("model.") else part
-            for part in self.fused.get(name, [name])
-        ]
+        return [self.source_name(part) for part in self.fused.get(name, [name])]
+
+    def source_name(self, part: str) -> str:
+        if part.startswith("model."):
+            return self.decoder_prefix + part.removeprefix("model.")
+        if part.startswith("lm_head."):
+            return self.head_prefix + part
+        return part
 
     def _check_present(self, parts: list[str]) -> None:
         available = set(self.source.tensor_names())
