@@ -579,6 +579,15 @@ def test_a_prefill_after_a_cached_prefix_matches_native(backend, builds, family_
 
 
 @pytest.mark.browser
+def test_webllm_generates_what_kiln_generates_on_smollm3(driver, family_build, tmp_path):
+    """A 2026 family in WebLLM 0.2.86: its layers without RoPE are rotated (or not) in Kiln's library."""
+    model_dir = family_build("smollm3", "q4f32_1", ["cpu", "webgpu"])
+    conversations = [[{"role": "user", "content": "Hi"}]]
+    replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
+    assert_kiln_replies_the_same(model_dir, conversations, replies)
+
+
+@pytest.mark.browser
 def test_webllm_generates_what_kiln_generates_on_gemma3(driver, builds, family_source, tmp_path):
     """Within its context (the window) WebLLM runs the windowed layers as Kiln does: here a window of
     64 binds in the model (context 512) and holds the chat."""
