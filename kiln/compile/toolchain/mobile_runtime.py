@@ -2,8 +2,8 @@
 shared- and system-library loaders) with Kiln's engine and C API (kiln/mobile/runtime/), as `libkiln`.
 
 The wheels ship the runtime's sources and no runtime built for an app's platform, so Kiln compiles
-them with clang for that platform once, cached per TVM version under
-`~/.cache/kiln/mobile-runtime/<version>/<platform>/` (`include/kiln.h`, `lib/libkiln.a`, `lib/libkiln.so`).
+them for that platform once, cached per TVM version under `~/.cache/kiln/mobile-runtime/<version>/<platform>/`
+(`include/kiln.h` with `lib/libkiln.a` and `lib/libkiln.so`, or for an app's own toolchain `source/`).
 The sources are laid out and patched as for the web runtime (`wasm_toolchain.assemble_source_root`).
 """
 
@@ -44,7 +44,7 @@ BUILD_INFO = "build-info.json"
 CLANG_FIX = "apt-get install -y clang lld llvm"
 ARM64_LINUX_FIX = "apt-get install -y --no-install-recommends libstdc++-12-dev-arm64-cross"
 BUILD_COMMAND = "kiln doctor --build-mobile-runtime"
-ZIG_FIX = "pip install ziglang"
+ZIG_FIX = "pip install 'kiln-llm[ios]'"
 STDERR_TAIL_LINES = 25
 
 # What a CPU runtime needs of the wheels' sources (the web runtime's list without its RPC and web
