@@ -9,9 +9,10 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import jinja2.sandbox
+import jinja2
 import pytest
 from flask import Flask
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from helpers.paths import TESTS_DATA
 from helpers.web import run_node_module
@@ -21,9 +22,6 @@ from kiln.chat_template import (
     ChatTemplate,
     ConversationRefused,
     TemplateRaised,
-    _raise_exception,
-    strftime_now,
-    tojson,
 )
 from kiln.errors import KilnError
 from kiln.server.api_request import ApiError, read_request
@@ -94,12 +92,15 @@ def test_a_one_megabyte_deeply_nested_tool_is_refused_in_a_moment(tmp_path):
 
 
 def plain_render(source: str, tools: list[dict] | None) -> str:
-    """The template in jinja's plain immutable sandbox, with transformers' filter and globals."""
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.filters["tojson"] = tojson
-    environment.globals.update(raise_exception=_raise_exception, strftime_now=strftime_now)
+    """The template as transformers renders it: its sandbox, filters, globals and `{% generation %}` tag."""
     context = {"tools": tools} if tools else {}
-    return environment.from_string(source).render(messages=MESSAGES, add_generation_prompt=True, **SPECIAL, **context)
+    template = _compile_jinja_template(source)
+    try:
+        return template.render(messages=MESSAGES, add_generation_prompt=True, **SPECIAL, **context)
+    except jinja2.exceptions.TemplateError as raised:
+        if type(raised) is not jinja2.exceptions.TemplateError:  # not transformers' raise_exception
+            raise
+        raise TemplateRaised(str(raised)) from raised
 
 
 def bounded_render(source: str, tools: list[dict] | None) -> str:
