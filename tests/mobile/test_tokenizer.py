@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,45 @@ TRICKY_TEXTS = [
 ]
 
 
+def decomposing_or_combining() -> list[str]:
+    """Each character with a canonical decomposition (Hangul syllables included) or a combining class."""
+    return [
+        c
+        for c in map(chr, range(sys.maxunicode + 1))
+        if unicodedata.combining(c) or not unicodedata.is_normalized("NFD", c)
+    ]
+
+
+DECOMPOSING_OR_COMBINING = decomposing_or_combining()
+
+
+def nfc_differs_in_tokenizers() -> str:
+    """The characters whose NFC tokenizers gives otherwise than Python (14): its normalizer's tables are
+    of Unicode 9, so marks given a combining class since are starters to it (U+0C3C, U+1DFA), and it
+    does not join U+11935 U+11930 into U+11938 (all three are here). Hangul, by arithmetic, agrees."""
+    nfc = normalizers.NFC()
+    differs = set()
+    for c in DECOMPOSING_OR_COMBINING:
+        if "\uac00" <= c <= "\ud7a3":
+            continue
+        if unicodedata.combining(c):
+            # A mark of any class moves before U+0345 (240) or after U+0334 (1).
+            probes = [f"a\u0345{c}", f"a{c}\u0334"]
+            if any(nfc.normalize_str(probe) != unicodedata.normalize("NFC", probe) for probe in probes):
+                differs.add(c)
+        else:
+            decomposed = unicodedata.normalize("NFD", c)
+            if nfc.normalize_str(decomposed) != unicodedata.normalize("NFC", decomposed):
+                differs.update(c + decomposed)
+    return "".join(sorted(differs))
+
+
+NFC_DIFFERS_IN_TOKENIZERS = nfc_differs_in_tokenizers()
+
+
 def any_text() -> st.SearchStrategy[str]:
     # Cn is left out: Python's Unicode (14) leaves unassigned what tokenizers' newer one may call a letter.
-    characters = st.characters(exclude_categories=("Cs", "Cn"))
+    characters = st.characters(exclude_categories=("Cs", "Cn"), exclude_characters=NFC_DIFFERS_IN_TOKENIZERS)
     pieces = st.one_of(
         st.text(characters, max_size=12),
         st.text(st.sampled_from("abcXYZαβγабвж你好こんにちはمرحباשלום"), min_size=1, max_size=12),
@@ -139,6 +176,13 @@ def qwen2(folder: Path) -> Path:
     tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False)])
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return save(tokenizer, folder / "qwen2.json")
+
+
+def qwen3(folder: Path) -> Path:
+    """Qwen2.5's and Qwen3's: Qwen2's with the NFC normalizer."""
+    tokenizer = Tokenizer.from_file(str(qwen2(folder)))
+    tokenizer.normalizer = normalizers.NFC()
+    return save(tokenizer, folder / "qwen3.json")
 
 
 SENTENCEPIECE_SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -239,6 +283,7 @@ KINDS = {
     "digits": digits,
     "llama3": llama3,
     "qwen2": qwen2,
+    "qwen3": qwen3,
     "llama2": llama2,
     "metaspace_first": metaspace_first,
     "metaspace_always": metaspace_always,
@@ -254,7 +299,11 @@ KIND_PARAMS = [pytest.param(kind, marks=pytest.mark.slow) if kind == "smollm2" e
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Path:
-    return host_program("tokenize.cc", ["tokenizer.cc", "tokenizer_regex.cc"], tmp_path_factory.mktemp("tokenize"))
+    return host_program(
+        "tokenize.cc",
+        ["tokenizer.cc", "tokenizer_regex.cc", "unicode_normalization.cc"],
+        tmp_path_factory.mktemp("tokenize"),
+    )
 
 
 class Tokenizers:
@@ -402,6 +451,63 @@ def test_encoding_100_kb_takes_well_under_a_second(tokenizers):
         assert ids == reference.encode(text, add_special_tokens=False).ids
 
 
+# ---- NFC ------------------------------------------------------------------------------------
+
+
+def nfc_text() -> st.SearchStrategy[str]:
+    """Marks on letters in any order, Hangul jamo and syllables, Latin and Vietnamese precomposed and
+    decomposed, singletons (ANGSTROM SIGN, OHM SIGN, CJK compatibility ideographs) and the composition
+    exclusions (U+0958, U+2ADC, non-starter decompositions such as U+0344 and U+0F73)."""
+    marks = "\u0300\u0301\u0302\u0303\u0306\u0308\u0309\u030a\u031b\u0323\u0327\u0328\u0334\u0338"
+    marks += "\u0345\u0591\u05b0\u093c\u0f72\u0f74\u302a\u3099"
+    letters = "aeiouyAEOUnNcCsSzZ<=>αωΑΩиИеЕkKक"
+    jamo = "".join(map(chr, [*range(0x1100, 0x1113), *range(0x1161, 0x1176), *range(0x11A7, 0x11C3)]))
+    syllables = st.integers(0xAC00, 0xD7A3).map(chr)
+    vietnamese = "Tiếng Việt có dấu: ắằẳẵặ ấầẩẫậ ếềểễệ ốồổỗộ ớờởỡợ ứừửữự ỹỷỳý"
+    singletons = "\u212b\u2126\u212a\u0340\u0341\u0343\u0374\u037e\u0387\u1f71\uf900\ufa10\U0002f800"
+    excluded = "\u0344\u0958\u095f\u09dc\u0a33\u0b5c\u0f43\u0f73\u0f75\u0f81\ufb1d\ufb2a\u2adc\U0001d15e"
+    pieces = st.one_of(
+        st.text(st.sampled_from(letters + marks + jamo), min_size=1, max_size=12),
+        syllables,
+        st.sampled_from(vietnamese.split(" ")),
+        st.sampled_from(vietnamese.split(" ")).map(lambda word: unicodedata.normalize("NFD", word)),
+        st.text(st.sampled_from(singletons + excluded + marks), min_size=1, max_size=4),
+        st.sampled_from(DECOMPOSING_OR_COMBINING),
+        st.sampled_from(NFC_DIFFERS_IN_TOKENIZERS),
+        any_text(),
+    )
+    return st.lists(pieces, max_size=10).map("".join)
+
+
+def without_nfc_differences(text: str) -> str:
+    return "".join(c for c in text if c not in NFC_DIFFERS_IN_TOKENIZERS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=nfc_text())
+def test_nfc_as_unicodedata_and_tokenizers(text, tokenizers):
+    process, reference = tokenizers["qwen3"]
+    assert process.ask(text)["text"] == unicodedata.normalize("NFC", text)
+    assert_same(process, reference, without_nfc_differences(text))
+
+
+def test_nfc_of_each_character_that_decomposes_or_combines(tokenizers):
+    """Each alone, decomposed, and as a mark between two others (U+0334 of class 1, U+0345 of 240)."""
+    process, reference = tokenizers["qwen3"]
+    characters = DECOMPOSING_OR_COMBINING
+    for start in range(0, len(characters), 500):
+        some = characters[start : start + 500]
+        text = " ".join(f"{c} {unicodedata.normalize('NFD', c)} a\u0345{c}\u0334" for c in some)
+        assert process.ask(text)["text"] == unicodedata.normalize("NFC", text), some
+        assert_same(process, reference, without_nfc_differences(text))
+
+
+def test_nfc_keeps_ascii_as_it_is(tokenizers):
+    process, _ = tokenizers["qwen3"]
+    ascii_text = "".join(map(chr, range(128)))
+    assert process.ask(ascii_text)["text"] == ascii_text
+
+
 # ---- refusals ------------------------------------------------------------------------------
 
 
@@ -420,9 +526,13 @@ REFUSED = {
         lambda path: replace_in(path, "pre_tokenizer", {"type": "Whitespace"}),
         "tokenizer.json: the pre_tokenizer Whitespace is not supported",
     ),
-    "nfc": (
-        lambda path: replace_in(path, "normalizer", {"type": "Sequence", "normalizers": [{"type": "NFC"}]}),
-        "tokenizer.json: the normalizer NFC is not supported",
+    "nfd": (
+        lambda path: replace_in(path, "normalizer", {"type": "Sequence", "normalizers": [{"type": "NFD"}]}),
+        "tokenizer.json: the normalizer NFD is not supported",
+    ),
+    "nfkc": (
+        lambda path: replace_in(path, "normalizer", {"type": "NFKC"}),
+        "tokenizer.json: the normalizer NFKC is not supported",
     ),
     "wordpiece_decoder": (
         lambda path: replace_in(path, "decoder", {"type": "WordPiece", "prefix": "##", "cleanup": True}),

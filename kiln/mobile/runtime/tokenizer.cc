@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "tokenizer_regex.h"
+#include "unicode_normalization.h"
 
 namespace kiln {
 
@@ -313,6 +314,11 @@ class ReplaceNormalizer final : public Normalizer {
   std::string content_;
 };
 
+class NfcNormalizer final : public Normalizer {
+ public:
+  std::string Normalize(const std::string& text) const override { return NormalizeNfc(text); }
+};
+
 class NormalizerSequence final : public Normalizer {
  public:
   explicit NormalizerSequence(std::vector<std::unique_ptr<Normalizer>> normalizers)
@@ -337,6 +343,7 @@ std::unique_ptr<Normalizer> ReadNormalizer(const json::Object& object) {
     }
     return std::make_unique<NormalizerSequence>(std::move(normalizers));
   }
+  if (type == "NFC") return std::make_unique<NfcNormalizer>();
   if (type == "Prepend") return std::make_unique<PrependNormalizer>(StringField(object, "prepend", owner));
   if (type == "Replace") {
     return std::make_unique<ReplaceNormalizer>(PatternField(object, owner), StringField(object, "content", owner));

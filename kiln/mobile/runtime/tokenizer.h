@@ -1,8 +1,9 @@
 // The tokenizer of a Kiln model, read from its tokenizer.json and giving the ids and text that
-// Hugging Face `tokenizers` gives for it: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2) and
-// SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma). A tokenizer.json with
-// any other piece (another model type, normalizer, pre-tokenizer, decoder or post-processor, or a
-// regular expression beyond tokenizer_regex.h's) is refused when it is read, naming that piece.
+// Hugging Face `tokenizers` gives for it: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2, and
+// Qwen2.5 and Qwen3 with their NFC normalizer) and SentencePiece-style BPE with byte fallback
+// (Llama 2, Mistral, Gemma). A tokenizer.json with any other piece (another model type,
+// normalizer, pre-tokenizer, decoder or post-processor, or a regular expression beyond
+// tokenizer_regex.h's) is refused when it is read, naming that piece.
 #ifndef KILN_MOBILE_RUNTIME_TOKENIZER_H_
 #define KILN_MOBILE_RUNTIME_TOKENIZER_H_
 
