@@ -177,10 +177,11 @@ def clang_command(platform: RuntimePlatform) -> list[str]:
 
 def zig_command(platform: RuntimePlatform, language: str = "c++") -> list[str]:
     """zig's clang (`language`: its `c++` or `cc` driver) for an Apple triple; its Darwin headers serve
-    every Apple OS, so they are named for iOS too."""
+    every Apple OS, so they are named for iOS too. `-g0`: zig's driver adds debug info by default (a 64 MB
+    libkiln.a where clang's builds have none)."""
     zig = zig_path()
     darwin_headers = zig.parent / "lib" / "libc" / "include" / "any-darwin-any"
-    return [str(zig), language, "-target", platform.triple, "-isystem", str(darwin_headers)]
+    return [str(zig), language, "-target", platform.triple, "-g0", "-isystem", str(darwin_headers)]
 
 
 def _kiln_defines(platform: RuntimePlatform) -> list[str]:
@@ -225,13 +226,19 @@ def _compiler_version(platform: RuntimePlatform) -> str:
     return result.stdout.splitlines()[0] if result.stdout else "unknown"
 
 
+def _platform_flags_in_use(platform: RuntimePlatform) -> list[str]:
+    """What the platform's compiler command adds to the compile flags (the triple for the app's)."""
+    compiler = BUILDS[platform.built_with].compiler
+    return compiler(platform)[1:] if compiler else [platform.triple]
+
+
 def runtime_fingerprint(platform: RuntimePlatform) -> dict:
     """What a cached runtime was made from; one with another fingerprint is made again."""
     return {
         "tvm": tvm_version(),
         "tvm_ffi": importlib.metadata.version("apache-tvm-ffi"),
         "compiler": _compiler_version(platform),
-        "platform": [platform.triple, *platform.instrumented],
+        "platform": _platform_flags_in_use(platform),
         "compile_flags": _compile_flags(platform),
         "sources": _sources_digest(),
     }
