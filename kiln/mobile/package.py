@@ -24,6 +24,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kiln.app_config import MODEL_FILES, CompiledModel, model_needs, read_compiled_model
 from kiln.compile.pipeline import MODEL_ID
@@ -302,24 +303,43 @@ def platform_triple(platform: str) -> str:
     return described.get("host", described).get("mtriple", "")
 
 
+@dataclass(frozen=True)
+class Binding:
+    """What an app of an OS gets to call kiln.h from its own language: BUNDLE.md's line and the files."""
+
+    describe: str
+    write: Callable[[Path], object]
+
+
+# By the word of the platform's triple that names its OS.
+BINDINGS = {
+    "android": Binding(
+        "`java/`: `ai.kiln.KilnEngine` (Java/Kotlin) and its JNI side `kiln_jni.c`, to build with the "
+        "app's NDK against kiln.h and libkiln.",
+        lambda folder: shutil.copytree(JAVA_SOURCES, folder / "java"),
+    ),
+    "apple": Binding(
+        "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`.",
+        lambda folder: (folder / "include" / "module.modulemap").write_text(MODULE_MAP),
+    ),
+}
+
+
+def platform_binding(platform: str) -> Binding | None:
+    triple = platform_triple(platform)
+    return next((binding for os_word, binding in BINDINGS.items() if os_word in triple), None)
+
+
 def engine_section(platform: str) -> str:
     """kiln.h, the runtime, and what else an app of the platform gets to call it."""
-    triple = platform_triple(platform)
-    bindings = ""
-    if "android" in triple:
-        bindings = (
-            "`java/`: `ai.kiln.KilnEngine` (Java/Kotlin) and its JNI side `kiln_jni.c`, to build with the "
-            "app's NDK against kiln.h and libkiln."
-        )
-    if "apple" in triple:
-        bindings = "`include/module.modulemap`: Swift imports kiln.h as `import Kiln`."
+    binding = platform_binding(platform)
     runtime = TARGETS[platform].mobile_runtime
     built_with = RUNTIME_PLATFORMS[runtime].built_with if runtime else None
     return f"""## Kiln's engine (kiln.h)
 
 `include/kiln.h` is Kiln's C API: an engine per model, OpenAI chat-completion JSON in, streamed
 `chat.completion.chunk` JSON out, the browser engine's error codes. {RUNTIME_NOTES[built_with]}
-{bindings}
+{binding.describe if binding else ""}
 """
 
 
@@ -353,11 +373,9 @@ def write_engine_files(platform: str, folder: Path) -> None:
     """kiln.h, the runtime where Kiln makes one for the platform, and the bindings of its apps."""
     (folder / "include").mkdir()
     shutil.copyfile(KILN_SOURCES_DIR / PUBLIC_HEADER, folder / "include" / PUBLIC_HEADER)
-    triple = platform_triple(platform)
-    if "apple" in triple:
-        (folder / "include" / "module.modulemap").write_text(MODULE_MAP)
-    if "android" in triple:
-        shutil.copytree(JAVA_SOURCES, folder / "java")
+    binding = platform_binding(platform)
+    if binding is not None:
+        binding.write(folder)
     runtime = TARGETS[platform].mobile_runtime
     if runtime is None:
         return

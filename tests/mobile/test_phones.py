@@ -14,6 +14,7 @@ import pytest
 from helpers.mobile_app import CHAT_DRIVER, greedy_arm64_reply
 from helpers.mobile_objects import CPU_TYPE_ARM64, PLATFORM_IOS, ObjectHeader, archive_members, object_header
 
+from kiln.compile.toolchain.system_lib import defined_globals, llvm_tool, run_tool
 from kiln.compile.toolchain.mobile_runtime import RUNTIME_PLATFORMS, zig_command, zig_path
 from kiln.engine import Engine, GenerationConfig
 from kiln.mobile.package import LINK_LINES, package
@@ -80,9 +81,9 @@ def libsystem_symbols() -> set[str]:
     return set(re.findall(r"[\s'\[,](_[A-Za-z0-9_$.]+)", tbd))
 
 
-def symbols(objects: list, *options: str) -> set[str]:
-    listed = subprocess.run(["llvm-nm", "-j", *options, *map(str, objects)], capture_output=True, text=True, check=True)
-    return {line for line in listed.stdout.splitlines() if line and not line.endswith(":")}
+def undefined_symbols(obj) -> set[str]:
+    listed = run_tool([llvm_tool("llvm-nm"), "--undefined-only", "--format=just-symbols", str(obj)])
+    return {line for line in listed.splitlines() if line}
 
 
 def test_an_iphone_cpu_bundle_needs_only_what_an_ios_app_links(phone_model, tmp_path):
@@ -94,7 +95,8 @@ def test_an_iphone_cpu_bundle_needs_only_what_an_ios_app_links(phone_model, tmp_
             assert object_header(body) == ObjectHeader("macho", CPU_TYPE_ARM64, PLATFORM_IOS), f"{archive}({name})"
             objects.append(tmp_path / f"{archive}-{name}")
             objects[-1].write_bytes(body)
-    needed = symbols(objects, "--undefined-only") - symbols(objects, "--defined-only", "--extern-only")
+    defined = {symbol for obj in objects for symbol in defined_globals(obj)}
+    needed = {symbol for obj in objects for symbol in undefined_symbols(obj)} - defined
     unresolved = sorted(s for s in needed - libsystem_symbols() if not LIBCXX_SYMBOL.match(s))
     assert unresolved == [], "symbols no iOS library defines"
     # An app's C compiles against kiln.h for iOS.
