@@ -31,6 +31,7 @@ from helpers.tiny_llama import (
     SMOLLM2_TOKENS,
     SMOLLM3_TOKENS,
     TEKKEN_TOKENS,
+    TEKKEN_V7_TOKENS,
     ChatTokens,
     write_tokenizer,
 )
@@ -108,6 +109,9 @@ CASES = [
         "mistral-v3-tekken",
         frozenset({"an empty system message"} | MULTI_TURN_SYSTEM),
     ),
+    # Mistral Small 3.2 and Ministral 3 show their default system message for none, and a block for an empty one.
+    Case("mistralai-Mistral-Small-3.2-24B-Instruct-2506", TEKKEN_V7_TOKENS, "mistral-v7-tekken"),
+    Case("mistralai-Ministral-3-14B-Reasoning-2512", TEKKEN_V7_TOKENS, "mistral-v7-tekken"),
     # Gemma 3 shows no system block for an empty system message but the blank line after it.
     Case("google-gemma-3-4b-it", GEMMA_TOKENS, "gemma", frozenset({"an empty system message"})),
     Case("google-gemma-2-2b-it", GEMMA_TOKENS, "gemma"),

@@ -19,11 +19,14 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from gguf import GGMLQuantizationType as GGMLType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers.assets import LLAMA_CPP_VOCABULARIES, llama_cpp_vocabulary, smollm2_gguf
 from helpers.hub import FAKE_COMMIT, fake_hub
+from helpers.tekken import TEKKEN_CORPUS, tekken_reference, write_tekken_gguf, write_tekken_json
 
 from kiln.compile.source.gguf_source import model_name_from_gguf_path
 from kiln.compile.source.ingest import ingest
@@ -359,6 +362,33 @@ def test_gguf_tokenizer_matches_llama_cpp_reference_ids(vocabulary, tmp_path):
     assert len(texts) > 40
     for text, ids in zip(texts, reference_ids):
         assert tokenizer.encode(text, add_special_tokens=False).ids == [int(i) for i in ids.split()], text
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(exclude_categories=["Cs", "Cn"])))
+def test_a_tekken_gguf_tokenizer_gives_transformers_ids(tekken, text):
+    """Ministral 3's and Mistral Small 3's GGUFs (tokenizer.ggml.pre "tekken"): against transformers'
+    conversion of the tekken.json the GGUF's vocabulary was written from."""
+    reference, ours = tekken
+    assert ours.encode(text, add_special_tokens=False).ids == reference.encode(text).ids, text
+
+
+def test_a_tekken_gguf_tokenizer_adds_the_bos_as_llama_cpp_does(tekken):
+    reference, ours = tekken
+    for text in [*VARIED_TEXT, *TEKKEN_CORPUS, "[INST]Hello[/INST]"]:
+        assert ours.encode(text).ids == [reference.token_to_id("<s>"), *reference.encode(text).ids], text
+
+
+@pytest.fixture(scope="module")
+def tekken(tmp_path_factory):
+    from kiln.compile.source.gguf_file import read_gguf
+    from kiln.compile.source.gguf_source import GGUFMetadata, write_tokenizer_files
+
+    folder = tmp_path_factory.mktemp("tekken")
+    reference = tekken_reference(write_tekken_json(folder))
+    path = write_tekken_gguf(reference, folder / "tekken.gguf")
+    write_tokenizer_files(GGUFMetadata(read_gguf(path).metadata, path), folder)
+    return reference, Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
 # ---- SmolLM2 against transformers' own GGUF loader -------------------------------------------

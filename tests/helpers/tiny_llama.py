@@ -55,6 +55,28 @@ PHI_3_TOKENS = ChatTokens(
 LLAMA_2_TOKENS = ChatTokens(("<unk>", "<s>", "</s>"), "<s>", "</s>", sentencepiece=True)
 MISTRAL_V3_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>", sentencepiece=True)
 TEKKEN_TOKENS = ChatTokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>")
+# Mistral's v7 templates (Mistral Small 3.1 on, Ministral 3): the system prompt, tool and thinking tags too.
+TEKKEN_V7_TOKENS = ChatTokens(
+    (
+        "<unk>",
+        "<s>",
+        "</s>",
+        "[INST]",
+        "[/INST]",
+        "[AVAILABLE_TOOLS]",
+        "[/AVAILABLE_TOOLS]",
+        "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]",
+        "[TOOL_CALLS]",
+        "[SYSTEM_PROMPT]",
+        "[/SYSTEM_PROMPT]",
+        "[ARGS]",
+        "[THINK]",
+        "[/THINK]",
+    ),
+    "<s>",
+    "</s>",
+)
 GEMMA_TOKENS = ChatTokens(
     ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
     "<bos>",

@@ -26,6 +26,7 @@ from helpers.tiny_llama import (
     SMOLLM2_TOKENS,
     SMOLLM3_TOKENS,
     TEKKEN_TOKENS,
+    TEKKEN_V7_TOKENS,
     write_tokenizer,
 )
 from helpers.web import run_node_module
@@ -42,6 +43,8 @@ REAL_TEMPLATES = {
     "mistralai-Mistral-7B-Instruct-v0.2": LLAMA_2_TOKENS,
     "mistralai-Mistral-Large-Instruct-2407": MISTRAL_V3_TOKENS,
     "mistralai-Mistral-Nemo-Instruct-2407": TEKKEN_TOKENS,
+    "mistralai-Mistral-Small-3.2-24B-Instruct-2506": TEKKEN_V7_TOKENS,
+    "mistralai-Ministral-3-14B-Reasoning-2512": TEKKEN_V7_TOKENS,
     "google-gemma-3-4b-it": GEMMA_TOKENS,
     "ibm-granite-granite-3.0-8b-instruct": GRANITE_TOKENS,
     "HuggingFaceTB-SmolLM3-3B": SMOLLM3_TOKENS,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers.assets import LLAMA_CPP_VOCABULARIES, llama_cpp_vocabulary, smollm2_gguf
 from helpers.host_cpp import RUNTIME_SOURCES, DriverProcess, host_program
+from helpers.tekken import tekken_reference, write_tekken_gguf, write_tekken_json
 from helpers.tiny_llama import LLAMA_2_TOKENS, write_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -272,6 +273,12 @@ def from_gguf(path: Path, folder: Path) -> Path:
     return folder / "tokenizer.json"
 
 
+def tekken(folder: Path) -> Path:
+    """Mistral's tekken split (\\p{Lu}, \\p{Ll}, \\p{M}, ...), as Kiln writes it from a tekken GGUF."""
+    reference = tekken_reference(write_tekken_json(folder))
+    return from_gguf(write_tekken_gguf(reference, folder / "tekken.gguf"), folder)
+
+
 def smollm2(folder: Path) -> Path:
     """The real SmolLM2-135M-Instruct's, as Kiln writes it from its GGUF (Digits, then GPT-2's ByteLevel)."""
     return from_gguf(smollm2_gguf(), folder)
@@ -284,6 +291,7 @@ KINDS = {
     "llama3": llama3,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "tekken": tekken,
     "llama2": llama2,
     "metaspace_first": metaspace_first,
     "metaspace_always": metaspace_always,
@@ -539,8 +547,8 @@ REFUSED = {
         "tokenizer.json: the decoder WordPiece is not supported",
     ),
     "regex": (
-        lambda path: replace_in(path, "pre_tokenizer", {"type": "Split", "pattern": {"Regex": r"\p{Lu}+"}}),
-        'tokenizer.json: the pre_tokenizer Split\'s regex "\\p{Lu}+" is not supported: a \\p{...} other than',
+        lambda path: replace_in(path, "pre_tokenizer", {"type": "Split", "pattern": {"Regex": r"\p{Sc}+"}}),
+        'tokenizer.json: the pre_tokenizer Split\'s regex "\\p{Sc}+" is not supported: a \\p{...} other than',
     ),
     "single_word": (
         lambda path: replace_in(

@@ -223,6 +223,12 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral's tekken vocabularies (Mistral Nemo, Mistral Small 3, Ministral 3): words split at case changes.
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # The longest token of GPT-2's, Llama 3's and Qwen2's vocabularies has 128 characters (Llama 2's
 # and Phi-3's: 16); 8x that leaves room for any real vocabulary and bounds the work per token
@@ -280,8 +286,9 @@ class GGUFVocabulary:
                 ("pad_token", "padding_token_id"),
             )
         }
-        # llama.cpp's defaults when the file does not say: SentencePiece vocabularies and
-        # Llama 3's BPE add BOS, and SentencePiece puts a space before the text.
+        # llama.cpp's defaults when the file does not say: SentencePiece vocabularies and some BPE
+        # ones (Llama 3's, tekken) add BOS, and SentencePiece puts a space before the text.
+        bpe_adds_bos = pre in BYTE_PRE_TOKENIZERS and BYTE_PRE_TOKENIZERS[pre].adds_bos
         return cls(
             model=model,
             pre=pre,
@@ -290,7 +297,7 @@ class GGUFVocabulary:
             scores=scores,
             merges=merges,
             special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
-            add_bos=metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre in LLAMA3_PRE_NAMES, bool),
+            add_bos=metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or bpe_adds_bos, bool),
             add_eos=metadata.get("tokenizer.ggml.add_eos_token", False, bool),
             add_space_prefix=metadata.get("tokenizer.ggml.add_space_prefix", model == "llama", bool),
             chat_template=metadata.get("tokenizer.chat_template", kind=str),
@@ -324,6 +331,7 @@ class BytePreTokenizer:
 
     build: Callable[[], pre_tokenizers.PreTokenizer]
     ignore_merges: bool = False  # a word that is itself a token is taken whole (Llama 3)
+    adds_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
 
 
 BYTE_PRE_TOKENIZERS: dict[str, BytePreTokenizer] = {
@@ -331,10 +339,11 @@ BYTE_PRE_TOKENIZERS: dict[str, BytePreTokenizer] = {
     "gpt-2": BytePreTokenizer(gpt2_pre_tokenizer),
     "smollm": BytePreTokenizer(smollm_pre_tokenizer),
     **{
-        name: BytePreTokenizer(partial(regex_pre_tokenizer, LLAMA3_SPLIT), ignore_merges=True)
+        name: BytePreTokenizer(partial(regex_pre_tokenizer, LLAMA3_SPLIT), ignore_merges=True, adds_bos=True)
         for name in LLAMA3_PRE_NAMES
     },
     "qwen2": BytePreTokenizer(partial(regex_pre_tokenizer, QWEN2_SPLIT)),
+    "tekken": BytePreTokenizer(partial(regex_pre_tokenizer, TEKKEN_SPLIT), ignore_merges=True, adds_bos=True),
 }
 
 

@@ -1,7 +1,8 @@
 """Writes unicode_tables.h: the Unicode character properties the mobile runtime's tokenizer needs
-(\\p{L}, \\p{N}, \\s and case-insensitive ASCII letters of the tokenizer.json regular expressions,
-and the canonical decompositions, combining classes and compositions of the NFC normalizer), as
-ranges of code points and sorted arrays, from this Python's `unicodedata`.
+(\\p{L}, \\p{M}, \\p{N} and their general categories, \\s and case-insensitive ASCII letters of the
+tokenizer.json regular expressions, and the canonical decompositions, combining classes and
+compositions of the NFC normalizer), as ranges of code points and sorted arrays, from this Python's
+`unicodedata`.
 
     python kiln/mobile/runtime/make_unicode_tables.py [output]   (default: unicode_tables.h beside it)
 """
@@ -20,12 +21,8 @@ WHITE_SPACE_CONTROLS = frozenset((0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x85))
 HANGUL_SYLLABLES = (0xAC00, 0xD7A3)
 
 
-def is_letter(code_point: int) -> bool:
-    return unicodedata.category(chr(code_point)).startswith("L")
-
-
-def is_number(code_point: int) -> bool:
-    return unicodedata.category(chr(code_point)).startswith("N")
+# The general categories \\p{...} can name (letters, marks, numbers), in the order of the header's enum.
+CATEGORIES = ("Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No")
 
 
 def is_white_space(code_point: int) -> bool:
@@ -42,6 +39,20 @@ def ranges(has_property: Callable[[int], bool]) -> list[tuple[int, int]]:
             runs[-1] = (runs[-1][0], code_point)
         else:
             runs.append((code_point, code_point))
+    return runs
+
+
+def category_runs() -> list[tuple[int, int, str]]:
+    """The code points of CATEGORIES, as (first, last, category) runs of one category."""
+    runs: list[tuple[int, int, str]] = []
+    for code_point in range(LAST_CODE_POINT + 1):
+        category = unicodedata.category(chr(code_point))
+        if category not in CATEGORIES:
+            continue
+        if runs and runs[-1][1] == code_point - 1 and runs[-1][2] == category:
+            runs[-1] = (runs[-1][0], code_point, category)
+        else:
+            runs.append((code_point, code_point, category))
     return runs
 
 
@@ -105,8 +116,7 @@ def rows(entries: list[str], per_row: int) -> str:
 
 
 def header() -> str:
-    letters = range_table("kLetters", "\\p{L}: general categories Lu, Ll, Lt, Lm and Lo.", ranges(is_letter))
-    numbers = range_table("kNumbers", "\\p{N}: general categories Nd, Nl and No.", ranges(is_number))
+    categories = rows([f"{{0x{first:04X}, 0x{last:04X}, k{name}}}," for first, last, name in category_runs()], 4)
     white_space = range_table("kWhiteSpace", "\\s: the White_Space property.", ranges(is_white_space))
     folds = "\n".join(f"    {{0x{code_point:04X}, '{letter}'}}," for code_point, letter in folds_to_ascii_letter())
     classes = rows([f"{{0x{first:04X}, 0x{last:04X}, {value}}}," for first, last, value in combining_class_runs()], 4)
@@ -139,8 +149,19 @@ struct CodePointRange {{
   char32_t last;
 }};
 
-{letters}
-{numbers}
+enum GeneralCategory : unsigned char {{ {", ".join(f"k{category}" for category in CATEGORIES)} }};
+
+struct CategoryRange {{
+  char32_t first;
+  char32_t last;
+  GeneralCategory category;
+}};
+
+// The code points of the letter (L), mark (M) and number (N) categories, as runs of one category.
+inline constexpr CategoryRange kCategories[] = {{
+{categories}
+}};
+
 {white_space}
 struct FoldToAsciiLetter {{
   char32_t code_point;

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <bitset>
 #include <cctype>
+#include <cstdint>
+#include <initializer_list>
 #include <iterator>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "unicode_tables.h"
@@ -92,36 +95,63 @@ std::string ValidUtf8(std::string_view bytes) {
 
 namespace {
 
-template <size_t N>
-bool InRanges(const unicode::CodePointRange (&ranges)[N], char32_t code_point) {
-  auto starts_after = [](char32_t value, const unicode::CodePointRange& range) { return value < range.first; };
+template <typename Range, size_t N>
+const Range* RangeOf(const Range (&ranges)[N], char32_t code_point) {
+  auto starts_after = [](char32_t value, const Range& range) { return value < range.first; };
   auto after = std::upper_bound(std::begin(ranges), std::end(ranges), code_point, starts_after);
-  return after != std::begin(ranges) && code_point <= std::prev(after)->last;
+  return after != std::begin(ranges) && code_point <= std::prev(after)->last ? &*std::prev(after) : nullptr;
+}
+
+// A set of general categories, a bit each (unicode::GeneralCategory), or White_Space.
+using Property = uint32_t;
+constexpr Property kWhiteSpaceProperty = 1u << 31;
+
+constexpr Property Categories(std::initializer_list<unicode::GeneralCategory> categories) {
+  Property property = 0;
+  for (unicode::GeneralCategory category : categories) property |= 1u << category;
+  return property;
+}
+
+constexpr Property kLetter = Categories({unicode::kLu, unicode::kLl, unicode::kLt, unicode::kLm, unicode::kLo});
+constexpr Property kNumber = Categories({unicode::kNd, unicode::kNl, unicode::kNo});
+constexpr Property kMark = Categories({unicode::kMn, unicode::kMc, unicode::kMe});
+
+// The names \p{...} takes: a category or a group of them.
+const std::unordered_map<std::string, Property>& NamedProperties() {
+  static const std::unordered_map<std::string, Property> properties = {
+      {"L", kLetter},
+      {"Lu", Categories({unicode::kLu})},
+      {"Ll", Categories({unicode::kLl})},
+      {"Lt", Categories({unicode::kLt})},
+      {"Lm", Categories({unicode::kLm})},
+      {"Lo", Categories({unicode::kLo})},
+      {"M", kMark},
+      {"Mn", Categories({unicode::kMn})},
+      {"Mc", Categories({unicode::kMc})},
+      {"Me", Categories({unicode::kMe})},
+      {"N", kNumber},
+      {"Nd", Categories({unicode::kNd})},
+      {"Nl", Categories({unicode::kNl})},
+      {"No", Categories({unicode::kNo})},
+  };
+  return properties;
+}
+
+bool HasProperty(Property property, char32_t code_point) {
+  if ((property & kWhiteSpaceProperty) && RangeOf(unicode::kWhiteSpace, code_point)) return true;
+  const unicode::CategoryRange* range = RangeOf(unicode::kCategories, code_point);
+  return range && (property & (1u << range->category));
 }
 
 }  // namespace
 
-bool IsLetter(char32_t code_point) { return InRanges(unicode::kLetters, code_point); }
-bool IsNumber(char32_t code_point) { return InRanges(unicode::kNumbers, code_point); }
-bool IsWhiteSpace(char32_t code_point) { return InRanges(unicode::kWhiteSpace, code_point); }
+bool IsLetter(char32_t code_point) { return HasProperty(kLetter, code_point); }
+bool IsNumber(char32_t code_point) { return HasProperty(kNumber, code_point); }
+bool IsWhiteSpace(char32_t code_point) { return HasProperty(kWhiteSpaceProperty, code_point); }
 
 // ---- regular expressions -----------------------------------------------------------------------
 
 namespace {
-
-enum class Property { kLetter, kNumber, kWhiteSpace };
-
-bool HasProperty(Property property, char32_t code_point) {
-  switch (property) {
-    case Property::kLetter:
-      return IsLetter(code_point);
-    case Property::kNumber:
-      return IsNumber(code_point);
-    case Property::kWhiteSpace:
-      return IsWhiteSpace(code_point);
-  }
-  return false;
-}
 
 struct PropertyItem {
   Property property;
@@ -319,7 +349,7 @@ class Parser {
     switch (c) {
       case 's':
       case 'S':
-        return {true, {Property::kWhiteSpace, c == 'S'}, 0};
+        return {true, {kWhiteSpaceProperty, c == 'S'}, 0};
       case 'p':
       case 'P':
         return {true, {NamedProperty(), c == 'P'}, 0};
@@ -341,11 +371,14 @@ class Parser {
   }
 
   Property NamedProperty() {
+    std::string name;
     if (Accept('{')) {
-      if (Accept('L') && Accept('}')) return Property::kLetter;
-      if (Accept('N') && Accept('}')) return Property::kNumber;
+      while (at_ < pattern_.size() && Peek() != '}' && Peek() < 128 && name.size() < 2)
+        name += static_cast<char>(pattern_[at_++]);
+      auto named = NamedProperties().find(name);
+      if (Accept('}') && named != NamedProperties().end()) return named->second;
     }
-    Unsupported("a \\p{...} other than \\p{L} and \\p{N}");
+    Unsupported("a \\p{...} other than \\p{L}, \\p{M}, \\p{N} and their categories (\\p{Lu}, \\p{Mn}, ...)");
   }
 
   Node Escape(bool ignore_case) {

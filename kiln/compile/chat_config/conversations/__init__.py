@@ -6,7 +6,7 @@ from kiln.compile.chat_config.conversations.chatml import CHATML
 from kiln.compile.chat_config.conversations.gemma import GEMMA
 from kiln.compile.chat_config.conversations.granite import GRANITE
 from kiln.compile.chat_config.conversations.llama import LLAMA_2, LLAMA_3
-from kiln.compile.chat_config.conversations.mistral import MISTRAL_V1, MISTRAL_V3, MISTRAL_V3_TEKKEN
+from kiln.compile.chat_config.conversations.mistral import MISTRAL_V1, MISTRAL_V3, MISTRAL_V3_TEKKEN, MISTRAL_V7_TEKKEN
 from kiln.compile.chat_config.conversations.olmo import OLMO_2
 from kiln.compile.chat_config.conversations.phi3 import PHI_3
 from kiln.compile.chat_config.conversations.smollm3 import SMOLLM3
@@ -22,6 +22,7 @@ CONV_FAMILIES = (
     MISTRAL_V3,
     GEMMA,
     MISTRAL_V3_TEKKEN,
+    MISTRAL_V7_TEKKEN,
     GRANITE,
     SMOLLM3,
     OLMO_2,

@@ -40,3 +40,16 @@ MISTRAL_V3_TEKKEN = ConvFamily(
     ("</s>",),
     add_role_after_system_message=False,
 )
+
+# Mistral Small 3.1 and later, Ministral 3 (Mistral's "v7" templates): the system message in a block of
+# its own, a default one when the chat has none.
+MISTRAL_V7_TEKKEN = ConvFamily(
+    "mistral-v7-tekken",
+    ("[SYSTEM_PROMPT]", "[INST]"),
+    "[SYSTEM_PROMPT]{system_message}[/SYSTEM_PROMPT]",
+    {"user": "[INST]", "assistant": ""},
+    ("[/INST]", "</s>"),
+    "",
+    "",
+    ("</s>",),
+)
