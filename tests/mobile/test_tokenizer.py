@@ -375,7 +375,8 @@ def test_any_text_as_tokenizers(kind, text, tokenizers):
 @pytest.mark.slow
 @pytest.mark.parametrize("vocabulary", LLAMA_CPP_VOCABULARIES)
 def test_llama_cpp_vocabularies_as_tokenizers(vocabulary, program, tmp_path):
-    """Real vocabularies (GPT-2, Llama 3, Llama 2, Phi-3, Qwen2) on llama.cpp's own test texts."""
+    """Real vocabularies (GPT-2, Llama 3, Llama 2, Phi-3, Qwen2, Refact as Granite's GGUFs name theirs) on
+    llama.cpp's own test texts."""
     path = llama_cpp_vocabulary(vocabulary)
     tokenizer_json = from_gguf(path, tmp_path)
     reference = Tokenizer.from_file(str(tokenizer_json))

@@ -338,6 +338,7 @@ BYTE_PRE_TOKENIZERS: dict[str, BytePreTokenizer] = {
     "default": BytePreTokenizer(gpt2_pre_tokenizer),
     "gpt-2": BytePreTokenizer(gpt2_pre_tokenizer),
     "smollm": BytePreTokenizer(smollm_pre_tokenizer),
+    "refact": BytePreTokenizer(smollm_pre_tokenizer),  # the name Granite GGUFs carry; split as SmolLM's
     **{
         name: BytePreTokenizer(partial(regex_pre_tokenizer, LLAMA3_SPLIT), ignore_merges=True, adds_bos=True)
         for name in LLAMA3_PRE_NAMES
