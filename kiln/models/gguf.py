@@ -71,11 +71,9 @@ def decoder_hparams(
     model_type: str,
     architectures: list[str],
     partial_rotary: bool = False,
-    rope_scalings: tuple[str, ...] = ("none", "linear"),
 ) -> dict:
     """The config.json fields every llama.cpp decoder stores the same way; RoPE over part of each
-    head (`partial_rotary_factor`) only for a family that computes it, and a rope scaling other than
-    linear only for a family that reads it (`rope_scalings`)."""
+    head (`partial_rotary_factor`) only for a family that computes it."""
     arch = metadata.require("general.architecture", str)
     hidden_size = metadata.size(f"{arch}.embedding_length")
     num_heads = metadata.size(f"{arch}.attention.head_count")
@@ -93,9 +91,10 @@ def decoder_hparams(
             metadata.path,
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none", str)
-    if scaling not in rope_scalings:
+    if scaling != "none" and scaling not in ROPE_SCALINGS:
         raise KilnError(
-            f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type (supported: {', '.join(rope_scalings)})",
+            f"unsupported RoPE scaling {scaling!r} in {arch}.rope.scaling.type "
+            f"(supported: none, {', '.join(ROPE_SCALINGS)})",
             metadata.path,
         )
     config = {
@@ -118,6 +117,34 @@ def decoder_hparams(
     }
     if rope_dims != head_dim:
         config["partial_rotary_factor"] = rope_dims / head_dim
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": metadata.require(f"{arch}.rope.scaling.factor")}
+    if scaling != "none":
+        config["rope_scaling"] = ROPE_SCALINGS[scaling](metadata, arch)
     return config
+
+
+def linear_scaling(metadata: Metadata, arch: str) -> dict:
+    return {"rope_type": "linear", "factor": metadata.require(f"{arch}.rope.scaling.factor")}
+
+
+def yarn_scaling(metadata: Metadata, arch: str) -> dict:
+    """YaRN's config.json fields as llama.cpp's converter writes them (`attention_factor` as
+    `yarn_attn_factor`); those it left out take transformers' defaults, as in llama.cpp."""
+    optional = {
+        "beta_fast": f"{arch}.rope.scaling.yarn_beta_fast",
+        "beta_slow": f"{arch}.rope.scaling.yarn_beta_slow",
+        "attention_factor": f"{arch}.rope.scaling.yarn_attn_factor",
+    }
+    return {
+        "rope_type": "yarn",
+        "factor": metadata.require(f"{arch}.rope.scaling.factor", float),
+        "original_max_position_embeddings": metadata.require(f"{arch}.rope.scaling.original_context_length", int),
+        **{field: value for field, key in optional.items() if (value := metadata.get(key, None, float)) is not None},
+    }
+
+
+# llama.cpp's rope.scaling.type → the config.json rope_scaling it stands for; a family refuses a
+# scaling it does not compute when it reads the config, as for a config.json.
+ROPE_SCALINGS: dict[str, Callable[[Metadata, str], dict]] = {
+    "linear": linear_scaling,
+    "yarn": yarn_scaling,
+}

@@ -132,7 +132,8 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
     is 1 in every Ministral 3) and β as `attention.temperature_scale`, which llama.cpp's loader takes as
     0 (no query scale) when left out."""
     arch = "mistral3"
-    config = decoder_hparams(metadata, tensors, "ministral3", ["Ministral3ForCausalLM"], rope_scalings=("none", "yarn"))
+    config = decoder_hparams(metadata, tensors, "ministral3", ["Ministral3ForCausalLM"])
+    yarn = config.pop("rope_scaling", None)
     rope = {
         "rope_type": "default",
         "rope_theta": config.pop("rope_theta"),
@@ -142,18 +143,10 @@ def gguf_config(metadata: Metadata, tensors: GGUFTensors) -> dict:
         ),
         "llama_4_scaling_beta": metadata.get(f"{arch}.attention.temperature_scale", 0.0, float),
     }
-    if metadata.get(f"{arch}.rope.scaling.type", "none", str) == "yarn":
-        fields = {
-            "rope_type": "yarn",
-            "factor": metadata.require(f"{arch}.rope.scaling.factor", float),
-            "beta_fast": metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", None, float),
-            "beta_slow": metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", None, float),
-            "attention_factor": metadata.get(f"{arch}.rope.scaling.yarn_attn_factor", None, float),
-        }
-        log_multiplier = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", None, float)
-        if log_multiplier:
-            fields |= {"mscale": 1.0, "mscale_all_dim": log_multiplier}
-        rope |= {key: value for key, value in fields.items() if value is not None}
+    if yarn:
+        rope |= yarn
+        if log_multiplier := metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", None, float):
+            rope |= {"mscale": 1.0, "mscale_all_dim": log_multiplier}
     return {**config, "rope_parameters": rope}
 
 

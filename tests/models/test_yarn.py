@@ -20,7 +20,8 @@ from helpers.failures import assert_clean_failure
 from helpers.reference import reference_model
 from helpers.tiny_families import COMMON, MISTRAL_WINDOW, YARN_FAMILIES, YARN_ORIGINAL_CONTEXT
 
-from kiln.models import MODELS
+from kiln.compile.source.gguf_source import GGUFMetadata
+from kiln.models import MODELS, GGUFTensors
 from kiln.models.decoder import yarn_inv_freq
 from kiln.runtime import NativeModel
 
@@ -81,6 +82,53 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(name, tmp_path):
     inv_freq, factor = yarn_inv_freq(config)
     np.testing.assert_allclose(inv_freq, expected_inv_freq.numpy(), rtol=1e-6)
     assert factor == pytest.approx(expected_factor, rel=1e-12)
+
+
+def converted_yarn_metadata(hf_config: dict) -> dict:
+    """A qwen2 GGUF's metadata as llama.cpp's converter writes `hf_config` (its YaRN fields as they are)."""
+    arch, scaling = "qwen2", hf_config["rope_scaling"]
+    sizes = dict(embedding_length=COMMON["hidden_size"], feed_forward_length=COMMON["intermediate_size"])
+    sizes |= dict(block_count=2, context_length=COMMON["max_position_embeddings"], vocab_size=COMMON["vocab_size"])
+    yarn = dict(
+        type="yarn", factor=scaling["factor"], original_context_length=scaling["original_max_position_embeddings"]
+    )
+    for field, key in (
+        ("attention_factor", "yarn_attn_factor"),
+        ("beta_fast", "yarn_beta_fast"),
+        ("beta_slow", "yarn_beta_slow"),
+    ):
+        if field in scaling:
+            yarn[key] = scaling[field]
+    return {
+        "general.architecture": arch,
+        **{f"{arch}.{key}": value for key, value in sizes.items()},
+        f"{arch}.attention.head_count": COMMON["num_attention_heads"],
+        f"{arch}.attention.head_count_kv": COMMON["num_key_value_heads"],
+        f"{arch}.attention.layer_norm_rms_epsilon": COMMON["rms_norm_eps"],
+        f"{arch}.rope.freq_base": hf_config.get("rope_theta", COMMON["rope_theta"]),
+        **{f"{arch}.rope.scaling.{key}": value for key, value in yarn.items()},
+    }
+
+
+# A low rope_theta and a long original context: there beta_fast and beta_slow move the ramp.
+GGUF_YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize(
+    "scaling", [GGUF_YARN, {**GGUF_YARN, "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}]
+)
+def test_a_yarn_gguf_gives_the_frequencies_of_the_config_json_it_was_converted_from(scaling, tmp_path):
+    """llama.cpp's converter writes YaRN's fields for any family (rope.scaling.type "yarn"); the fields it
+    leaves out take transformers' defaults, as llama.cpp's own loader gives them."""
+    hf_config = qwen2_config(rope_theta=100.0, rope_scaling=scaling)
+    path = tmp_path / "tiny.gguf"
+    tensors = GGUFTensors({"token_embd.weight", "output.weight"}, lambda name: None)
+    from_gguf = MODELS["qwen2"].gguf.config(GGUFMetadata(converted_yarn_metadata(hf_config), path), tensors)
+    parsed = MODELS["qwen2"].parse_config(from_gguf, path, {})
+    expected_inv_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.for_model(**hf_config))
+    inv_freq, factor = yarn_inv_freq(parsed)
+    np.testing.assert_allclose(inv_freq, expected_inv_freq.numpy(), rtol=1e-6)
+    assert factor == pytest.approx(expected_factor, rel=1e-7)
 
 
 @pytest.mark.parametrize("family", sorted(YARN_FAMILIES))
