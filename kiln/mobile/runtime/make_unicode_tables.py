@@ -13,7 +13,7 @@ import string
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 LAST_CODE_POINT = 0x10FFFF
 # White_Space is Zs, Zl and Zp, and these controls: \t \n \v \f \r and NEXT LINE.
@@ -42,18 +42,28 @@ def ranges(has_property: Callable[[int], bool]) -> list[tuple[int, int]]:
     return runs
 
 
+def value_runs(value_of: Callable[[int], Any]) -> list[tuple[int, int, Any]]:
+    """The code points whose value is not None, as (first, last, value) runs of one value."""
+    runs: list[tuple[int, int, Any]] = []
+    for code_point in range(LAST_CODE_POINT + 1):
+        value = value_of(code_point)
+        if value is None:
+            continue
+        if runs and runs[-1][1] == code_point - 1 and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], code_point, value)
+        else:
+            runs.append((code_point, code_point, value))
+    return runs
+
+
 def category_runs() -> list[tuple[int, int, str]]:
     """The code points of CATEGORIES, as (first, last, category) runs of one category."""
-    runs: list[tuple[int, int, str]] = []
-    for code_point in range(LAST_CODE_POINT + 1):
-        category = unicodedata.category(chr(code_point))
-        if category not in CATEGORIES:
-            continue
-        if runs and runs[-1][1] == code_point - 1 and runs[-1][2] == category:
-            runs[-1] = (runs[-1][0], code_point, category)
-        else:
-            runs.append((code_point, code_point, category))
-    return runs
+
+    def category(code_point: int) -> str | None:
+        name = unicodedata.category(chr(code_point))
+        return name if name in CATEGORIES else None
+
+    return value_runs(category)
 
 
 def folds_to_ascii_letter() -> list[tuple[int, str]]:
@@ -69,16 +79,7 @@ def folds_to_ascii_letter() -> list[tuple[int, str]]:
 
 def combining_class_runs() -> list[tuple[int, int, int]]:
     """The code points of a non-zero Canonical_Combining_Class, as (first, last, class) runs of one class."""
-    runs: list[tuple[int, int, int]] = []
-    for code_point in range(LAST_CODE_POINT + 1):
-        combining_class = unicodedata.combining(chr(code_point))
-        if not combining_class:
-            continue
-        if runs and runs[-1][1] == code_point - 1 and runs[-1][2] == combining_class:
-            runs[-1] = (runs[-1][0], code_point, combining_class)
-        else:
-            runs.append((code_point, code_point, combining_class))
-    return runs
+    return value_runs(lambda code_point: unicodedata.combining(chr(code_point)) or None)
 
 
 def canonical_decompositions() -> dict[int, tuple[int, ...]]:
