@@ -114,7 +114,7 @@ class BrowserEngineError(KilnError):
 
 # The page-side halves of PageEngine's methods. The engine lives in `globalThis.kilnDriven`;
 # failures come back as {error: {code, message}} so Python sees the engine's own codes.
-LOAD_JS = """async ({modelId, device, library, threads, appConfig, appConfigUrl}) => {
+LOAD_JS = """async ({modelId, device, library, threads, shaders, appConfig, appConfigUrl}) => {
   const { createEngine } = await import("/web/src/index.js");
   try {
     const config = appConfig ?? await (await fetch(appConfigUrl, { cache: "no-cache" })).json();
@@ -122,7 +122,7 @@ LOAD_JS = """async ({modelId, device, library, threads, appConfig, appConfigUrl}
     const started = performance.now();
     await globalThis.kilnDriven?.unload();
     globalThis.kilnDriven = await createEngine(config, modelId, {
-      device, library: library ?? undefined, threads: threads ?? undefined,
+      device, library: library ?? undefined, threads: threads ?? undefined, shaders: shaders ?? undefined,
       onProgress: ({ phase }) => { phases[phase] = (phases[phase] ?? 0) + 1; },
     });
     return { seconds: (performance.now() - started) / 1000, progress_events: phases,
@@ -205,10 +205,12 @@ class PageEngine:
         app_config: dict | None = None,
         app_config_url: str = "/api/app-config.json",
         threads: int | None = None,
+        shaders: str | None = None,
     ) -> dict:
         """Load a model; returns {seconds, progress_events: {phase: count}, stats}. `device`: "auto"
         or the target of the library to run (webgpu, webgpu-subgroups, wasm). `threads`: for the CPU
-        wasm library (default: the engine's choice)."""
+        wasm library, `shaders`: when WebGPU compiles them, "at-load" or "on-first-use" (default: the
+        engine's choice)."""
         return _unwrap(
             self.page.evaluate(
                 LOAD_JS,
@@ -217,6 +219,7 @@ class PageEngine:
                     "device": "auto",
                     "library": None if device == "auto" else device,
                     "threads": threads,
+                    "shaders": shaders,
                     "appConfig": app_config,
                     "appConfigUrl": app_config_url,
                 },

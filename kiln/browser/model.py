@@ -73,11 +73,11 @@ def check_browser_library(model_dir: Path, backend: str) -> None:
 
 @contextmanager
 def browser_model(
-    model_dir: Path, backend: str = "auto", driver=None, threads: int | None = None
+    model_dir: Path, backend: str = "auto", driver=None, threads: int | None = None, shaders: str | None = None
 ) -> Iterator[BrowserModel]:
     """Serve `model_dir` to a fresh headless Chromium and load it there (`backend` auto picks
-    WebGPU when Chromium has it, else the CPU wasm library; `threads`: the wasm library's, default
-    the engine's choice)."""
+    WebGPU when Chromium has it, else the CPU wasm library; `threads`: the wasm library's, `shaders`:
+    when WebGPU compiles them; default the engine's choice)."""
     model_dir = Path(model_dir)
     if backend not in BACKENDS:
         raise KilnError(f"the browser runs a {' or '.join(BROWSER_TARGETS)} library (or auto), not {backend!r}")
@@ -85,7 +85,7 @@ def browser_model(
         raise KilnError("not a compiled model folder (no kiln-build.json)", model_dir)
     check_browser_library(model_dir, backend)
     with page_engine(model_dir.resolve().parent, webgpu=backend != "wasm", driver=driver) as engine:
-        yield BrowserModel(engine, model_dir, engine.load(model_dir.name, backend, threads=threads))
+        yield BrowserModel(engine, model_dir, engine.load(model_dir.name, backend, threads=threads, shaders=shaders))
 
 
 @contextmanager

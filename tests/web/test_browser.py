@@ -27,8 +27,7 @@ GREEDY_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def webgpu_engine(driver, tmp_path_factory, url) -> PageEngine:
-    """The tiny model loaded once on WebGPU (compiling its shaders on SwiftShader takes ~25 s);
-    tests start from a fresh chat."""
+    """The tiny model loaded once on WebGPU; tests start from a fresh chat."""
     with browser_page(driver, tmp_path_factory.mktemp("profile"), url) as (_, page):
         engine = PageEngine(page)
         engine.load(MODEL_ID, device="webgpu")
@@ -78,6 +77,34 @@ def check_greedy_parity(engine: PageEngine, model_dir: Path) -> None:
 def test_webgpu_generates_what_the_native_build_generates(engine, tiny_dir):
     assert engine.call("stats")["backend"] == "webgpu"
     check_greedy_parity(engine, tiny_dir)
+
+
+def test_on_swiftshader_shaders_compile_on_first_use_and_at_load_when_asked(driver, tmp_path, url, tiny_dir):
+    """A software adapter compiles each shader when its kernel first runs; asked to, every shader of the
+    library at load, as WebLLM does and as the engine does on a GPU. Both generate the native tokens."""
+    library = tiny_dir / "libs" / f"{MODEL_ID}-webgpu.wasm"
+    kernels = library.read_bytes().count(b"@compute")
+    compiled = {}
+    for shaders in ("on-first-use", "at-load"):
+        with browser_page(driver, tmp_path / shaders, url) as (_, page):
+            engine = PageEngine(page)
+            loaded = engine.load(MODEL_ID, device="webgpu", shaders=None if shaders == "on-first-use" else shaders)
+            assert (loaded["stats"]["shaders"], "compile" in loaded["progress_events"]) == (
+                shaders,
+                shaders == "at-load",
+            )
+            compiled[shaders] = [loaded["stats"]["compiled_shaders"]]
+            check_greedy_parity(engine, tiny_dir)
+            compiled[shaders].append(engine.call("stats")["compiled_shaders"])
+    assert compiled["at-load"] == [kernels, kernels] and kernels > 40, compiled
+    assert compiled["on-first-use"][0] == 0 and 0 < compiled["on-first-use"][1] < kernels / 2, compiled
+
+
+def test_an_unknown_shader_compilation_is_a_bad_request(driver, tmp_path, url):
+    with browser_page(driver, tmp_path / "profile", url) as (_, page):
+        with pytest.raises(BrowserEngineError, match="shaders must be one of at-load, on-first-use") as error:
+            PageEngine(page).load(MODEL_ID, device="webgpu", shaders="eventually")
+    assert error.value.code == "bad-request"
 
 
 def test_without_webgpu_the_cpu_library_generates_the_same(driver, tmp_path, url, tiny_dir):

@@ -9,7 +9,7 @@ import { encodePrompt, formatChat, piecesFrom, specialTokensAround } from "./cha
 import { ChatTemplate, TOKENIZER_CONFIG } from "./chat-template.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { KernelTimer } from "./kernel-timer.js";
-import { ModelFiles, chooseBackend, requestDevice, wasmBytes } from "./loader.js";
+import { ModelFiles, chooseBackend, requestDevice, softwareAdapter, wasmBytes } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
 import { Grammars, responseFormatFrom } from "./structured.js";
 import { ContentBeforeCalls, templateMessages, toolCallFormat, toolRequestFrom } from "./tools.js";
@@ -419,6 +419,23 @@ function generationSettings(request, chatConfig) {
   return settings;
 }
 
+const SHADER_COMPILATIONS = ["at-load", "on-first-use"];
+
+/**
+ * When the WebGPU shaders compile: all of them at load, as WebLLM does, while the weights download;
+ * or each when its kernel first runs. `requested` picks; by default a software adapter (SwiftShader)
+ * compiles them on first use: there the CPU compiles them, about 0.12 s each, and a chat runs about a
+ * quarter of a library's kernels (18 of a Llama's 68: load and a first reply of a tiny Qwen2 took
+ * 2.4 s against 9 s).
+ */
+function shaderCompilation(requested, adapter) {
+  if (requested === undefined || requested === null) return adapter && softwareAdapter(adapter) ? "on-first-use" : "at-load";
+  if (!SHADER_COMPILATIONS.includes(requested)) {
+    throw new EngineError("bad-request", `shaders must be one of ${SHADER_COMPILATIONS.join(", ")}, not ${JSON.stringify(requested)}`);
+  }
+  return requested;
+}
+
 /**
  * One progress figure for a load whose parts overlap: downloading (or reading the cache),
  * compiling the GPU shaders, uploading the weights; each part has a share of the whole.
@@ -454,15 +471,17 @@ export class Engine {
    * `loadedBytes`, `totalBytes`, `secondsLeft` (null until bytes arrive) and `files`
    * ([{name, loadedBytes, totalBytes}], as they started). `threads`: for the
    * CPU wasm library (wasm-threads.js). `library` pins one of the model's libraries by target name
-   * (loader.js chooseBackend).
+   * (loader.js chooseBackend). `shaders`: when WebGPU compiles the library's shaders (`shaderCompilation`).
    */
   static async load({
-    appConfig, modelId, device = "auto", library = null, threads, runtime, onProgress = () => {}, onFatal = () => {},
+    appConfig, modelId, device = "auto", library = null, threads, shaders, runtime, onProgress = () => {}, onFatal = () => {},
   }) {
     const started = performance.now();
     const choice = await chooseBackend(appConfig, modelId, device, library);
     const engine = new Engine(choice, onFatal);
     engine.requestedThreads = choice.backend === "wasm" ? availableThreads(threads) : 1;
+    const compilation = shaderCompilation(shaders, choice.adapter);
+    engine.shaders = choice.backend === "webgpu" ? compilation : null;
     try {
       await engine.initialize(runtime, onProgress);
     } catch (error) {
@@ -524,12 +543,16 @@ export class Engine {
       this.gpuDevice = await requestDevice(this.adapter, this.record);
       this.gpuDevice.lost.then((info) => this.deviceLost(info));
       this.watchAllocations(this.gpuDevice);
+      this.countPipelines(this.gpuDevice);
       this.kernelTimer = KernelTimer.attach(this.gpuDevice); // before tvmjs makes its pipelines
       this.tvm.initWebGPU(this.gpuDevice);
-      this.tvm.registerInitProgressCallback(({ progress: fraction, text }) => progress.update("compile", fraction, text));
-      this.tvm.beginScope();
-      const shadersCompiled = this.tvm.asyncLoadWebGPUPipelines(this.tvm.systemLib());
-      this.tvm.endScope();
+      let shadersCompiled = null; // on first use: tvmjs compiles each shader when its kernel first runs
+      if (this.shaders === "at-load") {
+        this.tvm.registerInitProgressCallback(({ progress: fraction, text }) => progress.update("compile", fraction, text));
+        this.tvm.beginScope();
+        shadersCompiled = this.tvm.asyncLoadWebGPUPipelines(this.tvm.systemLib());
+        this.tvm.endScope();
+      }
       await Promise.all([shadersCompiled, weightsStored]);
       device = this.tvm.webgpu();
     } else {
@@ -556,6 +579,18 @@ export class Engine {
       loadXgrammar, tokenizer: this.tokenizer, chatConfig: this.chatConfig, stopTokenIds: this.stopTokenIds,
       tokenizerJSON: this.tokenizerJSON,
     });
+  }
+
+  /** Count the compute pipelines tvmjs makes, one a compiled shader (`stats().compiled_shaders`). */
+  countPipelines(device) {
+    this.compiledShaders = 0;
+    for (const method of ["createComputePipeline", "createComputePipelineAsync"]) {
+      const create = device[method].bind(device);
+      device[method] = (descriptor) => {
+        this.compiledShaders += 1;
+        return create(descriptor);
+      };
+    }
   }
 
   /**
@@ -958,6 +993,9 @@ export class Engine {
       fallback_reason: this.fallbackReason,
       // threads the CPU wasm library's parallel loops run on (1 on WebGPU)
       threads: this.library?.threads ?? null,
+      // when the WebGPU shaders compile: "at-load" or "on-first-use", and how many have (null on wasm)
+      shaders: this.shaders,
+      compiled_shaders: this.compiledShaders ?? null,
       context_window_size: this.session?.contextWindowSize,
       cached_tokens: this.session?.cachedIds.length ?? 0,
       // WebGPU compute dispatches of the last decode step: embedding, layers, head (null on wasm)

@@ -131,6 +131,9 @@ class WorkerConnection {
  * @property {string | URL} [workerUrl] the engine's worker script (default: worker.js beside this module)
  * @property {number} [threads] threads for the CPU wasm library (default: the cores, at most 4); more than
  *   one needs a cross-origin isolated page (COOP/COEP headers), else it runs on one
+ * @property {"at-load" | "on-first-use"} [shaders] when WebGPU compiles the library's shaders: all at load,
+ *   while the weights download (default), or each when its kernel first runs (default on a software
+ *   adapter such as SwiftShader, where the CPU compiles them)
  */
 
 /**
@@ -141,7 +144,7 @@ class WorkerConnection {
  * @param {EngineOptions} [options]
  */
 export async function createEngine(appConfig, modelId, {
-  onProgress = () => {}, device = "auto", library, onError = () => {}, workerUrl, threads,
+  onProgress = () => {}, device = "auto", library, onError = () => {}, workerUrl, threads, shaders,
 } = {}) {
   const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
   const connection = new WorkerConnection(worker, onError);
@@ -149,7 +152,7 @@ export async function createEngine(appConfig, modelId, {
   let loaded;
   try {
     loaded = await connection.call("load", {
-      appConfig: absoluteAppConfig(appConfig, base), modelId, device, library, threads,
+      appConfig: absoluteAppConfig(appConfig, base), modelId, device, library, threads, shaders,
     }, onProgress);
   } catch (error) {
     worker.terminate();
@@ -219,7 +222,7 @@ export async function createEngine(appConfig, modelId, {
 
 /**
  * The worker side: answer messages on `scope` (the worker's global) with an engine made by
- * `loadEngine({appConfig, modelId, device, library, threads, onProgress, onFatal})`.
+ * `loadEngine({appConfig, modelId, device, library, threads, shaders, onProgress, onFatal})`.
  */
 export function serveEngine(scope, loadEngine) {
   let engine = null;
@@ -229,11 +232,11 @@ export function serveEngine(scope, loadEngine) {
   };
   // A Map, so that a message naming `constructor`, `__proto__` or `toString` finds no method.
   const methods = new Map(Object.entries({
-    load: async ({ appConfig, modelId, device, library, threads }, emit) => {
+    load: async ({ appConfig, modelId, device, library, threads, shaders }, emit) => {
       engine?.dispose();
       engine = null;
       engine = await loadEngine({
-        appConfig, modelId, device, library: library ?? null, threads, onProgress: emit,
+        appConfig, modelId, device, library: library ?? null, threads, shaders, onProgress: emit,
         onFatal: (error) => scope.postMessage({ kind: "fatal", error: error.toJSON() }),
       });
       return engine.stats();
