@@ -438,12 +438,13 @@ function shaderCompilation(requested, adapter) {
 
 /**
  * One progress figure for a load whose parts overlap: downloading (or reading the cache),
- * compiling the GPU shaders, uploading the weights; each part has a share of the whole.
+ * compiling the GPU shaders (when they compile at load), uploading the weights; each part has a
+ * share of the whole.
  */
 class LoadProgress {
-  constructor(onProgress, backend) {
+  constructor(onProgress, compilesShaders) {
     this.onProgress = onProgress;
-    this.shares = backend === "webgpu" ? { fetch: 0.5, compile: 0.3, upload: 0.2 } : { fetch: 0.7, compile: 0, upload: 0.3 };
+    this.shares = compilesShaders ? { fetch: 0.5, compile: 0.3, upload: 0.2 } : { fetch: 0.7, compile: 0, upload: 0.3 };
     this.fractions = { fetch: 0, compile: 0, upload: 0 };
     this.texts = {};
   }
@@ -514,7 +515,7 @@ export class Engine {
   }
 
   async initialize({ tvmjs, tokenizers, loadXgrammar, loadJinja }, onProgress) {
-    const progress = new LoadProgress(onProgress, this.backend);
+    const progress = new LoadProgress(onProgress, this.shaders === "at-load");
     this.loadJinja = loadJinja;
     const files = await ModelFiles.open(this.record, ({ fraction, text, ...download }) => progress.update("fetch", fraction,
       text, download));
