@@ -59,6 +59,14 @@ def add_compile(sub) -> None:
         "target; 1: one after another in this process)",
     )
     p.add_argument(
+        "--library-cache",
+        type=Path,
+        metavar="DIR",
+        help="keep compiled libraries in DIR and reuse them: a target whose compile would be one made before "
+        "(the same family, config, quantization and target, by the same Kiln, TVM and toolchain: a fine-tune of "
+        "a model built before) is copied instead of compiled",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="read pytorch_model*.bin (a pickle) even with a torch older than 2.10, whose loader can run "
@@ -83,6 +91,7 @@ def run_compile(args) -> int:
             revision=args.revision,
             allow_pickle=args.allow_pickle,
             jobs=args.jobs,
+            library_cache=args.library_cache,
         )
     )
     print(result.model_dir)

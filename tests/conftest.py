@@ -77,10 +77,12 @@ BUILT_TOGETHER = {
 
 class SessionBuilds:
     """Builds (source, quantization) → model folder, adding targets on demand (and rebuilding
-    them all when a kept build was made by other Kiln code)."""
+    them all when a kept build was made by other Kiln code). Models whose compile is one made
+    before (the tests' tiny Llamas with other chat templates) get its library from a library cache."""
 
     def __init__(self, dist: Path):
         self.dist = dist
+        self.library_cache = dist.with_name(f"{dist.name}-libraries")
 
     def model_dir(self, source: Path, name: str, quantization: str, targets: list[str], **overrides) -> Path:
         """`overrides`: BuildRequest's (context_window_size, …), for a build under a name of its own."""
@@ -100,6 +102,7 @@ class SessionBuilds:
                         targets=missing,
                         output=self.dist,
                         model_id=model_id,
+                        library_cache=self.library_cache,
                         **overrides,
                     )
                 )

@@ -27,6 +27,7 @@ import tvm
 import kiln
 from kiln.compile.chat_config.configure import write_chat_config
 from kiln.compile.digests import file_digests
+from kiln.compile.library_cache import LibraryCache
 from kiln.compile.quantization.convert import convert_weights
 from kiln.compile.source.ingest import IngestOptions, SourceModel, ingest, looks_like_hub_id
 from kiln.errors import KilnError, one_line
@@ -67,6 +68,7 @@ class BuildRequest:
     revision: str | None = None  # of a hub id
     allow_pickle: bool = False  # read pytorch_model*.bin with a torch older than 2.10
     jobs: int | None = None  # targets compiled side by side (default: one per core, at most one per target)
+    library_cache: Path | None = None  # libraries compiled before, reused (kiln/compile/library_cache.py)
 
     def ingest_options(self) -> IngestOptions:
         return IngestOptions(revision=self.revision, allow_pickle=self.allow_pickle)
@@ -110,9 +112,9 @@ class StageClock:
     def started(self, name: str, aside: str = "") -> None:
         print(f"kiln: {name} …{aside}", file=sys.stderr, flush=True)
 
-    def finished(self, name: str, seconds: float) -> None:
+    def finished(self, name: str, seconds: float, aside: str = "") -> None:
         self.timings[name] = round(seconds, 3)
-        print(f"kiln: {name} done in {seconds:.1f} s", file=sys.stderr, flush=True)
+        print(f"kiln: {name} done in {seconds:.1f} s{aside}", file=sys.stderr, flush=True)
 
     @staticmethod
     @contextmanager
@@ -216,6 +218,11 @@ def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
     return versions
 
 
+def compile_salt(entry: TargetEntry, code_digest: str) -> str:
+    """What compiles a target's library besides the model: Kiln's code and the toolchain's versions."""
+    return json.dumps({"kiln_code": code_digest, "versions": toolchain_versions([entry])}, sort_keys=True)
+
+
 def staged_model_needs(staging: Path, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
     """The memory the model being built takes, run by a library with `planned_storage`."""
     chat_config, tensor_cache = (json.loads((staging / name).read_text()) for name in STAGED_MODEL_FILES)
@@ -247,10 +254,12 @@ class TargetCompile:
     metadata: dict
     library: Path
     model_id: str
+    library_cache: LibraryCache | None
 
-    def run(self) -> tuple[dict[str, list[int]], float]:
-        """The library's `planned_storage`, and the compile's seconds. An exception from outside Kiln
-        becomes a KilnError here, where it still has its context (the build gets a pickled copy)."""
+    def run(self) -> tuple[dict[str, list[int]], bool, float]:
+        """The library's `planned_storage`, whether the library cache had it, and the compile's seconds.
+        An exception from outside Kiln becomes a KilnError here, where it still has its context (the
+        build gets a pickled copy)."""
         with (
             StageClock.failing_as(f"compile {self.target}"),
             tempfile.TemporaryDirectory(prefix="kiln-compile-") as work,
@@ -261,8 +270,10 @@ class TargetCompile:
             model, _, _ = quantized_model(source, arch, config, quantization_named(self.quantization))
             start = time.perf_counter()
             entry = target_named(self.target, self.cpu_tuning)
-            planned = compile_library(model, entry, self.metadata, self.library, self.model_id)
-        return planned, time.perf_counter() - start
+            planned, cached = compile_library(
+                model, entry, self.metadata, self.library, self.model_id, self.library_cache
+            )
+        return planned, cached, time.perf_counter() - start
 
 
 def compiles_side_by_side(
@@ -272,6 +283,7 @@ def compiles_side_by_side(
     metadata: dict,
     libraries: dict[str, Path],
     model_id: str,
+    library_cache: LibraryCache | None,
     clock: StageClock,
 ) -> dict[str, Future]:
     """The targets' compiles started in compile processes, when there are two or more and jobs for
@@ -293,6 +305,7 @@ def compiles_side_by_side(
             metadata=target_metadata(model, metadata, entry),
             library=libraries[name],
             model_id=model_id,
+            library_cache=library_cache,
         )
         compiles[name] = side_by_side.submit(jobs, job.run)
     clock.started(f"compile {', '.join(compiles)}", f" ({jobs} side by side, while the build goes on)")
@@ -334,7 +347,12 @@ def build(request: BuildRequest) -> BuildResult:
         model_dir = request.output / model_id
         metadata = library_metadata(model, quantization.name, params)
         libraries = {entry.name: staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}" for entry in entries}
-        compiles = compiles_side_by_side(request, source, model, metadata, libraries, model_id, clock)
+        library_cache = (
+            LibraryCache(request.library_cache, {entry.name: compile_salt(entry, code_digest) for entry in entries})
+            if request.library_cache
+            else None
+        )
+        compiles = compiles_side_by_side(request, source, model, metadata, libraries, model_id, library_cache, clock)
         with cancelled_on_failure(compiles.values()):
             previous = reusable_build(model_dir, source, request, code_digest)
             kept_targets = {
@@ -351,19 +369,24 @@ def build(request: BuildRequest) -> BuildResult:
             with clock.stage("configure"):
                 write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
 
-            planned = {}
+            planned, cached = {}, set()
             for entry in entries:
                 stage = f"compile {entry.name}"
                 if entry.name in compiles:
                     with clock.failing_as(stage):
-                        planned[entry.name], seconds = compiles[entry.name].result()
-                    clock.finished(stage, seconds)
+                        planned[entry.name], from_cache, seconds = compiles[entry.name].result()
                 else:
-                    with clock.stage(stage):
+                    clock.started(stage)
+                    start = time.perf_counter()
+                    with clock.failing_as(stage):
                         metadata_for_target = target_metadata(model, metadata, entry)
-                        planned[entry.name] = compile_library(
-                            model, entry, metadata_for_target, libraries[entry.name], model_id
+                        planned[entry.name], from_cache = compile_library(
+                            model, entry, metadata_for_target, libraries[entry.name], model_id, library_cache
                         )
+                    seconds = time.perf_counter() - start
+                if from_cache:
+                    cached.add(entry.name)
+                clock.finished(stage, seconds, " (from the library cache)" if from_cache else "")
                 check_memory_limits(entry, staged_model_needs(staging, planned[entry.name]))
 
         built_targets = dict(kept_targets)
@@ -374,6 +397,8 @@ def build(request: BuildRequest) -> BuildResult:
                 # the storage blocks each function's memory plan allocates (kiln/model_memory.py)
                 "planned_storage": planned[entry.name],
             }
+            if entry.name in cached:
+                built_targets[entry.name]["from_library_cache"] = True
             if entry.tunes_cpu:
                 built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}
             if entry.system_lib:

@@ -19,7 +19,7 @@ import tvm
 
 from helpers.failures import CommandResult, assert_clean_failure
 from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
-from helpers.tiny_llama import make_tiny_llama
+from helpers.tiny_llama import CHAT_TEMPLATES, make_tiny_llama
 
 from kiln.cli import main
 from kiln.compile.quantization import QUANTIZATIONS
@@ -265,6 +265,41 @@ def test_chat_config_is_what_webllm_reads(tiny_build):
     assert template["stop_str"] == ["<|im_end|>"] and template["stop_token_ids"] == [2]
     for field in ("system_template", "roles", "seps", "stop_str", "stop_token_ids"):
         assert field in template
+
+
+@pytest.mark.slow
+def test_a_library_cache_gives_a_fine_tune_the_library_of_its_base_and_compiles_what_differs(tmp_path, tiny_source):
+    """`--library-cache`: a model of the same family, config and quantization as one built before (here
+    its weights with another chat template) gets a copy of its library, which runs it as a compiled one
+    does; another context window is another compile."""
+    from kiln.compile.pipeline import BuildRequest, build
+
+    cache = tmp_path / "cache"
+
+    def built(source: Path, name: str) -> tuple[Path, dict]:
+        request = BuildRequest(str(source), "q4f32_1", ["cpu"], tmp_path / name, name, library_cache=cache)
+        model_dir = build(request).model_dir
+        return model_dir, json.loads((model_dir / "kiln-build.json").read_text())["targets"]["cpu"]
+
+    base, base_target = built(tiny_source, "base")
+    fine_tune = tmp_path / "fine-tune-source"
+    shutil.copytree(tiny_source, fine_tune)
+    config = json.loads((fine_tune / "tokenizer_config.json").read_text())
+    qwen_template = (CHAT_TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    (fine_tune / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": qwen_template}))
+    tuned, tuned_target = built(fine_tune, "tuned")
+    assert "from_library_cache" not in base_target and tuned_target["from_library_cache"]
+    assert tuned_target["planned_storage"] == base_target["planned_storage"]
+    assert (tuned / tuned_target["library"]).read_bytes() == (base / base_target["library"]).read_bytes()
+    prompt = [3, 14, 15, 92, 65]
+    np.testing.assert_array_equal(NativeModel(tuned).prefill(prompt), NativeModel(base).prefill(prompt))
+
+    # From the command line: another context window, another compile.
+    args = ["compile", str(tiny_source), "-q", "q4f32_1", "-t", "cpu", "-o", str(tmp_path / "shorter")]
+    assert main([*args, "--model-id", "shorter", "--context-window-size", "256", "--library-cache", str(cache)]) == 0
+    shorter = json.loads((tmp_path / "shorter" / "shorter" / "kiln-build.json").read_text())
+    assert "from_library_cache" not in shorter["targets"]["cpu"]
+    assert len([entry for entry in cache.iterdir() if not entry.name.startswith(".")]) == 2
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
+from kiln.compile.library_cache import LibraryCache
 from kiln.compile.lower import kiln_pipeline
 from kiln.compile.lower.vm_functions import attach_vm_functions
 from kiln.compile.lower.webgpu_limits import check_webgpu_limits
@@ -147,33 +148,54 @@ def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> 
     return {**metadata, "layer_window_chunked_prefill": chunked}
 
 
-def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
-    """The model's Relax functions and scheduled kernels for `entry`, ready for code generation."""
+def exported_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
+    """The model's Relax functions and kernels for `entry`, with the VM's functions, before scheduling."""
     target = entry.target()
     # Exporting under the target makes TVM pick that target's attention kernels.
     with target:
         mod, _ = model.export_tvm(spec=export_spec(model))
-    mod = attach_vm_functions(with_planned_memory(mod, model.config), metadata, target, model.config.vocab_size)
-    with target:
+    return attach_vm_functions(with_planned_memory(mod, model.config), metadata, target, model.config.vocab_size)
+
+
+def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
+    """The model's Relax functions and scheduled kernels for `entry`, ready for code generation."""
+    return schedule(exported_module(model, entry, metadata), entry)
+
+
+def schedule(mod: tvm.IRModule, entry: TargetEntry) -> tvm.IRModule:
+    with entry.target():
         return kiln_pipeline(entry)(mod)
 
 
 def compile_library(
-    model: DecoderModel, entry: TargetEntry, metadata: dict, path: Path, model_id: str
-) -> dict[str, list[int]]:
-    """Write the library for `entry` to `path`; returns its functions' `planned_storage`."""
+    model: DecoderModel,
+    entry: TargetEntry,
+    metadata: dict,
+    path: Path,
+    model_id: str,
+    cache: LibraryCache | None = None,
+) -> tuple[dict[str, list[int]], bool]:
+    """Write the library for `entry` to `path`; returns its functions' `planned_storage`, and whether
+    `cache` had the library."""
     target = entry.target()
-    mod = scheduled_module(model, entry, metadata)
+    mod = exported_module(model, entry, metadata)
+    prefix = system_lib_prefix(model_id) if entry.system_lib else None
+    key = cache.key(mod, entry, prefix) if cache else None
+    if cache and (planned := cache.fetch(key, entry, path)) is not None:
+        return planned, True
+    mod = schedule(mod, entry)
     planned = planned_storage(mod)
-    if entry.system_lib:
-        mod = mod.with_attr("system_lib_prefix", system_lib_prefix(model_id))
+    if prefix:
+        mod = mod.with_attr("system_lib_prefix", prefix)
     executable = tvm.compile(mod, target, relax_pipeline=None)
     if entry.kernel_check:
         KERNEL_CHECKS[entry.kernel_check](device_source(executable.mod, target.kind.name))
     if entry.kernel_source:
         entry.kernel_source_path(path).write_text(device_source(executable.mod, target.kind.name))
     EXPORTS[entry.export](executable, path)
-    return planned
+    if cache:
+        cache.store(key, entry, path, planned)
+    return planned, False
 
 
 def check_memory_limits(entry: TargetEntry, needs: MemoryNeeds) -> None:
