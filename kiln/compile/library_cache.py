@@ -1,8 +1,9 @@
 """Libraries compiled before, reused (`kiln compile --library-cache DIR`): a target whose compile would
 be an earlier one's gets a copy of that library instead, as fine-tunes of one base model share MLC's
 prebuilt model libraries. A compile is named by a digest of what makes it: the model's exported module
-(its Relax functions, kernels and metadata, printed), the target, the system library's prefix, and the
-Kiln code and toolchain that compile it (`salts`, per target)."""
+(its Relax functions, kernels and metadata, by TVM's 64-bit structural hash: TVM's printer and JSON
+writer crash on some of Kiln's modules), the target, the system library's prefix, and the Kiln code and
+toolchain that compile it (`salts`, per target)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 
 from kiln.compile.toolchain.system_lib import static_archive_path
 from kiln.targets import TargetEntry
@@ -39,7 +41,8 @@ class LibraryCache:
 
     def key(self, mod: tvm.IRModule, entry: TargetEntry, system_lib_prefix: str | None) -> str:
         digest = hashlib.sha256()
-        for part in (self.salts[entry.name], str(entry.target()), system_lib_prefix or "", mod.script(show_meta=True)):
+        module_hash = str(tvm_ffi.structural_hash(mod))
+        for part in (self.salts[entry.name], str(entry.target()), system_lib_prefix or "", module_hash):
             digest.update(part.encode() + b"\0")
         return digest.hexdigest()
 
