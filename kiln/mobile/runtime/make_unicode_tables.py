@@ -29,19 +29,6 @@ def is_white_space(code_point: int) -> bool:
     return code_point in WHITE_SPACE_CONTROLS or unicodedata.category(chr(code_point)) in ("Zs", "Zl", "Zp")
 
 
-def ranges(has_property: Callable[[int], bool]) -> list[tuple[int, int]]:
-    """The code points that have the property, as (first, last) runs."""
-    runs: list[tuple[int, int]] = []
-    for code_point in range(LAST_CODE_POINT + 1):
-        if not has_property(code_point):
-            continue
-        if runs and runs[-1][1] == code_point - 1:
-            runs[-1] = (runs[-1][0], code_point)
-        else:
-            runs.append((code_point, code_point))
-    return runs
-
-
 def value_runs(value_of: Callable[[int], Any]) -> list[tuple[int, int, Any]]:
     """The code points whose value is not None, as (first, last, value) runs of one value."""
     runs: list[tuple[int, int, Any]] = []
@@ -54,6 +41,11 @@ def value_runs(value_of: Callable[[int], Any]) -> list[tuple[int, int, Any]]:
         else:
             runs.append((code_point, code_point, value))
     return runs
+
+
+def ranges(has_property: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """The code points that have the property, as (first, last) runs."""
+    return [(first, last) for first, last, _ in value_runs(lambda code_point: has_property(code_point) or None)]
 
 
 def category_runs() -> list[tuple[int, int, str]]:
