@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import tvm
 
@@ -207,20 +208,32 @@ def checked_model_id(model_id: str) -> str:
     return model_id
 
 
+def emscripten_version() -> str:
+    from kiln.compile.toolchain.wasm_toolchain import emcc_version
+
+    return emcc_version()
+
+
+# The tools a build runs besides TVM, each with the targets it runs for and its version.
+TOOL_VERSIONS: dict[str, tuple[Callable[[TargetEntry], bool], Callable[[], str]]] = {
+    "emscripten": (lambda entry: entry.extension == "wasm", emscripten_version),
+    "llvm-ar": (lambda entry: entry.system_lib, lambda: llvm_tool_version("llvm-ar")),
+}
+
+
 def toolchain_versions(entries: list[TargetEntry]) -> dict[str, str]:
     versions = {"kiln": kiln.__version__, "tvm": tvm.__version__, "python": platform.python_version()}
-    if any(e.extension == "wasm" for e in entries):
-        from kiln.compile.toolchain.wasm_toolchain import emcc_version
-
-        versions["emscripten"] = emcc_version()
-    if any(e.system_lib for e in entries):
-        versions["llvm-ar"] = llvm_tool_version("llvm-ar")
+    for tool, (runs_for, version) in TOOL_VERSIONS.items():
+        if any(runs_for(entry) for entry in entries):
+            versions[tool] = version()
     return versions
 
 
-def compile_salt(entry: TargetEntry, code_digest: str) -> str:
-    """What compiles a target's library besides the model: Kiln's code and the toolchain's versions."""
-    return json.dumps({"kiln_code": code_digest, "versions": toolchain_versions([entry])}, sort_keys=True)
+def compile_salt(entry: TargetEntry, code_digest: str, versions: dict[str, str]) -> str:
+    """What compiles a target's library besides the model: Kiln's code and, of the build's `versions`,
+    those of the tools that run for the target."""
+    own = {tool: v for tool, v in versions.items() if tool not in TOOL_VERSIONS or TOOL_VERSIONS[tool][0](entry)}
+    return json.dumps({"kiln_code": code_digest, "versions": own}, sort_keys=True)
 
 
 def staged_model_needs(staging: Path, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
@@ -347,8 +360,11 @@ def build(request: BuildRequest) -> BuildResult:
         model_dir = request.output / model_id
         metadata = library_metadata(model, quantization.name, params)
         libraries = {entry.name: staging / "libs" / f"{model_id}-{entry.name}.{entry.extension}" for entry in entries}
+        versions = toolchain_versions(entries)
         library_cache = (
-            LibraryCache(request.library_cache, {entry.name: compile_salt(entry, code_digest) for entry in entries})
+            LibraryCache(
+                request.library_cache, {entry.name: compile_salt(entry, code_digest, versions) for entry in entries}
+            )
             if request.library_cache
             else None
         )
@@ -418,7 +434,7 @@ def build(request: BuildRequest) -> BuildResult:
             "quantization": quantization.name,
             "overrides": request.overrides(),
             "targets": built_targets,
-            "versions": toolchain_versions(entries),
+            "versions": versions,
             "kiln_version": kiln.__version__,
             "kiln_code_digest": code_digest,
             "timings": clock.timings,
