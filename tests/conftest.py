@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny generated Llamas and SmolLM2, each built at most once per test session.
+"""Shared fixtures: tiny generated Llamas and SmolLM2, each built at most once per test session, most
+of them before a test asks (helpers/session_builds.py).
 
 Set KILN_TEST_DIST to a folder to keep builds between runs (a developer's inner loop); by default
 they go to pytest's temporary folder. Builds add targets to one model folder as tests ask for
@@ -12,22 +13,20 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
-from filelock import FileLock
 
 # The helpers hold asserts of the tests (assert_clean_failure, ...): pytest rewrites them as it does
 # the tests' own, for the same failure reports, if told before they are first imported (below).
 # ruff: noqa: E402
 pytest.register_assert_rewrite("helpers")
 
-from helpers.assets import smollm2_gguf
 from helpers.failures import CommandResult
-from helpers.tiny_families import make_tiny_family
+from helpers.session_builds import SMOLLM2, SessionBuilds, SessionSources, building_ahead, built_for
 from helpers.tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
 
 from kiln.cli import main
-from kiln.compile.pipeline import BuildRequest, build, kiln_code_digest
 
 
 # A test that uses one of these compiles a model (or runs `kiln compile`), and every test of the mobile
@@ -47,90 +46,39 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("browser"))
 
 
-# The targets the session's tests ask of a model, one or two at a time: built together when the first
-# of them is asked for, they compile side by side (kiln/compile/side_by_side.py).
-BROWSER_TARGETS = ("cpu", "webgpu", "webgpu-subgroups", "wasm")
-MOBILE_TARGETS = ("android", "iphone", "metal")
-BUILT_TOGETHER = {
-    "tiny-llama-q4f32_1": (*BROWSER_TARGETS, "android", "iphone", "arm64-linux", "android-cpu", "iphone-cpu"),
-    "tiny-llama-q4f16_1": ("cpu", *MOBILE_TARGETS),
-    "SmolLM2-135M-Instruct-q4f32_1": (*BROWSER_TARGETS, "arm64-linux"),
-    "SmolLM2-135M-Instruct-q4f16_1": ("webgpu", *MOBILE_TARGETS),
-    "SmolLM2-135M-Instruct-q0f32": ("cpu", "webgpu", "wasm"),
-    **{
-        f"tiny-{family}-q4f32_1": ("cpu", "webgpu", "wasm", "arm64-linux")
-        for family in (
-            "qwen2",
-            "phi3",
-            "mistral",
-            "gemma2",
-            "gemma3",
-            "granite",
-            "smollm3",
-            "olmo2",
-            "olmo3",
-            "ministral3",
-        )
-    },
-}
-
-
-class SessionBuilds:
-    """Builds (source, quantization) → model folder, adding targets on demand (and rebuilding
-    them all when a kept build was made by other Kiln code). Models whose compile is one made
-    before (the tests' tiny Llamas with other chat templates) get its library from a library cache."""
-
-    def __init__(self, dist: Path):
-        self.dist = dist
-        self.library_cache = dist.with_name(f"{dist.name}-libraries")
-
-    def model_dir(self, source: Path, name: str, quantization: str, targets: list[str], **overrides) -> Path:
-        """`overrides`: BuildRequest's (context_window_size, …), for a build under a name of its own."""
-        model_id = f"{name}-{quantization}"
-        model_dir = self.dist / model_id
-        record = model_dir / "kiln-build.json"
-        with FileLock(self.dist / f".{model_id}.lock"):
-            previous = json.loads(record.read_text()) if record.exists() else {}
-            current = previous.get("kiln_code_digest") == kiln_code_digest()
-            wanted = [*targets, *(t for t in BUILT_TOGETHER.get(model_id, ()) if t not in targets)]
-            missing = [t for t in wanted if not current or t not in previous.get("targets", {})]
-            if set(missing) & set(targets):
-                build(
-                    BuildRequest(
-                        source=str(source),
-                        quantization=quantization,
-                        targets=missing,
-                        output=self.dist,
-                        model_id=model_id,
-                        library_cache=self.library_cache,
-                        **overrides,
-                    )
-                )
-        return model_dir
-
-
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory) -> SessionBuilds:
-    kept = os.environ.get("KILN_TEST_DIST")
-    if kept:
-        return SessionBuilds(Path(kept))
+def session_folder(tmp_path_factory, name: str) -> Path:
+    """A folder of the session's; with pytest-xdist workers, one they share (each worker's temporary
+    folder is a subfolder of the run's: it goes next to them)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        return SessionBuilds(tmp_path_factory.mktemp("dist"))
-    # Each worker's temporary folder is a subfolder of the run's: the builds go next to them.
-    shared = tmp_path_factory.getbasetemp().parent / "dist"
-    shared.mkdir(exist_ok=True)
-    return SessionBuilds(shared)
+        return tmp_path_factory.getbasetemp() / name
+    return tmp_path_factory.getbasetemp().parent / name
 
 
 @pytest.fixture(scope="session")
-def tiny_source(tmp_path_factory) -> Path:
+def sources(tmp_path_factory) -> SessionSources:
+    """The session's generated models by name (helpers/session_builds.py MADE_SOURCES)."""
+    return SessionSources(session_folder(tmp_path_factory, "sources"))
+
+
+@pytest.fixture(scope="session")
+def builds(request, tmp_path_factory, sources) -> Iterator[SessionBuilds]:
+    """The session's builds, which a build-ahead process makes before the tests ask for them."""
+    kept = os.environ.get("KILN_TEST_DIST")
+    session_builds = SessionBuilds(Path(kept) if kept else session_folder(tmp_path_factory, "dist"))
+    ahead = built_for([item.fixturenames for item in request.session.items])
+    with building_ahead(session_builds, sources, ahead):
+        yield session_builds
+
+
+@pytest.fixture(scope="session")
+def tiny_source(sources) -> Path:
     """A 2-layer Llama with tied embeddings, as a Hugging Face folder."""
-    return make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama")
+    return sources.path("tiny-llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_untied_source(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("sources") / "tiny-llama-untied", seed=1, tie_word_embeddings=False)
+def tiny_untied_source(sources) -> Path:
+    return sources.path("tiny-llama-untied")
 
 
 @pytest.fixture(scope="session")
@@ -142,16 +90,9 @@ def tiny_build(builds, tiny_source):
 
 
 @pytest.fixture(scope="session")
-def family_source(tmp_path_factory):
+def family_source(sources):
     """family_source(name) → a tiny model of that family (helpers.tiny_families), as a Hugging Face folder."""
-    made = {}
-
-    def source(name: str):
-        if name not in made:
-            made[name] = make_tiny_family(name, tmp_path_factory.mktemp("families") / name)
-        return made[name]
-
-    return source
+    return sources.path
 
 
 @pytest.fixture(scope="session")
@@ -163,16 +104,14 @@ def family_build(builds, family_source):
 
 
 @pytest.fixture(scope="session")
-def smollm2_source() -> Path:
-    return smollm2_gguf()
+def smollm2_source(sources) -> Path:
+    return sources.path(SMOLLM2)
 
 
 @pytest.fixture(scope="session")
 def smollm2_build(builds, smollm2_source):
     """smollm2_build(quantization, targets) → model folder of SmolLM2-135M-Instruct."""
-    return lambda quantization, targets=("cpu",): builds.model_dir(
-        smollm2_source, "SmolLM2-135M-Instruct", quantization, list(targets)
-    )
+    return lambda quantization, targets=("cpu",): builds.model_dir(smollm2_source, SMOLLM2, quantization, list(targets))
 
 
 @pytest.fixture(scope="session")

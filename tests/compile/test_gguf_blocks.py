@@ -28,8 +28,8 @@ GREEDY_TOKENS = 16
 
 
 @pytest.fixture(scope="session")
-def mixed_gguf(tmp_path_factory):
-    return write_mixed_blocks_gguf(tmp_path_factory.mktemp("mixed-blocks") / "tiny-mixed.Q4_K_M.gguf")
+def mixed_gguf(sources):
+    return sources.path("tiny-mixed")
 
 
 @pytest.fixture(scope="session")

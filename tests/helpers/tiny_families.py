@@ -402,6 +402,22 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
 }
 
 
+# The families the tests also build for the browser and arm64 (llama3 and qwen3 are the Llama's and
+# Qwen 2's layers with other parts).
+BROWSER_FAMILIES = (
+    "qwen2",
+    "phi3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "granite",
+    "smollm3",
+    "olmo2",
+    "olmo3",
+    "ministral3",
+)
+
+
 def all_local(make: Callable[[], tuple]) -> Callable[[], tuple]:
     """A Gemma's tiny config with every layer local: a window and no global layer."""
 
@@ -508,11 +524,14 @@ def randomize_biases_and_norms(model, seed: int) -> None:
                 parameter.copy_(1 + torch.randn(parameter.shape, generator=generator) * 0.2)
 
 
+MADE_FAMILIES: dict[str, TinyFamily] = {**TINY_FAMILIES, **ALL_LOCAL_FAMILIES, **YARN_FAMILIES}
+
+
 def make_tiny_family(name: str, folder: Path, seed: int = 0) -> Path:
     """The family's tiny model as a Hugging Face folder (safetensors, tokenizer, chat template)."""
     import torch
 
-    config, model_class = {**TINY_FAMILIES, **ALL_LOCAL_FAMILIES, **YARN_FAMILIES}[name].make()
+    config, model_class = MADE_FAMILIES[name].make()
     folder.mkdir(parents=True, exist_ok=True)
     write_tokenizer(folder)
     torch.manual_seed(seed)

@@ -20,6 +20,7 @@ from helpers.mobile_app import (
     greedy_arm64_reply,
     run_arm64,
 )
+from helpers.tiny_families import BROWSER_FAMILIES
 
 from kiln.engine import Engine, GenerationConfig
 from kiln.mobile.package import LINK_LINES, package
@@ -82,9 +83,7 @@ def check_logits_and_greedy_tokens(model_driver, model_dir, prompt_ids: list[int
     assert tokens == expected_tokens
 
 
-@pytest.mark.parametrize(
-    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "ministral3"]
-)
+@pytest.mark.parametrize("family", BROWSER_FAMILIES)
 def test_every_family_gives_the_x86_logits_and_greedy_tokens(family, family_build, model_driver):
     model_dir = family_build(family, "q4f32_1", ["cpu", "arm64-linux"])
     check_logits_and_greedy_tokens(model_driver, model_dir, list(range(3, 40)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.reference import reference_model
-from helpers.tiny_families import ALL_LOCAL_FAMILIES, GEMMA_WINDOW, make_tiny_family
+from helpers.tiny_families import ALL_LOCAL_FAMILIES, GEMMA_WINDOW
 
 from kiln.browser.model import browser_model
 from kiln.browser.parity import greedy
@@ -22,11 +22,11 @@ assert len(PROMPTS["inside the window"]) < GEMMA_WINDOW < len(PROMPTS["past the 
 
 
 @pytest.fixture(scope="module")
-def all_local_models(builds, tmp_path_factory) -> dict[str, tuple]:
+def all_local_models(builds, sources) -> dict[str, tuple]:
     """family → (its transformers greedy tokens per prompt, its q0f32 build for cpu, wasm and webgpu)."""
     models = {}
     for name in sorted(ALL_LOCAL_FAMILIES):
-        source = make_tiny_family(name, tmp_path_factory.mktemp("all-local") / name)
+        source = sources.path(name)
         reference = reference_model(source)
         expected = {prompt: transformers_greedy(reference, ids) for prompt, ids in PROMPTS.items()}
         models[name] = expected, builds.model_dir(source, f"tiny-{name}", "q0f32", ["cpu", "wasm", "webgpu"])

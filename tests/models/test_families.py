@@ -18,6 +18,7 @@ from helpers.failures import assert_clean_failure
 from helpers.parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
 from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
 from helpers.tiny_families import (
+    BROWSER_FAMILIES,
     GEMMA_WINDOW,
     MISTRAL_WINDOW,
     PHI3_ORIGINAL_CONTEXT,
@@ -85,12 +86,8 @@ def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, fami
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(
-    family, builds, family_build, family_source, tmp_path_factory
-):
-    gguf_path = write_family_gguf(
-        family, family_source(family), tmp_path_factory.mktemp("family-gguf") / f"tiny-{family}.F32.gguf"
-    )
+def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family, builds, family_build, sources):
+    gguf_path = sources.path(f"{family}-gguf")  # the family's tiny model written as llama.cpp writes it
     from_gguf = NativeModel(builds.model_dir(gguf_path, f"tiny-{family}-gguf", "q0f32", ["cpu"]))
     from_hf = NativeModel(family_build(family, "q0f32"))
     positions = TINY_FAMILIES[family].gguf_same_positions
@@ -547,9 +544,7 @@ def test_rope_over_part_of_each_head_is_refused_where_the_family_does_not_comput
 
 @pytest.mark.browser
 @pytest.mark.parametrize("backend", ["webgpu", "wasm"])
-@pytest.mark.parametrize(
-    "family", ["qwen2", "phi3", "mistral", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "ministral3"]
-)
+@pytest.mark.parametrize("family", BROWSER_FAMILIES)
 def test_browser_parity_on_the_family(family, backend, builds, family_source):
     """Beyond the contract, logits within 1e-3 of the native build's: the GPU kernels' sin and cos
     are Kiln's (kiln/compile/lower/gpu_trigonometry.py). With WebGPU's own, RoPE put the tiny Gemma 3's logits

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_llama import write_tokenizer
+from helpers.real_sizes import REAL_SIZES
 
 from kiln.app_config import model_record, read_compiled_model
 from kiln.browser.model import browser_model
@@ -25,80 +25,14 @@ pytestmark = pytest.mark.browser
 GREEDY_TOKENS = 8
 PROMPT = [5, 6, 7, 8, 9]  # the tokenizer is the tiny one: its ids are below 384
 ACCOUNTING_TOLERANCE = 0.15
-# Qwen/Qwen2.5-0.5B-Instruct's config.json.
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-    sliding_window=32768,
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
-# google/gemma-3-270m's config.json.
-GEMMA3_270M = dict(
-    vocab_size=262144,
-    hidden_size=640,
-    intermediate_size=2048,
-    num_hidden_layers=18,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=256,
-    query_pre_attn_scalar=256,
-    sliding_window=512,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
-    rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-REAL_SIZES = {
-    "qwen2.5-0.5b": ("Qwen2ForCausalLM", "Qwen2Config", QWEN25_05B),
-    "gemma3-270m": (
-        "Gemma3ForCausalLM",
-        "Gemma3TextConfig",
-        GEMMA3_270M,
-    ),
-}
 LIBRARIES = [("wasm", 1), ("wasm", 2), ("webgpu", None)]
 
 
-@pytest.fixture(scope="module")
-def real_sources(tmp_path_factory):
-    """name → a Hugging Face folder with random weights at that model's published config."""
-    import torch
-    import transformers
-
-    sources = {}
-    for name, (model_class, config_class, config) in REAL_SIZES.items():
-        source = tmp_path_factory.mktemp("real-sizes") / name
-        source.mkdir()
-        write_tokenizer(source)
-        torch.manual_seed(0)
-        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
-        model.save_pretrained(source, safe_serialization=True)
-        sources[name] = source
-    return sources
-
-
 @pytest.fixture(scope="module", params=REAL_SIZES)
-def real_size(request, builds, real_sources):
+def real_size(request, builds, sources):
     """(the model's q4f32_1 build for cpu, wasm and webgpu, its native greedy tokens after PROMPT)."""
     model_dir = builds.model_dir(
-        real_sources[request.param], f"{request.param}-sized", "q4f32_1", ["cpu", "wasm", "webgpu"]
+        sources.path(request.param), f"{request.param}-sized", "q4f32_1", ["cpu", "wasm", "webgpu"]
     )
     return model_dir, greedy_tokens(NativeModel(model_dir))
 
