@@ -434,7 +434,8 @@ def build(request: BuildRequest) -> BuildResult:
             "quantization": quantization.name,
             "overrides": request.overrides(),
             "targets": built_targets,
-            "versions": versions,
+            # the tools of the libraries kept from the previous build too
+            "versions": {**(previous or {}).get("versions", {}), **versions},
             "kiln_version": kiln.__version__,
             "kiln_code_digest": code_digest,
             "timings": clock.timings,

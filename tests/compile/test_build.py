@@ -321,7 +321,10 @@ def test_a_second_target_reuses_the_converted_weights(tmp_path, tiny_source):
     third = build(BuildRequest(str(tiny_source), "q4f32_1", ["cpu"], tmp_path, "reuse"))
     assert third.reused_weights
     assert previous_library.read_bytes() == before, "rebuilding a target must not write through the old file"
-    assert sorted(json.loads((third.model_dir / "kiln-build.json").read_text())["targets"]) == ["cpu", "wasm"]
+    third_record = json.loads((third.model_dir / "kiln-build.json").read_text())
+    assert sorted(third_record["targets"]) == ["cpu", "wasm"]
+    # The record names the tools of every library it lists, the kept wasm library's too.
+    assert third_record["versions"]["emscripten"] == record["versions"]["emscripten"]
     assert (second.model_dir / record["targets"]["cpu"]["library"]).is_file()
     assert not list(tmp_path.glob(".kiln-build-*"))
 
