@@ -110,16 +110,15 @@ class SessionSources:
         if name == SMOLLM2:
             return smollm2_gguf()
         self.folder.mkdir(parents=True, exist_ok=True)
-        made, made_path = self.folder / name, self.folder / f".{name}.path"
+        made, inside = self.folder / name, self.folder / f".{name}.inside"
         with FileLock(self.folder / f".{name}.lock"):
-            if not made_path.exists():
+            if not made.exists():
                 # Made aside and renamed into place: a source is whole or absent.
                 work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.folder)) / "source"
-                inside = MADE_SOURCES[name](work).relative_to(work)
+                inside.write_text(str(MADE_SOURCES[name](work).relative_to(work)))
                 os.rename(work, made)
                 work.parent.rmdir()
-                made_path.write_text(str(inside))
-        return made / made_path.read_text()
+        return made / inside.read_text()
 
 
 class SessionBuilds:
