@@ -67,9 +67,10 @@ def mixed_blocks_gguf(folder: Path) -> Path:
     return write_mixed_blocks_gguf(folder / "tiny-mixed.Q4_K_M.gguf")
 
 
-def family_gguf(family: str, folder: Path) -> Path:
+def family_gguf(family: str, hf_folder: Path, folder: Path) -> Path:
     """The family's tiny model (the weights of its Hugging Face folder) as a float32 GGUF."""
-    return write_family_gguf(family, make_tiny_family(family, folder / "hf"), folder / f"tiny-{family}.F32.gguf")
+    folder.mkdir(parents=True)
+    return write_family_gguf(family, hf_folder, folder / f"tiny-{family}.F32.gguf")
 
 
 # What each source is made by: a function of an empty folder, giving the file or folder to build from.
@@ -77,9 +78,13 @@ MADE_SOURCES: dict[str, Callable[[Path], Path]] = {
     "tiny-llama": make_tiny_llama,
     "tiny-llama-untied": partial(make_tiny_llama, seed=1, tie_word_embeddings=False),
     **{name: partial(make_tiny_family, name) for name in MADE_FAMILIES},
-    **{f"{family}-gguf": partial(family_gguf, family) for family in TINY_FAMILIES},
     "tiny-mixed": mixed_blocks_gguf,
     **{name: partial(make_real_sized, name) for name in REAL_SIZES},
+}
+
+# Sources written from another source: name → (that source, a function of its path and an empty folder).
+WRITTEN_FROM: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
+    f"{family}-gguf": (family, partial(family_gguf, family)) for family in TINY_FAMILIES
 }
 
 # The builds a test asks for through each fixture, (source, model name, quantization), in the order the
@@ -101,7 +106,7 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
 
 
 class SessionSources:
-    """Sources by name (MADE_SOURCES, and SmolLM2's GGUF), each made once into `folder`."""
+    """Sources by name (MADE_SOURCES, WRITTEN_FROM, and SmolLM2's GGUF), each made once into `folder`."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -115,10 +120,16 @@ class SessionSources:
             if not made.exists():
                 # Made aside and renamed into place: a source is whole or absent.
                 work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.folder)) / "source"
-                inside.write_text(str(MADE_SOURCES[name](work).relative_to(work)))
+                inside.write_text(str(self.maker(name)(work).relative_to(work)))
                 os.rename(work, made)
                 work.parent.rmdir()
         return made / inside.read_text()
+
+    def maker(self, name: str) -> Callable[[Path], Path]:
+        if name in WRITTEN_FROM:
+            base, write = WRITTEN_FROM[name]
+            return partial(write, self.path(base))
+        return MADE_SOURCES[name]
 
 
 class SessionBuilds:
