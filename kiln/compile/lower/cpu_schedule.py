@@ -162,8 +162,9 @@ class FactoredDecodeGEMV(dl.ScheduleRule):
     """A decode matmul written with its scales factored out (quantization/factored_decode.py):
     weight rows in parallel, one at a time; per block of columns, the row's lane dots in one
     vector register (the steps unrolled), then scaled into the row's vector of partial sums. The
-    input's lanes and their sums are computed once before the rows, a K-quant's scales and offsets
-    once per row. One row at a time reads each thread's rows as one ascending stream, which the
+    input's lanes and their sums are computed once before the rows; scales and offsets are read
+    where they are used, the groups of a K-quant's stored block in one unrolled body (so their bit
+    positions are constants). One row at a time reads each thread's rows as one ascending stream, which the
     hardware prefetcher follows; two rows interleaved read two streams a row apart, which it did
     not follow (with GGUF scales read in place, a Q8_0 matrix streamed from memory 3× slower).
     SmolLM2 decode on 2 threads against two rows a step: GGUF 138 -> 164 tok/s, q4f32_1 153 -> 180."""
@@ -175,21 +176,21 @@ class FactoredDecodeGEMV(dl.ScheduleRule):
         if LANE_DOTS not in (names := block_names(sch)):
             return None
         matmul = sch.get_sblock(MATMUL)
-        *unit, _, _, lanes = sch.get_loops(matmul)
-        partial = sch.rfactor(lanes, factor_axis=len(unit))
-        *_, rows, blocks, lanes = sch.get_loops(partial)
+        rows_axis = sum(v.iter_type == tirx.IterVar.DataPar for v in sch.get(matmul).iter_vars) - 1
+        partial = sch.rfactor(sch.get_loops(matmul)[-1], factor_axis=rows_axis)
+        loops = sch.get_loops(partial)
+        rows, (blocks, *unrolled_blocks), lanes = loops[rows_axis], loops[rows_axis + 1 : -1], loops[-1]
         sch.parallel(rows)
         sch.vectorize(lanes)
+        for loop in unrolled_blocks:  # a K-quant's groups of one stored block (factored_decode.LaneLayout)
+            sch.unroll(loop)
         dots = sch.get_sblock(LANE_DOTS)
-        sch.compute_at(dots, blocks)
+        sch.compute_at(dots, (unrolled_blocks or [blocks])[-1])
         *_, lane, step = sch.get_loops(dots)
         sch.reorder(step, lane)
         sch.unroll(step)
         sch.vectorize(lane)
         sch.decompose_reduction(dots, step)
-        for name in GROUP_STAGES:
-            if name in names:
-                sch.compute_at(sch.get_sblock(name), rows)
         sch.reverse_compute_at(matmul, rows)
         for name in names[names.index(MATMUL) + 1 :]:  # a fused residual add
             sch.reverse_compute_at(sch.get_sblock(name), rows)

@@ -28,6 +28,11 @@ from kiln.targets import building
 
 LANES = 8
 
+
+def f32(value: float) -> PrimExpr:
+    return tirx.const(value, "float32")
+
+
 # (row, column) → the weight's level; (row, group) → its group's scale or offset
 LevelOf = Callable[[PrimExpr, PrimExpr], PrimExpr]
 GroupValue = Callable[[PrimExpr, PrimExpr], PrimExpr]
@@ -42,16 +47,21 @@ class LaneLayout:
     steps: int
     column: Callable[[PrimExpr, PrimExpr, PrimExpr], PrimExpr]
     group: Callable[[PrimExpr, PrimExpr], PrimExpr]
+    # Blocks run as one unrolled body, so that where a weight's bits lie in its stored block (a
+    # K-quant's 256 weights, 8 or 16 groups) is a constant, not arithmetic on the block's index.
+    unrolled_blocks: int = 1
 
 
-def consecutive_lanes(group_size: int) -> LaneLayout:
+def consecutive_lanes(group_size: int, stored_block: int | None = None) -> LaneLayout:
     """A block is a group; each step reads `LANES` consecutive weights (GGUF's blocks keep
-    consecutive weights in consecutive bytes, or in the same nibble of consecutive bytes)."""
+    consecutive weights in consecutive bytes, or in the same nibble of consecutive bytes). The
+    groups of a `stored_block` of weights are unrolled together."""
     return LaneLayout(
         group_size,
         group_size // LANES,
         lambda block, step, lane: block * group_size + step * LANES + lane,
         lambda block, lane: block,
+        (stored_block or group_size) // group_size,
     )
 
 
@@ -83,8 +93,11 @@ def factored_matmul(
     offset: GroupValue | None,
     out_features: int,
     layout: LaneLayout,
+    zero: float = 0.0,
 ) -> te.Tensor:
-    """y[..., o] = Σ_k x[..., k] · (level[o, k] · scale[o, g(k)] + offset[o, g(k)]) for one row x."""
+    """y[..., o] = Σ_k x[..., k] · ((level[o, k] − zero) · scale[o, g(k)] + offset[o, g(k)]) for one
+    row x. A block's lane dots take the levels as they are stored, and −zero × the input's lane sums
+    (computed once for every row) is added to them before the scale."""
     *unit, in_features = x.shape
     row = [0] * len(unit)
     blocks = int(in_features) // layout.block_columns
@@ -97,6 +110,8 @@ def factored_matmul(
     sums = te.compute(
         (blocks, LANES), lambda block, lane: te.sum(lanes[block, step, lane], axis=step), name="x_lane_sums"
     )
+    if zero:
+        zero_dots = te.compute((blocks, LANES), lambda b, lane: sums[b, lane] * f32(-zero), name="x_zero_dots")
 
     def lane_dot(o, block, lane):
         step = te.reduce_axis((0, layout.steps), name="step")
@@ -104,13 +119,19 @@ def factored_matmul(
         return te.sum(weight * lanes[block, step, lane], axis=step)
 
     dots = te.compute((out_features, blocks, LANES), lane_dot, name=LANE_DOTS)
-    block, lane = te.reduce_axis((0, blocks), name="block"), te.reduce_axis((0, LANES), name="lane")
+    unrolled = layout.unrolled_blocks
+    axes = [te.reduce_axis((0, blocks // unrolled), name="block")]
+    if unrolled > 1:
+        axes.append(te.reduce_axis((0, unrolled), name="unrolled_block"))
+    lane = te.reduce_axis((0, LANES), name="lane")
+    block = axes[0] * unrolled + axes[1] if unrolled > 1 else axes[0]
 
     def row_sum(*idx):
         o, group = idx[-1], layout.group(block, lane)
-        term = scale(o, group) * dots[o, block, lane]
+        dot = dots[o, block, lane] + zero_dots[block, lane] if zero else dots[o, block, lane]
+        term = scale(o, group) * dot
         if offset is not None:
             term = term + offset(o, group) * sums[block, lane]
-        return te.sum(term, axis=[block, lane])
+        return te.sum(term, axis=[*axes, lane])
 
     return te.compute((*unit, out_features), row_sum, name=MATMUL)

@@ -62,10 +62,18 @@ class RowBytes:
         return self.u8(offset) | (self.u8(offset + 1) << u32(8))
 
     def u32(self, offset: PrimExpr) -> PrimExpr:
-        """Little-endian, at a multiple of 4."""
+        """Little-endian, at a multiple of 4 (of 2 where the target reads bytes)."""
         if self.in_words:
             return self.stored[self.row, offset // 4]
         return self.u16(offset) | (self.u16(offset + 2) << u32(16))
+
+    def bit(self, offset: PrimExpr, index: PrimExpr) -> PrimExpr:
+        """Bit `index` (0..31) of the 32 little-endian bits at an even `offset`. Where the target
+        reads bytes they are one load, and a vector of consecutive bits is one shift of it by a
+        constant vector (per byte, each step would load, move and broadcast a byte of its own)."""
+        if self.in_words:
+            return bit(self.u8(offset + index // 8), index % 8)
+        return bit(self.u32(offset), index)
 
     def i8(self, offset: PrimExpr) -> PrimExpr:
         """A signed byte, as float32."""
@@ -139,11 +147,11 @@ def q4_nibble(b: RowBytes, quants: PrimExpr, j: PrimExpr) -> PrimExpr:
 
 def q5_bits(b: RowBytes, high_bits: PrimExpr, quants: PrimExpr, j: PrimExpr) -> PrimExpr:
     """Q5_0/Q5_1: the fifth bit of weight j is bit j of the 32-bit qh."""
-    return q4_nibble(b, quants, j) | (bit(b.u8(high_bits + j // 8), j % 8) << u32(4))
+    return q4_nibble(b, quants, j) | (b.bit(high_bits, j) << u32(4))
 
 
 def q4_0_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qs[16]
-    return as_float(q4_nibble(b, block + 2, j)) - f32(8)
+    return as_float(q4_nibble(b, block + 2, j))
 
 
 def q4_1_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, qs[16]
@@ -151,7 +159,7 @@ def q4_1_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, 
 
 
 def q5_0_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, qh[4], qs[16]
-    return as_float(q5_bits(b, block + 2, block + 6, j)) - f32(16)
+    return as_float(q5_bits(b, block + 2, block + 6, j))
 
 
 def q5_1_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # d, m, qh[4], qs[16]
@@ -200,7 +208,7 @@ def q6_k_level(b: RowBytes, block: PrimExpr, j: PrimExpr) -> PrimExpr:  # ql[128
     half, quarter, lane = j // 128, (j % 128) // 32, j % 32
     low = nibble(b.u8(block + half * 64 + (quarter % 2) * 32 + lane), quarter // 2)
     high = (b.u8(block + 128 + half * 32 + lane) >> (quarter * 2).astype("uint32")) & u32(3)
-    return as_float(low | (high << u32(4))) - f32(32)
+    return as_float(low | (high << u32(4)))
 
 
 def q6_k_scale(b: RowBytes, block: PrimExpr, group: PrimExpr) -> PrimExpr:
@@ -209,14 +217,16 @@ def q6_k_scale(b: RowBytes, block: PrimExpr, group: PrimExpr) -> PrimExpr:
 
 @dataclass(frozen=True)
 class Levels:
-    """A quantized type: weight = level × scale (+ offset), with the level from the weight's own
-    bits and the scale and offset shared by `group` consecutive weights (computed in the order
-    ggml computes them, so the products round the same)."""
+    """A quantized type: weight = (level − zero) × scale (+ offset), with the level from the
+    weight's own bits, `zero` a constant of the type, and the scale and offset shared by `group`
+    consecutive weights (computed in the order ggml computes them, so the products round the same).
+    A decode takes `zero` out of its loop over weights (factored_decode.factored_matmul)."""
 
     group: int
     level: Reader
     scale: Reader
     offset: Reader | None = None
+    zero: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -252,27 +262,26 @@ class BlockType:
         offset = per_group(levels.offset, GROUP_STAGES[1]) if levels.offset else None
         return per_group(levels.scale, GROUP_STAGES[0]), offset
 
-    def group_values(self, stored: te.Tensor, rows, cols: int) -> tuple[GroupValue, GroupValue | None]:
-        """(row, group) → a quantized type's scale and offset. A block of one group reads them
-        from its own fields where they are used (a vector of weights needs one broadcast value,
-        not a gather across groups); a K-quant's packed 6-bit scales are unpacked once per group,
-        in their own stages."""
-        levels = self.read
-        if levels.group == self.elements:
+    def group_values(self, stored: te.Tensor) -> tuple[GroupValue, GroupValue | None]:
+        """(row, group) → a quantized type's scale and offset, read from the block's own fields
+        where they are used: a vector of weights needs one broadcast value, and a decode unrolls
+        a stored block's groups (factored_decode.LaneLayout), so a K-quant's packed 6-bit scales
+        are unpacked from constant offsets in registers."""
+        levels, size = self.read, self.read.group
 
-            def field(reader: Reader) -> GroupValue:
-                return lambda row, group: reader(RowBytes(stored, row), self.block(group * self.elements), 0)
+        def field(reader: Reader) -> GroupValue:
+            return lambda row, group: reader(
+                RowBytes(stored, row), self.block(group * size), (group * size) % self.elements // size
+            )
 
-            return field(levels.scale), None if levels.offset is None else field(levels.offset)
-
-        def stage(values: te.Tensor) -> GroupValue:
-            return lambda row, group: values[row, group]
-
-        scale, offset = self.group_stages(stored, rows, cols)
-        return stage(scale), None if offset is None else stage(offset)
+        return field(levels.scale), None if levels.offset is None else field(levels.offset)
 
     def level(self, stored: te.Tensor, row: PrimExpr, col: PrimExpr) -> PrimExpr:
         return self.read.level(RowBytes(stored, row), self.block(col), col % self.elements)
+
+    def centered_level(self, stored: te.Tensor, row: PrimExpr, col: PrimExpr) -> PrimExpr:
+        level = self.level(stored, row, col)
+        return level - f32(self.read.zero) if self.read.zero else level
 
     def dequantize_te(self, stored: te.Tensor, rows, cols: int, dtype: str) -> te.Tensor:
         """The [rows, cols] weights of a matrix `stored` as RowBytes reads it."""
@@ -286,7 +295,7 @@ class BlockType:
         scale, offset = self.group_stages(stored, rows, cols)
 
         def value(r, c):
-            scaled = self.level(stored, r, c) * scale[r, c // size]
+            scaled = self.centered_level(stored, r, c) * scale[r, c // size]
             return (scaled if offset is None else scaled + offset[r, c // size]).astype(dtype)
 
         return te.compute((rows, cols), value, name=DEQUANTIZE)
@@ -295,9 +304,9 @@ class BlockType:
         """y[..., o] = sum_k x[..., k] * W[o, k]; a CPU's decode of a quantized type keeps the
         scales and offsets out of its loop over weights (factored_decode.py)."""
         if isinstance(self.read, Levels):
-            layout = factored_decode.consecutive_lanes(self.read.group)
+            layout = factored_decode.consecutive_lanes(self.read.group, self.elements)
             if factored_decode.applies(x, cols, layout, dtype):
-                scale, offset = self.group_values(stored, rows, cols)
+                scale, offset = self.group_values(stored)
                 return factored_decode.factored_matmul(
                     x,
                     level=lambda row, col: self.level(stored, row, col),
@@ -305,6 +314,7 @@ class BlockType:
                     offset=offset,
                     out_features=rows,
                     layout=layout,
+                    zero=self.read.zero,
                 )
         return matmul_transposed(x, self.dequantize_te(stored, rows, cols, dtype), out_dtype)
 
@@ -321,13 +331,13 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("F32", 1, 4, read_f32),
         BlockType("F16", 1, 2, read_f16),
         BlockType("BF16", 1, 2, read_bf16),
-        BlockType("Q4_0", 32, 18, Levels(32, q4_0_level, d_at(0))),
+        BlockType("Q4_0", 32, 18, Levels(32, q4_0_level, d_at(0), zero=8)),
         BlockType("Q4_1", 32, 20, Levels(32, q4_1_level, d_at(0), d_at(2))),
-        BlockType("Q5_0", 32, 22, Levels(32, q5_0_level, d_at(0))),
+        BlockType("Q5_0", 32, 22, Levels(32, q5_0_level, d_at(0), zero=16)),
         BlockType("Q5_1", 32, 24, Levels(32, q5_1_level, d_at(0), d_at(2))),
         BlockType("Q8_0", 32, 34, Levels(32, q8_0_level, d_at(0))),
         BlockType("Q4_K", 256, 144, Levels(32, q4_k_level, k_scale, k_offset)),
         BlockType("Q5_K", 256, 176, Levels(32, q5_k_level, k_scale, k_offset)),
-        BlockType("Q6_K", 256, 210, Levels(16, q6_k_level, q6_k_scale)),
+        BlockType("Q6_K", 256, 210, Levels(16, q6_k_level, q6_k_scale, zero=32)),
     )
 }

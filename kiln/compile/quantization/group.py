@@ -67,9 +67,10 @@ class GroupFormat:
             x,
             level=lambda row, col: self.level(q_weight, row, col),
             scale=lambda row, group: q_scale[row, group],
-            offset=lambda row, group: q_scale[row, group] * tirx.const(-self.max_q, "float32"),
+            offset=None,
             out_features=rows,
             layout=layout,
+            zero=self.max_q,
         )
 
 
