@@ -69,3 +69,86 @@ def make_real_sized(name: str, folder: Path) -> Path:
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the layers whose attn_v and ffn_down a Q4_K_M file stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(part: str, layer: int, layers: int, cols: int) -> str:
+    """The type llama.cpp's Q4_K_M recipe gives a layer's matrix, with its fallbacks for rows that
+    are not whole 256-value K-quant blocks (Q4_K → Q5_0, Q6_K → Q8_0), as Qwen2.5 0.5B's rows of 896 need."""
+    wanted = "Q6_K" if part in ("attn_v", "ffn_down") and more_bits(layer, layers) else "Q4_K"
+    if cols % 256 == 0:
+        return wanted
+    return {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[wanted]
+
+
+def write_real_sized_q4_k_m_gguf(name: str, path: Path, seed: int = 0) -> Path:
+    """`name`'s published config (a Qwen2-style model) as a GGUF of random blocks typed as llama.cpp's
+    Q4_K_M recipe types them, the tied embedding in Q8_0 (Q6_K's fallback), norms and biases in F32;
+    the tiny tokenizer's vocabulary padded with unused tokens to the config's size, so llama.cpp
+    loads the same file."""
+    import gguf
+    import numpy as np
+    import tempfile
+    from transformers import Qwen2Config
+
+    from helpers.tiny_families import TINY_FAMILIES, add_hyperparameters, add_vocabulary, tensor_blocks
+
+    model_class, _, values = REAL_SIZES[name]
+    assert model_class == "Qwen2ForCausalLM", "the Q4_K_M writer knows the Qwen2 layout"
+    config = Qwen2Config(**values)
+    family = TINY_FAMILIES["qwen2"]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, family.gguf_architecture)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    add_hyperparameters(writer, config)
+    with tempfile.TemporaryDirectory() as tokenizer_folder:
+        write_tokenizer(Path(tokenizer_folder))
+        add_vocabulary(writer, Path(tokenizer_folder))
+    tokens = writer.kv_data[0].pop("tokenizer.ggml.tokens").value
+    types = writer.kv_data[0].pop("tokenizer.ggml.token_type").value
+    padding = config.vocab_size - len(tokens)
+    writer.add_token_list([*tokens, *(f"<unused_{i}>" for i in range(padding))])
+    writer.add_token_types([*types, *[gguf.TokenType.UNUSED] * padding])
+
+    hidden, kv_rows = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_rows, hidden),
+        "attn_v": (kv_rows, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (config.intermediate_size, hidden),
+        "ffn_up": (config.intermediate_size, hidden),
+        "ffn_down": (hidden, config.intermediate_size),
+    }
+
+    def add_blocks(tensor: str, type_name: str, rows: int, cols: int) -> None:
+        blocks = tensor_blocks(type_name, rows, cols, rng)
+        writer.add_tensor(f"{tensor}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[type_name])
+
+    def add_floats(tensor: str, size: int, mean: float) -> None:
+        writer.add_tensor(tensor, (mean + rng.standard_normal(size) * 0.2).astype(np.float32))
+
+    add_blocks("token_embd", "Q8_0", config.vocab_size, hidden)
+    for layer in range(config.num_hidden_layers):
+        add_floats(f"blk.{layer}.attn_norm.weight", hidden, 1.0)
+        for part, (rows, cols) in shapes.items():
+            add_blocks(f"blk.{layer}.{part}", q4_k_m_type(part, layer, config.num_hidden_layers, cols), rows, cols)
+            if part in ("attn_q", "attn_k", "attn_v"):
+                add_floats(f"blk.{layer}.{part}.bias", rows, 0.0)
+        add_floats(f"blk.{layer}.ffn_norm.weight", hidden, 1.0)
+    add_floats("output_norm.weight", hidden, 1.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_real_sized_q4_k_m_gguf(sys.argv[1], Path(sys.argv[2]))
