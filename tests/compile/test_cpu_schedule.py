@@ -177,5 +177,5 @@ def test_a_decode_reads_one_weight_row_per_parallel_step_and_a_blocks_own_scale_
     script = gguf_decode(name)[1]
     assert f"T.parallel({DECODE_OUT_FEATURES})" in script, script
     assert "group_scale" not in script
-    groups_per_block = block_type.elements // block_type.read.group
+    groups_per_block = (block_type.unrolled_weights or block_type.elements) // block_type.read.group
     assert (f"T.unroll({groups_per_block})" in script) == (groups_per_block > 1), script

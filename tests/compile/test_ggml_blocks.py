@@ -27,7 +27,7 @@ from kiln.compile.digests import file_digests
 from kiln.compile.lower import kiln_pipeline
 from kiln.compile.lower.library import EXPORTS, KERNEL_CHECKS, device_source
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
-from kiln.compile.quantization.gguf_blocks import as_bytes, reads_words
+from kiln.compile.quantization.gguf_blocks import as_units, reads_words
 from kiln.targets import BROWSER_TARGETS, TARGETS
 
 COLS = 512  # two K-quant blocks, sixteen of the 32-weight ones
@@ -98,7 +98,7 @@ def dequantize_module(shapes: dict[str, int]) -> tvm.IRModule:
         words = relax.Var("words", R.Tensor((rows, row_words), "uint32"))
         with builder.function(function_name(name), [words]):
             with builder.dataflow():
-                stored = words if reads_words() else builder.emit(as_bytes(words, rows, row_words))
+                stored = words if reads_words() else builder.emit(as_units(words, block_type, rows, row_words))
                 weights = builder.emit_output(
                     builder.call_te(
                         lambda w, t=block_type, n=rows: t.dequantize_te(w, n, COLS, "float32"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
-from tvm import relax, te
+from tvm import DataType, relax, te
 from tvm.relax.frontend import nn
 
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
@@ -33,16 +33,18 @@ def reads_words() -> bool:
     return entry is not None and not entry.loads_bytes
 
 
-def as_bytes(words: relax.Expr, rows, row_words) -> relax.Expr:
-    """The stored words as [rows, row bytes] uint8: a view of the same memory, not a copy."""
-    return relax.op.memory.view(words, shape=[rows, row_words * 4], dtype="uint8")
+def as_units(words: relax.Expr, block_type: BlockType, rows, row_words) -> relax.Expr:
+    """The stored words as [rows, row units] of the block type's unit (bytes; the values of a
+    float type): a view of the same memory, not a copy."""
+    unit = block_type.unit
+    return relax.op.memory.view(words, shape=[rows, row_words * 4 // DataType(unit).itemsize], dtype=unit)
 
 
-def readable(blocks: nn.Tensor) -> nn.Tensor:
+def readable(blocks: nn.Tensor, block_type: BlockType) -> nn.Tensor:
     """What the kernels read of a stored matrix, for the target being built."""
     if reads_words():
         return blocks
-    return nn.wrap_nested(as_bytes(blocks._expr, *blocks.shape), "bytes")
+    return nn.wrap_nested(as_units(blocks._expr, block_type, *blocks.shape), "units")
 
 
 class BlockMatrix(nn.Module):
@@ -56,7 +58,7 @@ class BlockMatrix(nn.Module):
         return nn.op.tensor_expr_op(
             lambda x, w: self.block_type.matmul_te(x, w, self.rows, self.cols, self.dtype, x.dtype),
             "dequantize_matmul",
-            [x, readable(self.blocks)],
+            [x, readable(self.blocks, self.block_type)],
         )
 
 
@@ -85,13 +87,13 @@ class GGUFEmbedding(nn.Module):
             rows = te.compute((ids.shape[0], w.shape[1]), lambda i, j: w[ids[i], j], name=GATHERED_ROWS)
             return self.block_type.dequantize_te(rows, ids.shape[0], self.hidden_size, self.dtype)
 
-        return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [readable(self.blocks), token_ids])
+        return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [readable(self.blocks, self.block_type), token_ids])
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_expr_op(
             lambda x, w: self.block_type.matmul_te(x, w, self.vocab_size, self.hidden_size, self.dtype, "float32"),
             "dequantize_lm_head",
-            [x, readable(self.blocks)],
+            [x, readable(self.blocks, self.block_type)],
         )
 
 
