@@ -17,6 +17,7 @@ from kiln.errors import KilnError
 
 SHARD_CAP_BYTES = 32 << 20
 JSON_NAMES = ("tensor-cache.json", "ndarray-cache.json")
+RECORD_FIELDS = ("name", "shape", "dtype", "format", "nbytes", "byteOffset")
 
 
 def md5_of(path: Path) -> str:
@@ -99,6 +100,7 @@ class TensorRecord:
     shard: Path
     byte_offset: int
     nbytes: int
+    layout: dict  # the record's other fields: how to read bytes that are not plain values (gguf_type)
 
 
 def read_index(model_dir: Path) -> tuple[Path, dict]:
@@ -129,7 +131,13 @@ def records(model_dir: Path) -> list[TensorRecord]:
     _, index = read_index(model_dir)
     return [
         TensorRecord(
-            r["name"], tuple(r["shape"]), r["dtype"], model_dir / shard["dataPath"], r["byteOffset"], r["nbytes"]
+            r["name"],
+            tuple(r["shape"]),
+            r["dtype"],
+            model_dir / shard["dataPath"],
+            r["byteOffset"],
+            r["nbytes"],
+            {key: value for key, value in r.items() if key not in RECORD_FIELDS},
         )
         for shard in index["records"]
         for r in shard["records"]

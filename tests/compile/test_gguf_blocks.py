@@ -252,3 +252,19 @@ def test_webllm_generates_what_kiln_generates_on_the_mixed_blocks(driver, mixed_
     replies = webllm_replies(driver, tmp_path / "profile", mixed_browser_dir, conversations)
     assert replies[0]["text"]
     assert_kiln_replies_the_same(mixed_browser_dir, conversations, replies)
+
+
+def test_bench_times_every_matrix_type_a_decode_step_reads(mixed_build):
+    """`kiln bench native`'s census: a GEMV per type and shape over the model's own blocks, every
+    type the mixed file stores (its untied embedding only gathered, so not counted), its bytes once."""
+    from kiln.bench.matrices import time_matrix_types
+    from kiln.tensor_cache import records
+
+    model_dir = mixed_build("gguf_f32")
+    types = time_matrix_types(model_dir, bandwidth=1e10)
+    read = {name: kind for name, kind in MIXED_BLOCK_TYPES.items() if name != "token_embd"}
+    assert sorted(t["kind"] for t in types) == sorted(set(read.values()))
+    stored = [r for r in records(model_dir) if "gguf_type" in r.layout and "embed_tokens" not in r.name]
+    assert sum(t["bytes"] for t in types) == sum(r.nbytes for r in stored)
+    for t in types:
+        assert t["ms"] > 0 and t["gb_per_s"] == pytest.approx(t["bytes"] / t["ms"] / 1e6), t

@@ -479,7 +479,11 @@ def test_bench_native_reports_the_numbers(tiny_dir):
     ):
         assert report[key] > 0, key
     assert report["bandwidth_fraction"] < 1
-    assert f"{report['threads']}-thread numpy copy" in report["lines"][-1]
+    assert any(f"{report['threads']}-thread numpy copy" in line for line in report["lines"])
+    (matrices,) = report["matrix_types"]  # the tiny Llama at q0f32: float32 weights
+    assert matrices["kind"] == "float32" and matrices["gb_per_s"] > 0
+    assert matrices["bytes"] < report["decode_bytes_per_token"]
+    assert report["lines"][-1].lstrip().startswith("together")
 
 
 def test_the_cpu_library_runs_on_the_physical_cores_or_as_asked(tiny_dir):
