@@ -12,7 +12,7 @@ from tvm import te
 from helpers.random_blocks import random_blocks
 
 from kiln.compile.lower import schedules_for
-from kiln.compile.lower.cpu_schedule import weight_rows_per_tile
+from kiln.compile.lower.cpu_schedule import TILE_BYTES, reduction_span, weight_rows_per_tile
 from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
@@ -27,13 +27,13 @@ Q4F32 = GroupFormat(4, 32, "float32")
 IN_FEATURES = 64
 
 
-def prefill_matmul(out_features: int, target_name: str = "cpu") -> tvm.IRModule:
+def prefill_matmul(out_features: int, target_name: str = "cpu", in_features: int = IN_FEATURES) -> tvm.IRModule:
     """A q4f32_1 matmul of a symbolic number of input rows under the target's schedules."""
     rows = tvm.tirx.Var("n", "int64")
-    x = te.placeholder((1, rows, IN_FEATURES), "float32", name="x")
-    weight = te.placeholder((out_features, IN_FEATURES // 8), "uint32", name="weight")
-    scale = te.placeholder((out_features, IN_FEATURES // 32), "float32", name="scale")
-    y = matmul_transposed(x, Q4F32.dequantize_te(weight, scale, out_features, IN_FEATURES), "float32")
+    x = te.placeholder((1, rows, in_features), "float32", name="x")
+    weight = te.placeholder((out_features, in_features // 8), "uint32", name="weight")
+    scale = te.placeholder((out_features, in_features // 32), "float32", name="scale")
+    y = matmul_transposed(x, Q4F32.dequantize_te(weight, scale, out_features, in_features), "float32")
     module = tvm.IRModule({"main": te.create_prim_func([x, weight, scale, y]).with_attr("global_symbol", "main")})
     entry = TARGETS[target_name]
     with entry.target():
@@ -52,19 +52,36 @@ def test_a_tile_is_the_most_weight_rows_that_divide_the_width_and_its_sums_stay_
     assert f"in T.unroll({tile}):" in script  # the tile's weight rows, each with its vector of sums
 
 
-def test_prefill_gives_numpys_products_for_any_number_of_rows():
-    out_features = 96
-    library = tvm.tirx.build(prefill_matmul(out_features), target=TARGETS["cpu"].target())
+def test_a_wide_tile_meets_the_inputs_a_span_of_columns_at_a_time():
+    """Its weights beyond TILE_BYTES would stream from L2 for every input row; a span's fit half."""
+    tile = weight_rows_per_tile(TARGETS["cpu"].target(), WIDE_OUT_FEATURES)
+    span = reduction_span(tile, WIDE_IN_FEATURES)
+    assert span < WIDE_IN_FEATURES and WIDE_IN_FEATURES % span == 0 and span % 32 == 0
+    assert tile * span * 4 <= TILE_BYTES // 2 < tile * 2 * span * 4
+    assert reduction_span(tile, IN_FEATURES) == IN_FEATURES
+    script = prefill_matmul(WIDE_OUT_FEATURES, in_features=WIDE_IN_FEATURES)["main"].script()
+    assert f"T.grid({tile}, {span // 32}, 4)" in script  # a tile's span unpacked, in vectors of 8 weights
+
+
+WIDE_OUT_FEATURES, WIDE_IN_FEATURES = 24, 2048
+
+
+@pytest.mark.parametrize("out_features, in_features", [(96, IN_FEATURES), (WIDE_OUT_FEATURES, WIDE_IN_FEATURES)])
+def test_prefill_gives_numpys_products_for_any_number_of_rows(out_features, in_features):
+    library = tvm.tirx.build(prefill_matmul(out_features, in_features=in_features), target=TARGETS["cpu"].target())
     rng = np.random.default_rng(0)
-    weight = rng.integers(0, 2**32, (out_features, IN_FEATURES // 8), dtype=np.uint64).astype(np.uint32)
-    scale = rng.random((out_features, IN_FEATURES // 32), dtype=np.float32)
+    weight = rng.integers(0, 2**32, (out_features, in_features // 8), dtype=np.uint64).astype(np.uint32)
+    scale = rng.random((out_features, in_features // 32), dtype=np.float32)
     levels = (weight[:, :, None] >> (np.arange(8, dtype=np.uint32) * 4)) & 15
-    dequantized = (levels.reshape(out_features, IN_FEATURES).astype(np.float32) - 7) * np.repeat(scale, 32, axis=1)
+    dequantized = (levels.reshape(out_features, in_features).astype(np.float32) - 7) * np.repeat(scale, 32, axis=1)
     for rows in (1, 5, 13):
-        x = rng.standard_normal((1, rows, IN_FEATURES), dtype=np.float32)
+        x = rng.standard_normal((1, rows, in_features), dtype=np.float32)
         out = tvm.runtime.tensor(np.zeros((1, rows, out_features), np.float32))
         library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(weight), tvm.runtime.tensor(scale), out)
-        np.testing.assert_allclose(out.numpy()[0], x[0] @ dequantized.T, rtol=1e-5, atol=1e-5)
+        # float32 sums in any order: within a few roundings of the products' magnitudes
+        magnitudes = np.abs(x[0]).astype(np.float64) @ np.abs(dequantized.T).astype(np.float64)
+        error = np.abs(out.numpy()[0] - x[0].astype(np.float64) @ dequantized.T.astype(np.float64))
+        assert (error <= 1e-6 * magnitudes + 1e-6).all(), (error / magnitudes).max()
 
 
 def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_path):
