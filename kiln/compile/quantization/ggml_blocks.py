@@ -73,11 +73,13 @@ class RowBytes:
 
     def bit(self, offset: PrimExpr, index: PrimExpr) -> PrimExpr:
         """Bit `index` (0..31) of the 32 little-endian bits at an even `offset`. Where the target
-        reads bytes they are one load, and a vector of consecutive bits is one shift of it by a
-        constant vector (per byte, each step would load, move and broadcast a byte of its own)."""
+        reads bytes they are one load, and a vector of consecutive bits is that word masked by a
+        constant vector (per byte, each step would load, move and broadcast a byte of its own; a
+        shift by a different count per lane is one instruction on AVX2 but four lanes taken
+        apart in wasm SIMD)."""
         if self.in_words:
             return bit(self.u8(offset + index // 8), index % 8)
-        return bit(self.u32(offset), index)
+        return (self.u32(offset) & (u32(1) << index.astype("uint32")) != u32(0)).astype("uint32")
 
     def i8(self, offset: PrimExpr) -> PrimExpr:
         """A signed byte, as float32."""
@@ -93,6 +95,8 @@ class RowBytes:
         bits = self.u16(offset)
         if self.converts_halves:
             return tirx.reinterpret("float16", bits.astype("uint16")).astype("float32")
+        if not self.in_words:
+            return half_by_scaling(bits)
         # Branch-free (a GPU shader would get every operand of a select spelled out twice).
         magnitude = bits & u32(0x7FFF)
         special = (magnitude >= u32(0x7C00)).astype("uint32")
@@ -109,6 +113,19 @@ class RowBytes:
         if self.stored.dtype == "float32":
             return self.stored[self.row, offset // 4]
         return tirx.reinterpret("float32", self.u32(offset))
+
+
+def half_by_scaling(bits: PrimExpr) -> PrimExpr:
+    """An IEEE half's bits as float32, where float32 arithmetic keeps subnormals (wasm; a GPU may
+    flush them): its magnitude bits in a float32's place, times 2^(127 − 15), are the half's value,
+    subnormals included; infinities and NaNs then get the all-ones exponent, and the sign its bit
+    (half the operations of the formula a GPU needs: SmolLM2's Q4_1 decode in Chromium's wasm,
+    one thread, 17.8 → 20.8 tokens/s)."""
+    magnitude = bits & u32(0x7FFF)
+    scaled = tirx.reinterpret("float32", magnitude << u32(13)) * tirx.reinterpret("float32", u32((127 + 112) << 23))
+    special = (magnitude >= u32(0x7C00)).astype("uint32") * u32(0x7F800000 - 0x47800000)
+    sign = (bits & u32(0x8000)) << u32(16)
+    return tirx.reinterpret("float32", (tirx.reinterpret("uint32", scaled) + special) | sign)
 
 
 def nibble(byte: PrimExpr, high: PrimExpr) -> PrimExpr:
