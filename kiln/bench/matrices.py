@@ -107,6 +107,13 @@ def parameter_tensors(matrix: Matrix, device) -> list[tvm.runtime.Tensor]:
     return tensors
 
 
+def kernels_as_built(model_dir: Path) -> bool:
+    """Whether this Kiln's GEMVs are the library's: it was built by the same Kiln code."""
+    from kiln.compile.pipeline import kiln_code_digest
+
+    return read_json(model_dir / "kiln-build.json").get("kiln_code_digest") == kiln_code_digest()
+
+
 def time_matrix_types(model_dir: Path, bandwidth: float) -> list[dict]:
     """Per matrix type: its bytes a decode step reads, the time and GB/s of its GEMVs, and that
     rate's share of `bandwidth` (bytes per second of a copy on the same threads)."""

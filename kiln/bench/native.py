@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.app_config import model_needs, read_compiled_model
-from kiln.bench.matrices import time_matrix_types
+from kiln.bench.matrices import kernels_as_built, time_matrix_types
 from kiln.engine import Engine, GenerationConfig
 from kiln.model_memory import float_bytes
 from kiln.runtime import set_cpu_threads
@@ -140,15 +140,19 @@ def bench_native(
             f"{report['bandwidth_gb_per_s']:.1f} GB/s a {threads}-thread numpy copy reaches here (read + write)"
         )
         report["matrix_types"] = time_matrix_types(engine.model_dir, bandwidth)
-        report["lines"] += matrix_type_lines(report["matrix_types"], 1e3 / decode_tokens_per_s)
+        report["matrix_kernels_as_built"] = kernels_as_built(engine.model_dir)
+        report["lines"] += matrix_type_lines(
+            report["matrix_types"], 1e3 / decode_tokens_per_s, report["matrix_kernels_as_built"]
+        )
     return report
 
 
-def matrix_type_lines(types: list[dict], step_ms: float) -> list[str]:
+def matrix_type_lines(types: list[dict], step_ms: float, as_built: bool) -> list[str]:
     if not types:
         return []
     return [
-        "  per matrix type, a decode GEMV of each of its shapes over the model's own weights:",
+        "  per matrix type, a decode GEMV of each of its shapes over the model's own weights"
+        + (":" if as_built else " (this Kiln's GEMVs: the library was built by other Kiln code):"),
         *(
             f"    {t['kind']:10} {t['bytes'] / 1e6:8.1f} MB {t['ms']:7.2f} ms {t['gb_per_s']:7.2f} GB/s "
             f"= {t['bandwidth_fraction']:4.0%} of the copy's"

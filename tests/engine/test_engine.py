@@ -484,6 +484,7 @@ def test_bench_native_reports_the_numbers(tiny_dir):
     assert matrices["kind"] == "float32" and matrices["gb_per_s"] > 0
     assert matrices["bytes"] < report["decode_bytes_per_token"]
     assert report["lines"][-1].lstrip().startswith("together")
+    assert report["matrix_kernels_as_built"]  # built in this session, by this code
 
 
 def test_the_cpu_library_runs_on_the_physical_cores_or_as_asked(tiny_dir):
