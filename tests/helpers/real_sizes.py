@@ -95,7 +95,13 @@ def write_real_sized_q4_k_m_gguf(name: str, path: Path, seed: int = 0) -> Path:
     import tempfile
     from transformers import Qwen2Config
 
-    from helpers.tiny_families import TINY_FAMILIES, add_hyperparameters, add_vocabulary, tensor_blocks
+    from helpers.tiny_families import (
+        TINY_FAMILIES,
+        add_hyperparameters,
+        add_vocabulary,
+        layer_matrix_shapes,
+        tensor_blocks,
+    )
 
     model_class, _, values = REAL_SIZES[name]
     assert model_class == "Qwen2ForCausalLM", "the Q4_K_M writer knows the Qwen2 layout"
@@ -114,16 +120,7 @@ def write_real_sized_q4_k_m_gguf(name: str, path: Path, seed: int = 0) -> Path:
     writer.add_token_list([*tokens, *(f"<unused_{i}>" for i in range(padding))])
     writer.add_token_types([*types, *[gguf.TokenType.UNUSED] * padding])
 
-    hidden, kv_rows = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
-    shapes = {
-        "attn_q": (hidden, hidden),
-        "attn_k": (kv_rows, hidden),
-        "attn_v": (kv_rows, hidden),
-        "attn_output": (hidden, hidden),
-        "ffn_gate": (config.intermediate_size, hidden),
-        "ffn_up": (config.intermediate_size, hidden),
-        "ffn_down": (hidden, config.intermediate_size),
-    }
+    hidden, shapes = config.hidden_size, layer_matrix_shapes(config)
 
     def add_blocks(tensor: str, type_name: str, rows: int, cols: int) -> None:
         blocks = tensor_blocks(type_name, rows, cols, rng)

@@ -684,6 +684,20 @@ def tensor_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
     return blocks.reshape(rows, -1)
 
 
+def layer_matrix_shapes(config) -> dict[str, tuple[int, int]]:
+    """A Llama-style layer's matrices, by GGUF name: (rows, cols)."""
+    hidden, kv_rows = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    return {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_rows, hidden),
+        "attn_v": (kv_rows, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (config.intermediate_size, hidden),
+        "ffn_up": (config.intermediate_size, hidden),
+        "ffn_down": (hidden, config.intermediate_size),
+    }
+
+
 def write_mixed_blocks_gguf(path: Path, types: dict[str, str] = MIXED_BLOCK_TYPES, seed: int = 0) -> Path:
     """A tiny Llama as a GGUF whose weights are random blocks of `types` (GGUF tensor name without
     ".weight" → ggml type), Q and K rows in llama.cpp's permuted order, norms in F32."""
@@ -696,16 +710,7 @@ def write_mixed_blocks_gguf(path: Path, types: dict[str, str] = MIXED_BLOCK_TYPE
         write_tokenizer(Path(tokenizer_folder))
         add_vocabulary(writer, Path(tokenizer_folder))
 
-    hidden, kv_rows = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
-    shapes = {
-        "attn_q": (hidden, hidden),
-        "attn_k": (kv_rows, hidden),
-        "attn_v": (kv_rows, hidden),
-        "attn_output": (hidden, hidden),
-        "ffn_gate": (config.intermediate_size, hidden),
-        "ffn_up": (config.intermediate_size, hidden),
-        "ffn_down": (hidden, config.intermediate_size),
-    }
+    hidden, shapes = config.hidden_size, layer_matrix_shapes(config)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
 
     def add_blocks(name: str, rows: int, cols: int, permute_heads: int | None = None) -> None:
