@@ -1,12 +1,11 @@
 """Where a cpu decode step's time goes, per stored matrix type (`kiln bench native`).
 
 Each type of matrix a decode step reads (a GGUF block type, an MLC group format, float32 or
-float16 weights) gets a decode
-GEMV of each of its shapes, built with the cpu library's schedules for the CPU the library was
-built for, and run once over every matrix of that type and shape in the model, its own stored
-bytes, in the order of the layers: as a decode step reads them, so a type larger than the CPU's
-caches streams from memory. Its bytes over its time are the type's GB/s, set beside the same
-copy bandwidth the whole step is measured against.
+float16 weights) gets a decode GEMV of each of its shapes, built by this Kiln with the cpu
+library's schedules for the CPU the library was built for, and run once over every matrix of that
+type and shape in the model, its own stored bytes, in the order of the layers: as a decode step
+reads them, so a type larger than the CPU's caches streams from memory. Its bytes over its time
+are the type's GB/s, set beside the same copy bandwidth the whole step is measured against.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from tvm import te
+from tvm import DataType, te
 
 from kiln.app_config import read_json
 from kiln.tensor_cache import TensorRecord, records
@@ -74,7 +73,9 @@ def gemv_kernel(matrix: Matrix, quantization: str, target: tvm.target.Target):
         x = te.placeholder((1, 1, cols), "float32", name="x")
         if matrix.kind in BLOCK_TYPES:
             block_type = BLOCK_TYPES[matrix.kind]
-            stored = [te.placeholder(stored_units(matrix.parameters[0]).shape, block_type.unit, name="blocks")]
+            (words,) = matrix.parameters
+            units = words.nbytes // DataType(block_type.unit).itemsize // rows
+            stored = [te.placeholder((rows, units), block_type.unit, name="blocks")]
             y = block_type.matmul_te(x, *stored, rows, cols, "float32", "float32")
         elif matrix.kind == quantization:
             stored = [te.placeholder(p.shape, p.dtype, name=p.name) for p in matrix.parameters]
@@ -88,11 +89,11 @@ def gemv_kernel(matrix: Matrix, quantization: str, target: tvm.target.Target):
     return tvm.compile(module, target=target)
 
 
-def stored_units(record: TensorRecord, data: bytes | None = None) -> np.ndarray:
+def stored_units(record: TensorRecord, data: bytes) -> np.ndarray:
     """A stored parameter as the cpu kernels read it: GGUF words as their block type's units."""
     from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
 
-    array = np.frombuffer(data or bytes(record.nbytes), dtype=record.dtype).reshape(record.shape)
+    array = np.frombuffer(data, dtype=record.dtype).reshape(record.shape)
     if "gguf_type" in record.layout:
         return array.view(BLOCK_TYPES[record.layout["gguf_type"]].unit).reshape(record.shape[0], -1)
     return array

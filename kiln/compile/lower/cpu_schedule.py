@@ -187,9 +187,9 @@ class FactoredDecodeGEMV(dl.ScheduleRule):
     vector register (the steps unrolled), then scaled into the row's vector of partial sums. The
     input's lanes and their sums are computed once before the rows; scales and offsets are read
     where they are used, the groups of a K-quant's stored block in one unrolled body (so their bit
-    positions are constants). One row at a time reads each thread's rows as one ascending stream, which the
-    hardware prefetcher follows; two rows interleaved read two streams a row apart, which it did
-    not follow (with GGUF scales read in place, a Q8_0 matrix streamed from memory 3× slower).
+    positions are constants). One row at a time reads each thread's rows as one ascending stream,
+    which the hardware prefetcher follows; two rows interleaved read two streams a row apart, which
+    it did not follow (with GGUF scales read in place, a Q8_0 matrix streamed from memory 3× slower).
     SmolLM2 decode on 2 threads against two rows a step: GGUF 138 -> 164 tok/s, q4f32_1 153 -> 180."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):

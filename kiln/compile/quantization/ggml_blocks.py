@@ -3,8 +3,9 @@
 A GGUF stores each row of a [rows, cols] weight as `cols / elements` blocks of `bytes` bytes
 (F32, F16 and BF16 are blocks of one value). Kiln keeps those bytes unchanged: a row is stored
 as little-endian uint32 words, zero-padded to a whole word when its byte count is not a multiple
-of four. Kernels read those words as bytes (a uint8 view of the same memory), except on WebGPU,
-whose shaders have no 8-bit type and shift bytes out of the words. `BlockType.dequantize_te` is
+of four. Kernels read those words as bytes (a uint8 view of the same memory; F16 and BF16 as
+uint16 halves, F32 as floats), except on WebGPU, whose shaders have no 8-bit type and shift bytes
+out of the words. `BlockType.dequantize_te` is
 the weights as a tensor expression written against `RowBytes`, so the dequantization is part of
 whichever kernel reads the weights. The formulas are ggml's
 `dequantize_row_*` (ggml-quants.c); gguf-py's `gguf.quants.dequantize` is the reference the tests
@@ -21,7 +22,7 @@ from tvm import te, tirx
 from tvm.ir.expr import ExprWithOp as PrimExpr
 
 from kiln.compile.quantization import factored_decode
-from kiln.compile.quantization.factored_decode import GroupValue
+from kiln.compile.quantization.factored_decode import GroupValue, f32
 from kiln.models.layers import matmul_transposed
 from kiln.models.stage_names import DEQUANTIZE, GROUP_STAGES
 from kiln.targets import building
@@ -29,10 +30,6 @@ from kiln.targets import building
 
 def u32(value: int) -> PrimExpr:
     return tirx.const(value, "uint32")
-
-
-def f32(value: float) -> PrimExpr:
-    return tirx.const(value, "float32")
 
 
 class RowBytes:
@@ -43,7 +40,7 @@ class RowBytes:
     def __init__(self, stored: te.Tensor, row: PrimExpr):
         self.stored, self.row = stored, row
         self.in_words = stored.dtype == "uint32"
-        self.in_halves = stored.dtype == "uint16"
+        self.in_halves, self.in_floats = stored.dtype == "uint16", stored.dtype == "float32"
         entry = building()
         self.converts_halves = not self.in_words and (entry is None or entry.converts_halves)
 
@@ -110,7 +107,7 @@ class RowBytes:
         return tirx.reinterpret("float32", self.u16(offset) << u32(16))
 
     def f32(self, offset: PrimExpr) -> PrimExpr:
-        if self.stored.dtype == "float32":
+        if self.in_floats:
             return self.stored[self.row, offset // 4]
         return tirx.reinterpret("float32", self.u32(offset))
 
