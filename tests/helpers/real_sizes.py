@@ -113,12 +113,7 @@ def write_real_sized_q4_k_m_gguf(name: str, path: Path, seed: int = 0) -> Path:
     add_hyperparameters(writer, config)
     with tempfile.TemporaryDirectory() as tokenizer_folder:
         write_tokenizer(Path(tokenizer_folder))
-        add_vocabulary(writer, Path(tokenizer_folder))
-    tokens = writer.kv_data[0].pop("tokenizer.ggml.tokens").value
-    types = writer.kv_data[0].pop("tokenizer.ggml.token_type").value
-    padding = config.vocab_size - len(tokens)
-    writer.add_token_list([*tokens, *(f"<unused_{i}>" for i in range(padding))])
-    writer.add_token_types([*types, *[gguf.TokenType.UNUSED] * padding])
+        add_vocabulary(writer, Path(tokenizer_folder), size=config.vocab_size)
 
     hidden, shapes = config.hidden_size, layer_matrix_shapes(config)
 

@@ -754,16 +754,20 @@ def add_hyperparameters(writer: gguf.GGUFWriter, config) -> None:
     writer.add_vocab_size(config.vocab_size)
 
 
-def add_vocabulary(writer: gguf.GGUFWriter, hf_folder: Path) -> None:
+def add_vocabulary(writer: gguf.GGUFWriter, hf_folder: Path, size: int | None = None) -> None:
+    """The folder's tokenizer as llama.cpp stores it; padded with unused tokens to `size` entries
+    (an embedding of a real model's vocabulary, which llama.cpp checks against the token list)."""
     tokenizer = json.loads((hf_folder / "tokenizer.json").read_text())
     tokenizer_config = json.loads((hf_folder / "tokenizer_config.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     special = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
     tokens = sorted({**vocab, **special}, key=lambda t: {**vocab, **special}[t])
+    types = [int(gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL) for t in tokens]
+    padding = (size or len(tokens)) - len(tokens)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_list([*tokens, *(f"<unused_{i}>" for i in range(padding))])
+    writer.add_token_types([*types, *[int(gguf.TokenType.UNUSED)] * padding])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
     writer.add_bos_token_id(special[tokenizer_config["bos_token"]])
     writer.add_eos_token_id(special[tokenizer_config["eos_token"]])
