@@ -39,15 +39,20 @@ class Matrix:
         return sum(p.nbytes for p in self.parameters)
 
 
+def read_whole_by_decode(record: TensorRecord, tied: bool) -> bool:
+    """Whether a decode step reads all of a stored parameter: all but an untied embedding table,
+    of which it gathers one row (a tied one is also the output projection)."""
+    return tied or "embed_tokens" not in record.name
+
+
 def decode_matrices(model_dir: Path, tied: bool, quantization: str) -> list[Matrix]:
-    """The stored matrices, in the tensor cache's order; an untied embedding table is left out
-    (a step gathers one row of it)."""
+    """The stored matrices a decode step reads whole, in the tensor cache's order."""
     from kiln.compile.quantization import quantization_named
 
     by_name = {r.name: r for r in records(model_dir)}
     matrices = []
     for r in by_name.values():
-        if not tied and "embed_tokens" in r.name:
+        if not read_whole_by_decode(r, tied):
             continue
         if "gguf_type" in r.layout:
             rows, cols = r.layout["gguf_shape"]

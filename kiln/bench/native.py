@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.app_config import model_needs, read_compiled_model
-from kiln.bench.matrices import kernels_as_built, time_matrix_types
+from kiln.bench.matrices import kernels_as_built, read_whole_by_decode, time_matrix_types
 from kiln.engine import Engine, GenerationConfig
 from kiln.model_memory import float_bytes
 from kiln.runtime import set_cpu_threads
@@ -55,8 +55,7 @@ def decode_bytes_per_token(engine: Engine, context_tokens: float) -> float:
     """Weight bytes read by one decode step, plus the KV cache at `context_tokens`."""
     model_config = engine.chat_config["model_config"]
     tied = model_config.get("tie_word_embeddings", False)
-    # An untied embedding table is only gathered (one row per token): leave it out.
-    weights = sum(r.nbytes for r in records(engine.model_dir) if tied or "embed_tokens" not in r.name)
+    weights = sum(r.nbytes for r in records(engine.model_dir) if read_whole_by_decode(r, tied))
     kv_itemsize = float_bytes(engine.chat_config["quantization"])
     kv_per_token = (
         2
