@@ -102,14 +102,14 @@ class RowParallelMatmul(dl.ScheduleRule):
         if single_row:
             if DEQUANTIZE in names:
                 sch.compute_inline(sch.get_sblock(DEQUANTIZE))
-            weight_rows = self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
+            weights_at = self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
         else:
-            weight_rows = self.schedule_many_rows(sch, target, block, rows, out, reduce)
+            weights_at = self.schedule_many_rows(sch, target, block, rows, out, reduce)
             if DEQUANTIZE in names:
-                self.unpack_once_per_tile(sch, sch.get_sblock(DEQUANTIZE), weight_rows)
+                self.unpack_once_per_span(sch, sch.get_sblock(DEQUANTIZE), weights_at)
         for name in GROUP_STAGES:  # a GGUF block type's scales and offsets: once per group of weights
             if name in names:
-                sch.compute_at(sch.get_sblock(name), weight_rows)
+                sch.compute_at(sch.get_sblock(name), weights_at)
         if single_row:
             return sch
         for name in block_names(sch):
@@ -147,10 +147,10 @@ class RowParallelMatmul(dl.ScheduleRule):
         return outer
 
     @staticmethod
-    def unpack_once_per_tile(sch: s_tir.Schedule, dequantize, tiles) -> None:
-        """The tile's weights unpacked into a buffer before the input rows stream past them,
+    def unpack_once_per_span(sch: s_tir.Schedule, dequantize, spans) -> None:
+        """A tile's span of weights unpacked into a buffer before the input rows stream past them,
         a vector of them at a time (in steps of whole groups, as in decode)."""
-        sch.compute_at(dequantize, tiles)
+        sch.compute_at(dequantize, spans)
         weights = sch.get_loops(dequantize)[-1]
         if sch.get(weights).extent.value % ALIGNED_WEIGHTS == 0:
             *_, vector = sch.split(weights, [None, ALIGNED_WEIGHTS // VECTOR_LANES, VECTOR_LANES])
@@ -158,9 +158,10 @@ class RowParallelMatmul(dl.ScheduleRule):
 
     @staticmethod
     def schedule_many_rows(sch: s_tir.Schedule, target: Target, block, rows, out, reduce) -> s_tir.LoopRV:
-        """Each input row meets the whole tile at once: per step of `VECTOR_LANES` inputs it is
-        loaded once and multiplied into one vector of partial sums per weight row, all of them
-        held in registers for the length of the row. Returns the parallel loop over tiles."""
+        """Each input row meets a span of the tile's columns at once (`reduction_span`: all of them
+        for a tile that fits): per step of `VECTOR_LANES` inputs it is loaded once and multiplied
+        into one vector of partial sums per weight row, all of them held in registers for the
+        length of the span. Returns the loop over a tile's spans, where its weights are unpacked."""
         tile = weight_rows_per_tile(target, sch.get(out).extent.value)
         tiles, tile_rows = sch.split(out, [None, tile])
         width = sch.get(reduce).extent.value
