@@ -30,6 +30,7 @@ from .kv_cache.gpu_decode_attention import narrow_webgpu_decode_kernels
 from .kv_cache.gpu_merge_state import replace_gpu_merge_state_kernel
 from .kv_cache.kernel_memo import kernels_made_once
 from .gguf import GGUFMapping
+from .kv_cache.cpu_prefill_attention import replace_prefill_attention_kernels
 from .kv_cache.paged_prefill_fix import fix_paged_prefill_kernels
 from .layers import gather_positions, last_position
 
@@ -175,6 +176,8 @@ class DecoderModel(nn.Module):
             )
         fix_paged_prefill_kernels()
         replace_decode_attention_kernel(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
+        if c.sliding_window_size is None:  # a window over the whole model keeps TVM's, which follow it
+            replace_prefill_attention_kernels(c.num_key_value_heads, c.num_attention_heads, c.head_dim, self.dtype)
         narrow_webgpu_decode_kernels(
             c.num_key_value_heads,
             c.num_attention_heads,

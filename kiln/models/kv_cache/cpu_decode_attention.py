@@ -4,8 +4,7 @@ TVM 0.27's kernel walks the (sequence, query head) pairs one after another, a sc
 one thread however many the library has: its share of a decode step grows with the cached tokens
 (SmolLM2 after a 512-token prompt, 2 threads: native decode 43 -> 70 tokens/s with this kernel, wasm
 15 -> 20; after 128 tokens the gain was within the noise). This one gives each pair to
-TVM's thread pool (the pairs write disjoint outputs), keeps its buffers on the task's stack, and
-takes the query·key dot product in vectors of partial sums and the output update as vectors.
+TVM's thread pool, one key at a time (cpu_attention.py's steps).
 
 It computes what TVM's does: the same online softmax in base 2, the same score statement (so the
 soft-cap rewrite still finds it), the same log-sum-exp output. It replaces the full-attention kernel
@@ -15,22 +14,19 @@ repeat, and the cache must not rotate keys in the kernel (RopeMode.INLINE), whic
 
 from __future__ import annotations
 
-import math
-
 from tvm.script import tirx as T
 
 from .cache_kernels import replace_cache_kernels
+from .cpu_attention import SOFTMAX_SLOTS, attention_steps, page_slot_offset
 
 KERNEL = "tir_attention_decode_cpu"
-VECTOR_LANES = 8
-LOG2E = math.log2(math.e)
 
 
 def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int = 16):
     heads, kv_heads, dim = num_qo_heads, num_kv_heads, head_dim
     group_size = num_qo_heads // num_kv_heads
-    lanes = VECTOR_LANES if head_dim % VECTOR_LANES == 0 else 1
-    chunks = head_dim // lanes
+    steps = attention_steps(dim, dtype)
+    page_slot = page_slot_offset(kv_heads, page_size, dim)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
@@ -73,6 +69,8 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
         output = T.match_buffer(output_handle, (B, heads, dim), dtype)
         lse = T.match_buffer(lse_handle, (B, heads), "float32")
 
+        pages_flat = T.decl_buffer((max_num_pages * 2 * kv_heads * page_size * dim,), dtype, data=pages.data)
+
         for pair in T.parallel(B * heads):
             with T.sblock("attn"):
                 # no regions to infer: the block is already scheduled, and its extents are its own lets
@@ -80,13 +78,9 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
                 T.writes()
                 q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
                 o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                m_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                new_m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                d_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((steps.lanes,), "float32", scope="local")
                 S_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                scale_O = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                factor = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                softmax = T.sblock_alloc_buffer((SOFTMAX_SLOTS,), "float32", scope="local")
 
                 b: T.let[T.int32] = pair // heads
                 h_qo: T.let[T.int32] = pair % heads
@@ -96,38 +90,24 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
                 kv_len: T.let[T.int32] = T.if_then_else(
                     page_count > 0, (page_count - 1) * page_size + last_page_len[b], 0
                 )
-
-                m_val[0] = -5e4
-                d_val[0] = 1.0
-                for d in T.vectorized(dim):
-                    q_local[d] = T.Cast("float32", Q[b, h_qo, d])
-                    o_local[d] = 0.0
+                steps.start(q_local, o_local, softmax, Q, b, h_qo)
                 for row in T.serial(kv_len):
-                    page: T.let[T.int32] = page_table_values[first_page + row // page_size]
-                    slot: T.let[T.int32] = row % page_size
-                    for lane in T.vectorized(lanes):
-                        partial[lane] = 0.0
-                    for chunk in T.serial(chunks):
-                        for lane in T.vectorized(lanes):
-                            partial[lane] = partial[lane] + q_local[chunk * lanes + lane] * T.Cast(
-                                "float32", pages[page, 0, h_kv, slot, chunk * lanes + lane]
-                            )
-                    S_val[0] = 0.0
-                    for lane in T.serial(lanes):
-                        S_val[0] = S_val[0] + partial[lane]
-                    S_val[0] = S_val[0] * (sm_scale * LOG2E)
-                    new_m[0] = T.max(m_val[0], S_val[0])
-                    scale_O[0] = T.exp2(m_val[0] - new_m[0])
-                    factor[0] = T.exp2(S_val[0] - new_m[0])
-                    d_val[0] = d_val[0] * scale_O[0] + factor[0]
-                    m_val[0] = new_m[0]
-                    for d in T.vectorized(dim):
-                        o_local[d] = (
-                            o_local[d] * scale_O[0] + T.Cast("float32", pages[page, 1, h_kv, slot, d]) * factor[0]
-                        )
-                for d in T.vectorized(dim):
-                    output[b, h_qo, d] = T.Cast(dtype, o_local[d] / d_val[0])
-                lse[b, h_qo] = m_val[0] + T.log2(d_val[0])
+                    key_at: T.let[T.int32] = page_slot(
+                        page_table_values[first_page + row // page_size], h_kv, row % page_size
+                    )
+                    steps.attend_key(
+                        q_local,
+                        o_local,
+                        partial,
+                        S_val,
+                        softmax,
+                        pages_flat,
+                        key_at,
+                        pages_flat,
+                        key_at + kv_heads * page_size * dim,
+                        sm_scale,
+                    )
+                steps.finish(o_local, softmax, output, lse, b, h_qo)
 
     return batch_decode_paged_kv
 
