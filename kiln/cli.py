@@ -184,7 +184,20 @@ def run_bench_compile(args) -> int:
 def add_sampling_options(p) -> None:
     p.add_argument("--target", "-t", choices=NATIVE_TARGETS, default="cpu", help="which library to run (default cpu)")
     add_threads_option(p)
+    add_speculative_option(p)
     add_generation_options(p)
+
+
+def add_speculative_option(p) -> None:
+    from kiln.speculative import Speculation
+
+    p.add_argument(
+        "--speculative",
+        type=Speculation.parse,
+        metavar="METHOD",
+        help="decode speculatively: prompt-lookup (propose what followed the reply's last tokens earlier on) "
+        "or draft:MODEL_DIR (a small model with the same tokenizer proposes); off (default): one token a step",
+    )
 
 
 def add_threads_option(p) -> None:
@@ -248,6 +261,7 @@ def add_generate(sub) -> None:
         f"{one_of(('auto', *BROWSER_TARGETS))} in the browser (default auto)",
     )
     add_threads_option(p)
+    add_speculative_option(p)
     add_generation_options(p)
     constrained = p.add_mutually_exclusive_group()
     constrained.add_argument(
@@ -284,7 +298,7 @@ def response_format(args):
 def run_generate(args) -> int:
     from kiln.browser.model import engine_on
 
-    with engine_on(args.model_dir, args.device, args.target) as (engine, device):
+    with engine_on(args.model_dir, args.device, args.target, args.speculative) as (engine, device):
         return generate(engine, args, device)
 
 
@@ -322,7 +336,7 @@ def run_chat(args) -> int:
     from kiln.chat import chat_in_terminal
     from kiln.engine import Engine
 
-    chat_in_terminal(Engine(args.model_dir, args.target), generation_config(args))
+    chat_in_terminal(Engine(args.model_dir, args.target, speculation=args.speculative), generation_config(args))
     return 0
 
 
@@ -356,6 +370,7 @@ def add_bench_native(bench) -> None:
     )
     n.set_defaults(grammar=None)
     add_threads_option(n)
+    add_speculative_option(n)
     add_run_options(n, prompt_tokens=128, decode_tokens=128, runs=3)
     n.set_defaults(run=run_bench_native)
 
@@ -363,6 +378,13 @@ def add_bench_native(bench) -> None:
 def run_bench_native(args) -> int:
     from kiln.bench.native import bench_native
 
+    if args.speculative:  # greedy replies to the written-down tasks, plain and speculative
+        from kiln.bench.speculative import bench_speculative
+        from kiln.engine import Engine
+
+        engine = Engine(args.model_dir, args.target, speculation=args.speculative)
+        print_report(bench_speculative(engine, args.decode_tokens, args.runs), args.json)
+        return 0
     report = bench_native(
         args.model_dir,
         args.target,
@@ -559,6 +581,7 @@ def add_serve(sub) -> None:
         "runs on one thread); for pages that embed resources from other origins without CORS or CORP",
     )
     add_threads_option(p)
+    add_speculative_option(p)
     p.set_defaults(run=run_serve)
 
 
@@ -574,6 +597,7 @@ def run_serve(args) -> int:
         cross_origin_isolation=not args.no_isolation,
         api_key=None if args.no_api_key else args.api_key,
         max_queue=args.max_queue,
+        speculation=args.speculative,
     )
     serve(config, args.host, args.port, without_key=args.no_api_key)
     return 0

@@ -29,6 +29,7 @@ from kiln.errors import KilnError
 from kiln.model_folder import read_json
 from kiln.runtime import NativeModel
 from kiln.sampling import Sampler
+from kiln.speculative import METHODS, OFF, DraftModel, Speculation, check_same_vocabulary, decoding_steps
 from kiln.structured import GrammarCompiler, ResponseFormat, TokenConstraint
 from kiln.text import StopStrings, TextStream, load_tokenizer
 from kiln.tools import ContentBeforeCalls, ToolCallFormat, messages_for_template, tool_call_format
@@ -48,6 +49,7 @@ class GenerationConfig:
     logits_top_k: int = 0  # >0: record the top-K logits of every step
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None  # None: free text
+    speculative: str | None = None  # "prompt-lookup", "draft" or "off"; None: the engine's own (kiln.speculative)
 
     def check(self) -> None:
         problems = [
@@ -58,6 +60,10 @@ class GenerationConfig:
             (self.repetition_penalty <= 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
             (self.logits_top_k < 0, f"logits_top_k must be 0 (off) or positive, got {self.logits_top_k}"),
             (self.seed is not None and self.seed < 0, f"seed must be 0 or positive, got {self.seed}"),
+            (
+                self.speculative not in (None, OFF, *METHODS),
+                f"speculative must be one of {', '.join((OFF, *METHODS))}, got {self.speculative!r}",
+            ),
         ]
         for failed, problem in problems:
             if failed:
@@ -74,6 +80,9 @@ class Usage:
     decode_tokens_per_s: float
     total_s: float
     mask_ms_per_token: float = 0.0  # computing a response format's token mask, per generated token
+    model_steps: int = 0  # model passes after the prompt's prefill: decode steps, or verify passes
+    proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    accepted_tokens: int = 0  # of those, the ones the reply took
 
 
 @dataclass
@@ -142,8 +151,17 @@ class Engine:
     `chat_template` (None for a base model), `model_id`, `chat_config` (mlc-chat-config.json) and
     `model` (the runtime under it)."""
 
-    def __init__(self, model_dir: Path, target: str = "cpu", busy_timeout_s: float = 0.0, model=None):
-        """`model` replaces the native runtime with another of its interface (a BrowserModel)."""
+    def __init__(
+        self,
+        model_dir: Path,
+        target: str = "cpu",
+        busy_timeout_s: float = 0.0,
+        model=None,
+        speculation: Speculation | None = None,
+    ):
+        """`model` replaces the native runtime with another of its interface (a BrowserModel);
+        `speculation`: how replies are decoded speculatively unless a request says otherwise
+        (a draft model is loaded here, on the same target)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.chat_template = ChatTemplate.find(self.model_dir)
@@ -156,6 +174,8 @@ class Engine:
         self.chat_stop_strings = list(conv.get("stop_str") or [])
         self.grammars = GrammarCompiler(self.tokenizer, self.chat_config, self.model.vocab_size, self.eos_token_ids)
         self.busy_timeout_s = busy_timeout_s
+        self.speculation = speculation
+        self.draft = self._load_draft(target) if speculation else None
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self._generations = 0  # generations started: what an `interrupter` is bound to
@@ -303,8 +323,30 @@ class Engine:
             return previous.token_ids + new_ids, text
         return self.tokenizer.encode(text, add_special_tokens=False).ids, text
 
+    def _load_draft(self, target: str) -> DraftModel | None:
+        self.speculation.check()
+        if self.speculation.draft is None:
+            return None
+        draft_dir = self.speculation.draft
+        check_same_vocabulary(self.tokenizer, load_tokenizer(draft_dir), draft_dir)
+        model = NativeModel(draft_dir, target)
+        return DraftModel(model, min(model.vocab_size, self.model.vocab_size))
+
+    def _speculation_for(self, config: GenerationConfig) -> Speculation | None:
+        """The request's own speculative method, else the engine's."""
+        if config.speculative is None:
+            return self.speculation
+        if config.speculative == OFF:
+            return None
+        if config.speculative == "draft" and self.draft is None:
+            raise EngineError("bad-request", 'speculative "draft" needs an engine that loaded a draft model')
+        base = self.speculation or Speculation(config.speculative)
+        return replace(base, method=config.speculative)
+
     def _forget(self) -> None:
         self.model.reset()
+        if self.draft:
+            self.draft.reset()
         self._cached_ids = []
         self._conversation = None
 
@@ -322,9 +364,10 @@ class Engine:
     ) -> Iterator[Delta]:
         config.check()
         self._check_prompt(prompt_ids)
+        speculation = self._speculation_for(config)
         # Compiled before the engine is taken: a bad schema is the caller's error, found at once.
         constraint = config.response_format and self.grammars.constraint(config.response_format)
-        generation = self._generation(prompt_ids, config, stops, conversation_text, constraint)
+        generation = self._generation(prompt_ids, config, stops, conversation_text, constraint, speculation)
         # Run up to the first yield: the engine is taken now, so a busy engine fails at this call
         # rather than mid-stream, and a started generator releases it when closed or collected.
         next(generation)
@@ -371,6 +414,7 @@ class Engine:
         stops: list[str],
         conversation_text: str | None,
         constraint: TokenConstraint | None,
+        speculation: Speculation | None,
     ) -> Iterator[Delta]:
         self._acquire()
         try:
@@ -378,7 +422,7 @@ class Engine:
                 self._generations += 1
                 self._interrupted.clear()
             yield  # primed by _start
-            yield from self._run(prompt_ids, config, stops, conversation_text, constraint)
+            yield from self._run(prompt_ids, config, stops, conversation_text, constraint, speculation)
         except GeneratorExit:
             raise
         except BaseException:
@@ -396,12 +440,14 @@ class Engine:
         stops: list[str],
         conversation_text: str | None,
         constraint: TokenConstraint | None,
+        speculation: Speculation | None,
     ) -> Iterator[Delta]:
         started = time.perf_counter()
         self.tokens_generated = 0
         logits, prefilled = self._prefill(prompt_ids)
         prefill_s = time.perf_counter() - started
         sampler = Sampler(config, prompt_ids)
+        steps = decoding_steps(self.model, speculation, self.draft, prompt_ids, constraint)
         text_stream = TextStream(self.tokenizer, prompt_ids)
         stop_strings = StopStrings(stops)
         tokens: list[int] = []
@@ -442,8 +488,9 @@ class Engine:
                 reply.append(piece)
                 yield Delta(piece, unsent_ids, logits=unsent_logits if config.logits_top_k else None)
                 unsent_ids, unsent_logits = [], []
-            logits = self.model.decode(token)
+            logits = steps.logits_after(token)
             self._cached_ids.append(token)
+        steps.settle()
         if not hit_stop_string:
             tail, hit_stop_string = stop_strings.feed(text_stream.flush())
             final_text += tail if hit_stop_string else tail + stop_strings.flush()
@@ -463,6 +510,9 @@ class Engine:
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
             total_s=ended - started,
             mask_ms_per_token=1000 * constraint.mask_s / constraint.steps if constraint and constraint.steps else 0.0,
+            model_steps=steps.stats.steps,
+            proposed_tokens=steps.stats.proposed,
+            accepted_tokens=steps.stats.accepted,
         )
         yield Delta(final_text, unsent_ids, finish, usage, logits=unsent_logits if config.logits_top_k else None)
 

@@ -205,6 +205,14 @@ class NativeModel:
             self.cached_tokens -= count
         return self.cached_tokens
 
+    def speculation_room(self) -> int:
+        """How many tokens may go into the cache now and still be rolled back: the context window's
+        room, and under a sliding window only until it drops a token."""
+        room = self.context_window_size - self.cached_tokens
+        if self.sliding_window_size > 0:
+            room = min(room, self.sliding_window_size - self.cached_tokens)
+        return room
+
     def _chunk_size(self, longest: int | None = None) -> int:
         """Prefill chunk length, at most `longest` (default: the prefill chunk). TVM's sliding-window
         prefill lets every token of a chunk see the whole kept window, and its GPU kernels for

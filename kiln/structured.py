@@ -316,6 +316,19 @@ class TokenConstraint:
             raise KilnError(f"token {token} does not fit the response format (the sampler chose a masked token)")
         self.utf8_state = max(0, int(self.table.utf8_next[self.utf8_state, token]))
 
+    def fitting(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, may come next one after another (speculative
+        decoding's proposals); the place in the format stays where it is."""
+        taken, utf8_state = 0, self.utf8_state
+        for token in tokens:
+            utf8_next = int(self.table.utf8_next[utf8_state, token])
+            if utf8_next < 0 or self.excluded[token] or not self.matcher.accept_token(token):
+                break
+            taken, utf8_state = taken + 1, utf8_next
+        if taken:
+            self.matcher.rollback(taken)
+        return taken
+
     @property
     def finished(self) -> bool:
         """The reply is complete and its stop token taken."""

@@ -19,6 +19,7 @@ from kiln.engine import Engine
 from kiln.errors import KilnError
 from kiln.model_folder import read_json
 from kiln.runtime import library_path
+from kiln.speculative import Speculation
 from kiln.targets import BROWSER_TARGETS
 
 from .driver import PageEngine, page_engine
@@ -89,12 +90,16 @@ def browser_model(
 
 
 @contextmanager
-def engine_on(model_dir: Path, device: str, target: str | None = None) -> Iterator[tuple[Engine, str]]:
+def engine_on(
+    model_dir: Path, device: str, target: str | None = None, speculation: Speculation | None = None
+) -> Iterator[tuple[Engine, str]]:
     """An Engine on the native runtime (`device` "native", `target` one of NATIVE_TARGETS) or on the
     browser engine (`device` "browser", `target` auto or one of BROWSER_TARGETS), and the name of
-    what it runs on."""
+    what it runs on. `speculation` is the native engine's (kiln.speculative)."""
     if device == "native":
-        yield Engine(model_dir, target or "cpu"), target or "cpu"
+        yield Engine(model_dir, target or "cpu", speculation=speculation), target or "cpu"
         return
+    if speculation is not None:
+        raise KilnError("--speculative runs on the native engine (--device native) for now")
     with browser_model(model_dir, target or "auto") as model:
         yield Engine(model_dir, model=model), model.device

@@ -11,6 +11,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
 from kiln.app_config import compiled_models
+from kiln.speculative import Speculation
 from kiln.errors import KilnError
 
 from .artifacts import SHARED_PATHS, make_artifacts_blueprint
@@ -50,6 +51,7 @@ class ServerConfig:
     cross_origin_isolation: bool = True  # send COOP/COEP, so the harness's wasm runs on threads
     api_key: str | None = None  # required of /v1 requests as `Authorization: Bearer <key>`
     read_timeout_s: float = 30.0  # close a connection that sends nothing for this long
+    speculation: Speculation | None = None  # how the native engines decode (kiln.speculative)
 
 
 def check_config(config: ServerConfig) -> None:
@@ -74,6 +76,7 @@ def create_app(config: ServerConfig) -> Flask:
         config.idle_unload_s,
         config.max_loaded_models,
         config.max_queue,
+        config.speculation,
     )
     allowed_names = tuple(name.lower() for name in config.allowed_hosts)
     app.register_blueprint(make_artifacts_blueprint(config))

@@ -24,6 +24,7 @@ from flask import Response
 
 from kiln.app_config import compiled_models
 from kiln.errors import KilnError
+from kiln.speculative import Speculation
 
 from .api_request import ApiError
 
@@ -101,8 +102,10 @@ class NativeEngines:
         idle_unload_s: float = 0.0,
         max_loaded: int = 0,
         max_queue: int = 64,
+        speculation: Speculation | None = None,
     ):
         self.dist = dist
+        self.speculation = speculation
         self.target = target
         self.queue_timeout_s = queue_timeout_s
         self.idle_unload_s = idle_unload_s
@@ -135,7 +138,9 @@ class NativeEngines:
     def load(self, model_id: str):
         from kiln.engine import Engine
 
-        return Engine(self.dist / model_id, self.target, busy_timeout_s=self.queue_timeout_s)
+        return Engine(
+            self.dist / model_id, self.target, busy_timeout_s=self.queue_timeout_s, speculation=self.speculation
+        )
 
     def loaded(self) -> list[str]:
         with self.lock:
