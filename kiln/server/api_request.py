@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from flask import Response, jsonify, request
 
+from kiln.speculative import METHODS, OFF
+
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4
 # Without max_tokens a reply would otherwise run to the end of the context window.
@@ -92,6 +94,16 @@ class Flag:
         return typed(name, value, (bool,))
 
 
+@dataclass(frozen=True)
+class OneOf:
+    values: tuple[str, ...]
+
+    def read(self, name: str, value) -> str:
+        if typed(name, value, (str,)) not in self.values:
+            raise ApiError(400, f"{name!r} must be one of {', '.join(self.values)}, got {value!r}.", name)
+        return value
+
+
 # Request fields that map one to one onto GenerationConfig.
 SAMPLING_FIELDS = {
     "temperature": Number(0, 2),
@@ -102,6 +114,7 @@ SAMPLING_FIELDS = {
     "frequency_penalty": Number(-2, 2),
     "seed": Integer(0, 2**64 - 1),
     "ignore_eos": Flag(),
+    "speculative": OneOf((OFF, *METHODS)),  # Kiln's: how to decode (kiln/speculative.py); default the server's
 }
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")  # the second wins (OpenAI's newer name)
 # OpenAI features Kiln does not implement: accepted only at the value that means "off".

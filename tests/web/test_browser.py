@@ -5,6 +5,7 @@ chat completions against the native build, multi-turn KV reuse, interrupts, clea
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -361,6 +362,18 @@ def test_harness_chats_and_loads_from_cache_on_the_next_visit(driver, tmp_path, 
         assert page.locator("#transcript .turn.user .content").nth(1).inner_text() == markup
         assert page.locator("#transcript img, #transcript b").count() == 0
         assert page.evaluate("document.body.dataset.hacked") is None
+
+        # Speculative decoding: the stats line tells how many proposed tokens the reply took.
+        assert "prompt lookup" not in page.inner_text("#stats")
+        page.select_option("#speculative", "prompt-lookup")
+        page.fill("#max-tokens", "10")
+        page.fill("#prompt", "Say it again: the cat sat on the mat. The cat sat on the mat. The cat sat on")
+        page.keyboard.press("Enter")
+        wait_for_state(page, "ready")
+        assert re.search(
+            r"prompt lookup: \d+ of [1-9]\d* proposed tokens taken, \d+\.\d× fewer model steps",
+            page.inner_text("#stats"),
+        )
 
         requests.clear()
         page.reload()

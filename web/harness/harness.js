@@ -60,7 +60,14 @@ function showStats(usage, backend) {
   $("stats").textContent = `${backend} · ${usage.prompt_tokens} prompt tokens (${extra.prefilled_tokens} prefilled, ` +
     `${formatRate(extra.prefill_tokens_per_s)} tok/s) · ${usage.completion_tokens} generated ` +
     `(${formatRate(extra.decode_tokens_per_s)} tok/s) · first token after ${extra.time_to_first_token_s.toFixed(2)} s` +
-    (extra.mask_ms_per_token > 0 ? ` · format mask ${extra.mask_ms_per_token.toFixed(2)} ms/token` : "");
+    (extra.mask_ms_per_token > 0 ? ` · format mask ${extra.mask_ms_per_token.toFixed(2)} ms/token` : "") +
+    (extra.proposed_tokens > 0 ? ` · ${speculationStats(usage.completion_tokens, extra)}` : "");
+}
+
+/** Speculative decoding's acceptance, and its model steps against one per token. */
+function speculationStats(tokens, { proposed_tokens: proposed, accepted_tokens: accepted, model_steps: steps }) {
+  const fewer = steps > 0 ? ((tokens - 1) / steps).toFixed(1) : "–";
+  return `prompt lookup: ${accepted} of ${proposed} proposed tokens taken, ${fewer}× fewer model steps`;
 }
 
 /** The response_format of the settings; a schema that is not JSON is sent as text for the engine to report. */
@@ -169,6 +176,7 @@ async function send(text) {
       temperature: numberSetting("temperature"),
       top_p: numberSetting("top-p"),
       max_tokens: numberSetting("max-tokens"),
+      speculative: $("speculative").value,
       ...(tools ? { tools, tool_choice: $("tool-choice").value } : { response_format: responseFormat() }),
     };
     for await (const chunk of await page.engine.chat.completions.create(request)) {

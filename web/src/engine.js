@@ -11,6 +11,7 @@ import { EngineError, asEngineError } from "./errors.js";
 import { KernelTimer } from "./kernel-timer.js";
 import { ModelFiles, chooseBackend, requestDevice, softwareAdapter, wasmBytes } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
+import { decodingSteps, speculationFor } from "./speculative.js";
 import { Grammars, responseFormatFrom } from "./structured.js";
 import { ContentBeforeCalls, templateMessages, toolCallFormat, toolRequestFrom } from "./tools.js";
 import { availableThreads, instantiateLibrary } from "./wasm-threads.js";
@@ -237,6 +238,15 @@ export class ModelSession {
     return Array.from({ length: rows }, (_, row) => flat.subarray(row * vocab, (row + 1) * vocab));
   }
 
+  /**
+   * How many tokens may go into the cache now and still be rolled back: the context window's room,
+   * and under a sliding window only until it drops a token (kiln/runtime.py speculation_room).
+   */
+  speculationRoom() {
+    const room = this.contextWindowSize - this.cachedIds.length;
+    return this.slidingWindowSize > 0 ? Math.min(room, this.slidingWindowSize - this.cachedIds.length) : room;
+  }
+
   /** Append `ids` to the sequence; the logits after the last one. */
   async prefill(ids) {
     if (ids.length === 0) throw new EngineError("bad-request", "nothing to prefill: no tokens");
@@ -372,6 +382,10 @@ function completionUsage(promptIds, text, run, started, constraint) {
       decode_tokens_per_s: tokens.length > 1 ? (tokens.length - 1) / seconds(firstTokenAt, lastTokenAt) : null,
       e2e_latency_s: seconds(started),
       mask_ms_per_token: constraint?.steps > 0 ? (1000 * constraint.maskSeconds) / constraint.steps : 0,
+      // model passes after the prompt's prefill (decode steps or verify passes), and speculation's tokens
+      model_steps: run.stats.steps,
+      proposed_tokens: run.stats.proposed,
+      accepted_tokens: run.stats.accepted,
     },
   };
 }
@@ -473,13 +487,17 @@ export class Engine {
    * ([{name, loadedBytes, totalBytes}], as they started). `threads`: for the
    * CPU wasm library (wasm-threads.js). `library` pins one of the model's libraries by target name
    * (loader.js chooseBackend). `shaders`: when WebGPU compiles the library's shaders (`shaderCompilation`).
+   * `speculative`: how replies are decoded unless a request says otherwise ("prompt-lookup" or "off").
    */
   static async load({
-    appConfig, modelId, device = "auto", library = null, threads, shaders, runtime, onProgress = () => {}, onFatal = () => {},
+    appConfig, modelId, device = "auto", library = null, threads, shaders, speculative, runtime, onProgress = () => {},
+    onFatal = () => {},
   }) {
     const started = performance.now();
+    const engineSpeculation = speculationFor({ speculative: speculative ?? "off" }, null);
     const choice = await chooseBackend(appConfig, modelId, device, library);
     const engine = new Engine(choice, onFatal);
+    engine.speculation = engineSpeculation;
     engine.requestedThreads = choice.backend === "wasm" ? availableThreads(threads) : 1;
     const compilation = shaderCompilation(shaders, choice.adapter);
     engine.shaders = choice.backend === "webgpu" ? compilation : null;
@@ -874,6 +892,7 @@ export class Engine {
     this.throwIfFailed();
     if (this.generating) throw new EngineError("busy", "A generation is already running; wait for it or interrupt it.");
     const settings = generationSettings(request, this.chatConfig);
+    settings.speculation = speculationFor(request, this.speculation);
     const tools = toolRequestFrom(request.tools, request.tool_choice);
     if (tools && tools.choice !== "none" && request.response_format != null) {
       throw new EngineError("bad-request", "'response_format' cannot be combined with tools the model may call.");
@@ -942,8 +961,17 @@ export class Engine {
   async decodeReply(promptIds, { settings, constraint, text, maxTokens, show, started }) {
     const prompt = await this.prefillPrompt(promptIds);
     await this.checked();
-    const run = { tokens: [], finishReason: null, prefilled: prompt.prefilled, prefillSeconds: seconds(started) };
-    let logits = prompt.logits;
+    const steps = decodingSteps(this.session, settings.speculation, promptIds, constraint);
+    const run = {
+      tokens: [], finishReason: null, prefilled: prompt.prefilled, prefillSeconds: seconds(started), stats: steps.stats,
+    };
+    await this.sampleReply(run, prompt.logits, steps, { settings, constraint, text, maxTokens, show, promptIds });
+    steps.settle();
+    return run;
+  }
+
+  /** decodeReply's loop: a token from each row of logits until the reply ends; `steps` gives the next row. */
+  async sampleReply(run, logits, steps, { settings, constraint, text, maxTokens, show, promptIds }) {
     const sampler = new Sampler(settings, promptIds);
     for (;;) {
       const token = sampler.sample(logits, constraint && await constraint.allowed());
@@ -955,15 +983,15 @@ export class Engine {
       // A finished format allows nothing more, so its stop token ends the reply even with ignore_eos.
       if (this.stopTokenIds.has(token) && (!settings.ignoreEos || constraint?.finished)) {
         run.finishReason = "stop";
-        return run;
+        return;
       }
       const { delta, stopped } = text.push(token);
       show(delta);
       if (stopped) run.finishReason = "stop";
       else if (text.ids.length >= maxTokens) run.finishReason = "length";
       else if (this.interruptRequested) run.finishReason = "abort";
-      if (run.finishReason) return run;
-      logits = await this.session.decode(token);
+      if (run.finishReason) return;
+      logits = await steps.logitsAfter(token);
       await yieldToEventLoop();
       await this.checked();
     }

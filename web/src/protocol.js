@@ -134,6 +134,8 @@ class WorkerConnection {
  * @property {"at-load" | "on-first-use"} [shaders] when WebGPU compiles the library's shaders: all at load,
  *   while the weights download (default), or each when its kernel first runs (default on a software
  *   adapter such as SwiftShader, where the CPU compiles them)
+ * @property {"prompt-lookup" | "off"} [speculative] decode speculatively by default (speculative.js): a request's
+ *   own `speculative` field ("off" or "prompt-lookup") overrides it (default "off")
  */
 
 /**
@@ -144,7 +146,7 @@ class WorkerConnection {
  * @param {EngineOptions} [options]
  */
 export async function createEngine(appConfig, modelId, {
-  onProgress = () => {}, device = "auto", library, onError = () => {}, workerUrl, threads, shaders,
+  onProgress = () => {}, device = "auto", library, onError = () => {}, workerUrl, threads, shaders, speculative,
 } = {}) {
   const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
   const connection = new WorkerConnection(worker, onError);
@@ -152,7 +154,7 @@ export async function createEngine(appConfig, modelId, {
   let loaded;
   try {
     loaded = await connection.call("load", {
-      appConfig: absoluteAppConfig(appConfig, base), modelId, device, library, threads, shaders,
+      appConfig: absoluteAppConfig(appConfig, base), modelId, device, library, threads, shaders, speculative,
     }, onProgress);
   } catch (error) {
     worker.terminate();
@@ -222,7 +224,7 @@ export async function createEngine(appConfig, modelId, {
 
 /**
  * The worker side: answer messages on `scope` (the worker's global) with an engine made by
- * `loadEngine({appConfig, modelId, device, library, threads, shaders, onProgress, onFatal})`.
+ * `loadEngine({appConfig, modelId, device, library, threads, shaders, speculative, onProgress, onFatal})`.
  */
 export function serveEngine(scope, loadEngine) {
   let engine = null;
@@ -232,11 +234,11 @@ export function serveEngine(scope, loadEngine) {
   };
   // A Map, so that a message naming `constructor`, `__proto__` or `toString` finds no method.
   const methods = new Map(Object.entries({
-    load: async ({ appConfig, modelId, device, library, threads, shaders }, emit) => {
+    load: async ({ appConfig, modelId, device, library, threads, shaders, speculative }, emit) => {
       engine?.dispose();
       engine = null;
       engine = await loadEngine({
-        appConfig, modelId, device, library: library ?? null, threads, shaders, onProgress: emit,
+        appConfig, modelId, device, library: library ?? null, threads, shaders, speculative, onProgress: emit,
         onFatal: (error) => scope.postMessage({ kind: "fatal", error: error.toJSON() }),
       });
       return engine.stats();

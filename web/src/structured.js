@@ -315,6 +315,24 @@ export class TokenConstraint {
     this.utf8State = Math.max(0, this.table.utf8Next[this.utf8State * this.table.vocabSize + token]);
   }
 
+  /**
+   * How many of `tokens`, from the first, may come next one after another (speculative decoding's
+   * proposals); the place in the format stays where it is (kiln/structured.py `fitting`).
+   */
+  fitting(tokens) {
+    const { vocabSize, utf8Next } = this.table;
+    let taken = 0;
+    let utf8State = this.utf8State;
+    for (const token of tokens) {
+      const next = utf8Next[utf8State * vocabSize + token];
+      if (next < 0 || this.excluded[token] || !this.matcher.acceptToken(token)) break;
+      taken += 1;
+      utf8State = next;
+    }
+    if (taken > 0) this.matcher.rollBack(taken);
+    return taken;
+  }
+
   /** The reply is complete and its stop token taken. */
   get finished() {
     return this.matcher.isTerminated();
