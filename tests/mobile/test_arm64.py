@@ -142,6 +142,31 @@ def test_pulled_chunks_are_the_streamed_ones_and_a_dropped_stream_frees_the_engi
     assert after_drop.status == 0 and after_drop.finish_reason == "length", after_drop.message
 
 
+def test_prompt_lookup_gives_the_native_replies(arm64_chat_app, arm64_model, app, native):
+    """Speculative decoding (speculative.cc): greedy and seeded replies are the native engine's, per
+    request and as the engine config's default, with proposals made and some taken."""
+    echo = [{"role": "user", "content": "Repeat: a b c d a b c d a b c d"}]
+    accepted = 0
+    for settings in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 3}):
+        expected = native.generate_chat(echo, GenerationConfig(max_tokens=GREEDY_TOKENS, **settings))
+        app.reset()
+        reply = app.chat(request(messages=echo, speculative="prompt-lookup", **settings))
+        assert (reply.content, reply.finish_reason) == (expected.text, expected.finish_reason)
+        extra = reply.usage["extra"]
+        assert extra["model_steps"] == len(expected.tokens) - 1 - extra["accepted_tokens"]
+        accepted += extra["accepted_tokens"]
+    assert accepted > 0
+    speculating = ChatApp(arm64_chat_app, qemu=True)
+    try:
+        assert speculating.create({"model": str(arm64_model), "speculative": "prompt-lookup"}) is None
+        reply = speculating.chat(request(messages=echo))
+        assert reply.content == native.generate_chat(echo, GenerationConfig(max_tokens=GREEDY_TOKENS)).text
+        assert reply.usage["extra"]["proposed_tokens"] > 0
+        assert speculating.chat(request(messages=echo, speculative="off")).usage["extra"]["proposed_tokens"] == 0
+    finally:
+        speculating.close()
+
+
 def test_a_prompt_past_the_context_window_gets_its_code(app):
     long_question = [{"role": "user", "content": "the river " * 600}]
     reply = app.chat(request(messages=long_question))
@@ -156,6 +181,7 @@ def test_a_prompt_past_the_context_window_gets_its_code(app):
         (json.dumps({"messages": QUESTION, "temperature": 5}), "temperature must be a number in [0, 2]"),
         (json.dumps({"messages": []}), "messages must be a non-empty list"),
         (json.dumps({"messages": QUESTION, "max_tokens": 0}), "max_tokens must be a positive integer"),
+        (json.dumps({"messages": QUESTION, "speculative": "maybe"}), "speculative must be one of off, prompt-lookup"),
     ],
 )
 def test_a_bad_request_is_a_bad_request(app, body, message):

@@ -71,7 +71,11 @@ kiln_engine* kiln_engine_create(const char* config_json) {
     std::string model = StringField(config, "model");
     if (model.empty())
       throw kiln::EngineError(kiln::ErrorCode::kBadRequest, "the config needs \"model\": the model folder");
-    engine->engine = std::make_unique<kiln::Engine>(model, StringField(config, "model_lib"));
+    std::optional<kiln::Speculation> speculation;
+    if (auto method = config.Get("speculative"); method.has_value() && *method != nullptr) {
+      if (kiln::SpeculativeMethodOf(*method) != "off") speculation = kiln::Speculation();
+    }
+    engine->engine = std::make_unique<kiln::Engine>(model, StringField(config, "model_lib"), speculation);
     return engine.release();
   } catch (...) {
     kiln::EngineError failure = kiln::AsEngineError(std::current_exception());

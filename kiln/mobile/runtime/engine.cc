@@ -90,6 +90,7 @@ struct Engine::Run {
   int prefilled = 0;
   double prefill_seconds = 0;
   Clock::time_point first_token_at, last_token_at;
+  SpeculationStats speculation;
 };
 
 namespace {
@@ -107,13 +108,16 @@ std::string UsageJson(size_t prompt_tokens, size_t completion_tokens, const Engi
          ",\"time_to_first_token_s\":" + Number(SecondsBetween(started, run.first_token_at)) +
          ",\"prefill_tokens_per_s\":" + Number(run.prefilled / run.prefill_seconds) +
          ",\"decode_tokens_per_s\":" + decode_rate +
-         ",\"e2e_latency_s\":" + Number(SecondsBetween(started, Clock::now())) + ",\"mask_ms_per_token\":0}}";
+         ",\"e2e_latency_s\":" + Number(SecondsBetween(started, Clock::now())) + ",\"mask_ms_per_token\":0" +
+         ",\"model_steps\":" + std::to_string(run.speculation.steps) +
+         ",\"proposed_tokens\":" + std::to_string(run.speculation.proposed) +
+         ",\"accepted_tokens\":" + std::to_string(run.speculation.accepted) + "}}";
 }
 
 }  // namespace
 
-Engine::Engine(const std::string& folder, const std::string& model_lib)
-    : model_(std::make_unique<Model>(folder, model_lib)) {
+Engine::Engine(const std::string& folder, const std::string& model_lib, const std::optional<Speculation>& speculation)
+    : model_(std::make_unique<Model>(folder, model_lib)), speculation_(speculation) {
   const std::string tokenizer_path = folder + "/tokenizer.json";
   try {
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::FromJson(ReadModelFile(tokenizer_path, "the tokenizer")));
@@ -277,6 +281,22 @@ Engine::Run Engine::DecodeReply(const std::vector<int32_t>& prompt_ids, const Ge
   Run run;
   std::vector<float> logits = PrefillPrompt(prompt_ids, &run.prefilled);
   run.prefill_seconds = SecondsBetween(started, Clock::now());
+  std::optional<Speculation> speculation = speculation_;
+  if (settings.speculative) {
+    speculation = *settings.speculative == "off" ? std::nullopt
+                                                 : std::optional<Speculation>(speculation_.value_or(Speculation()));
+  }
+  DecodingSteps steps(*model_, speculation, prompt_ids);
+  SampleReply(run, std::move(logits), steps, prompt_ids, settings, max_tokens, text, show);
+  steps.Settle();
+  run.speculation = steps.stats();
+  return run;
+}
+
+// DecodeReply's loop: a token from each row of logits until the reply ends; `steps` gives the next row.
+void Engine::SampleReply(Run& run, std::vector<float> logits, DecodingSteps& steps,
+                         const std::vector<int32_t>& prompt_ids, const GenerationSettings& settings, int64_t max_tokens,
+                         TextStream& text, const std::function<bool(const std::string&)>& show) {
   Sampler sampler(SamplingOf(settings), prompt_ids);
   for (;;) {
     int32_t token = sampler.Sample(logits.data(), logits.size());
@@ -287,7 +307,7 @@ Engine::Run Engine::DecodeReply(const std::vector<int32_t>& prompt_ids, const Ge
     bool stop_token = std::find(stop_token_ids_.begin(), stop_token_ids_.end(), token) != stop_token_ids_.end();
     if (stop_token && !settings.ignore_eos) {
       run.finish_reason = "stop";
-      return run;
+      return;
     }
     TextStream::Piece piece = text.Push(token);
     bool listening = show(piece.delta);
@@ -298,8 +318,8 @@ Engine::Run Engine::DecodeReply(const std::vector<int32_t>& prompt_ids, const Ge
     } else if (abort_requested_ || !listening) {
       run.finish_reason = "abort";
     }
-    if (run.finish_reason != nullptr) return run;
-    logits = model_->Decode(token);
+    if (run.finish_reason != nullptr) return;
+    logits = steps.LogitsAfter(token);
   }
 }
 

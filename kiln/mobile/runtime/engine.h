@@ -18,6 +18,7 @@
 #include "chunk_stream.h"
 #include "model.h"
 #include "request.h"
+#include "speculative.h"
 #include "text_stream.h"
 #include "tokenizer.h"
 
@@ -32,7 +33,9 @@ class Engine {
  public:
   struct Run;  // one reply's tokens, why it ended, and when
 
-  Engine(const std::string& folder, const std::string& model_lib);
+  // `speculation`: how replies are decoded unless a request's `speculative` field says otherwise.
+  Engine(const std::string& folder, const std::string& model_lib,
+         const std::optional<Speculation>& speculation = std::nullopt);
   ~Engine();
 
   // Start a completion on the worker; its chunks come through the stream (a busy engine throws here).
@@ -61,6 +64,9 @@ class Engine {
                   TextStream& text, const std::function<bool(const std::string&)>& show,
                   std::chrono::steady_clock::time_point started);
   std::vector<float> PrefillPrompt(const std::vector<int32_t>& ids, int* prefilled);
+  void SampleReply(Run& run, std::vector<float> logits, DecodingSteps& steps, const std::vector<int32_t>& prompt_ids,
+                   const GenerationSettings& settings, int64_t max_tokens, TextStream& text,
+                   const std::function<bool(const std::string&)>& show);
   void Forget();
 
   std::unique_ptr<Model> model_;
@@ -69,6 +75,7 @@ class Engine {
   json::Object conv_template_;
   std::vector<int32_t> stop_token_ids_;
   std::vector<std::string> stop_strings_;
+  std::optional<Speculation> speculation_;
   std::optional<Conversation> conversation_;
   std::atomic<bool> generating_{false};
   std::atomic<bool> abort_requested_{false};

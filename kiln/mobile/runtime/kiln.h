@@ -44,7 +44,10 @@ enum kiln_status {
 };
 
 /* `config_json`: {"model": "<model folder>", "model_lib": "<library path>" or "system://<prefix>",
- * "num_threads": n (optional, default: the cores)}. NULL on error: kiln_last_error(NULL) says why. */
+ * "num_threads": n (optional, default: the cores), "speculative": "prompt-lookup" or "off" (optional,
+ * default "off": how replies are decoded unless a request's own "speculative" field says otherwise;
+ * prompt lookup proposes tokens the model verifies several at a time, the reply unchanged)}.
+ * NULL on error: kiln_last_error(NULL) says why. */
 kiln_engine* kiln_engine_create(const char* config_json);
 
 /* Run one chat completion (`request_json`: an OpenAI chat-completion request; "stream" is implied),

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -81,14 +82,18 @@ ffi::Function GlobalFunction(const char* name) {
   return *function;
 }
 
-std::vector<float> LastRow(const Tensor& logits) {
+// The logits of each position a step gave (prefill gives its last position's only).
+std::vector<std::vector<float>> Rows(const Tensor& logits) {
   int64_t vocab = logits->shape[logits->ndim - 1];
-  int64_t rows = 1;
-  for (int i = 0; i < logits->ndim; ++i) rows *= logits->shape[i];
-  rows /= vocab;
-  std::vector<float> all(rows * vocab);
+  int64_t count = 1;
+  for (int i = 0; i < logits->ndim; ++i) count *= logits->shape[i];
+  count /= vocab;
+  std::vector<float> all(count * vocab);
   logits.CopyToBytes(all.data(), all.size() * sizeof(float));
-  return std::vector<float>(all.end() - vocab, all.end());
+  std::vector<std::vector<float>> rows;
+  for (int64_t row = 0; row < count; ++row)
+    rows.emplace_back(all.begin() + row * vocab, all.begin() + (row + 1) * vocab);
+  return rows;
 }
 
 }  // namespace
@@ -175,9 +180,11 @@ Model::Model(const std::string& folder, const std::string& model_lib)
   sliding_window_size_ = static_cast<int>(Optional<int64_t>(metadata, "sliding_window_size", -1));
   layer_window_size_ = static_cast<int>(Optional<int64_t>(metadata, "layer_sliding_window_size", -1));
   layer_window_chunked_prefill_ = Optional<bool>(metadata, "layer_window_chunked_prefill", false);
+  all_logits_chunk_size_ = static_cast<int>(Optional<int64_t>(metadata, "all_logits_chunk_size", prefill_chunk_size_));
   embed_ = RequiredFunction(vm_, "embed");
   prefill_ = RequiredFunction(vm_, "prefill");
   decode_ = RequiredFunction(vm_, "decode");
+  prefill_all_logits_ = RequiredFunction(vm_, "prefill_all_logits");
   LoadParams(Required<json::Array>(metadata, "params", where));
 
   kv_cache_ = RequiredFunction(vm_, "create_tir_paged_kv_cache")(
@@ -278,29 +285,39 @@ int Model::Rollback(int count) {
 }
 
 // Past a sliding window, tokens go one at a time (as kiln/runtime.py's _chunk_size explains).
-int Model::ChunkSize() const {
+int Model::ChunkSize(int longest) const {
   int cached = static_cast<int>(cached_ids_.size());
-  int room = prefill_chunk_size_;
+  int room = longest;
   if (sliding_window_size_ > 0) {
     room = sliding_window_size_ + 1 - cached;
   } else if (layer_window_size_ > 0 && cached > 0 && !layer_window_chunked_prefill_) {
     room = layer_window_size_ - cached;
   }
-  return std::max(1, std::min(prefill_chunk_size_, room));
+  return std::max(1, std::min(longest, room));
+}
+
+int Model::SpeculationRoom() const {
+  int cached = static_cast<int>(cached_ids_.size());
+  int room = context_window_size_ - cached;
+  return sliding_window_size_ > 0 ? std::min(room, sliding_window_size_ - cached) : room;
+}
+
+void Model::CheckRoom(size_t count) const {
+  if (cached_ids_.size() + count > static_cast<size_t>(context_window_size_)) {
+    throw EngineError(ErrorCode::kContextWindowExceeded,
+                      std::to_string(cached_ids_.size() + count) + " tokens exceed the context window of " +
+                          std::to_string(context_window_size_) + "; start a new chat.");
+  }
 }
 
 std::vector<float> Model::Prefill(const std::vector<int32_t>& ids) {
   if (ids.empty()) throw EngineError(ErrorCode::kBadRequest, "nothing to prefill: no tokens");
-  if (cached_ids_.size() + ids.size() > static_cast<size_t>(context_window_size_)) {
-    throw EngineError(ErrorCode::kContextWindowExceeded,
-                      std::to_string(cached_ids_.size() + ids.size()) + " tokens exceed the context window of " +
-                          std::to_string(context_window_size_) + "; start a new chat.");
-  }
+  CheckRoom(ids.size());
   std::vector<float> logits;
   for (size_t start = 0; start < ids.size();) {
-    size_t size = std::min<size_t>(ChunkSize(), ids.size() - start);
+    size_t size = std::min<size_t>(ChunkSize(prefill_chunk_size_), ids.size() - start);
     std::vector<int32_t> chunk(ids.begin() + start, ids.begin() + start + size);
-    logits = Step(size > 1 ? prefill_ : decode_, chunk);
+    logits = Rows(Step(size > 1 ? prefill_ : decode_, chunk)).back();
     start += size;
   }
   return logits;
@@ -308,7 +325,20 @@ std::vector<float> Model::Prefill(const std::vector<int32_t>& ids) {
 
 std::vector<float> Model::Decode(int32_t id) { return Prefill({id}); }
 
-std::vector<float> Model::Step(const ffi::Function& step, const std::vector<int32_t>& ids) {
+std::vector<std::vector<float>> Model::AllLogits(const std::vector<int32_t>& ids) {
+  CheckRoom(ids.size());
+  std::vector<std::vector<float>> rows;
+  for (size_t start = 0; start < ids.size();) {
+    size_t size = std::min<size_t>(ChunkSize(all_logits_chunk_size_), ids.size() - start);
+    std::vector<std::vector<float>> chunk_rows =
+        Rows(Step(prefill_all_logits_, std::vector<int32_t>(ids.begin() + start, ids.begin() + start + size)));
+    std::move(chunk_rows.begin(), chunk_rows.end(), std::back_inserter(rows));
+    start += size;
+  }
+  return rows;
+}
+
+Tensor Model::Step(const ffi::Function& step, const std::vector<int32_t>& ids) {
   const int64_t count = static_cast<int64_t>(ids.size());
   Tensor ids_tensor = Tensor::Empty(ffi::Shape({count}), DLDataType{kDLInt, 32, 1}, DLDevice{kDLCPU, 0});
   ids_tensor.CopyFromBytes(ids.data(), ids.size() * sizeof(int32_t));
@@ -318,7 +348,7 @@ std::vector<float> Model::Step(const ffi::Function& step, const std::vector<int3
   ffi::Array<ffi::Any> outputs = step(batch, kv_cache_, params_).cast<ffi::Array<ffi::Any>>();
   end_forward_(kv_cache_);
   cached_ids_.insert(cached_ids_.end(), ids.begin(), ids.end());
-  return LastRow(outputs[0].cast<Tensor>());
+  return outputs[0].cast<Tensor>();
 }
 
 }  // namespace kiln

@@ -32,6 +32,10 @@ class Model {
   // Append `ids` to the sequence (in chunks); the logits after the last one.
   std::vector<float> Prefill(const std::vector<int32_t>& ids);
   std::vector<float> Decode(int32_t id);
+  // Append `ids`; the logits after each of them (a verify pass of speculative decoding).
+  std::vector<std::vector<float>> AllLogits(const std::vector<int32_t>& ids);
+  // How many tokens may go into the cache now and still be rolled back (kiln/runtime.py speculation_room).
+  int SpeculationRoom() const;
   // Forget the last `count` cached tokens; returns how many stay cached.
   int Rollback(int count);
   void Reset();
@@ -47,21 +51,23 @@ class Model {
   tvm::ffi::Module LoadLibrary(const std::string& model_lib) const;
   void LoadParams(const json::Array& param_specs);
   void AddSequence();
-  int ChunkSize() const;
-  std::vector<float> Step(const tvm::ffi::Function& step, const std::vector<int32_t>& ids);
+  int ChunkSize(int longest) const;
+  void CheckRoom(size_t count) const;
+  tvm::runtime::Tensor Step(const tvm::ffi::Function& step, const std::vector<int32_t>& ids);
 
   std::string folder_;
   json::Object build_;  // kiln-build.json
   json::Object chat_config_;
   tvm::ffi::Module library_;
   tvm::ffi::Module vm_;
-  tvm::ffi::Function embed_, prefill_, decode_;
+  tvm::ffi::Function embed_, prefill_, decode_, prefill_all_logits_;
   // TVM's KV-state builtins, looked up once (kiln/runtime.py's _kv_builtin).
   tvm::ffi::Function add_sequence_, remove_sequence_, begin_forward_, end_forward_, popn_;
   tvm::ffi::Array<tvm::runtime::Tensor> params_;
   tvm::ffi::Any kv_cache_;
   int context_window_size_ = 0;
   int prefill_chunk_size_ = 0;
+  int all_logits_chunk_size_ = 0;
   int sliding_window_size_ = -1;
   int layer_window_size_ = -1;
   bool layer_window_chunked_prefill_ = false;

@@ -81,6 +81,14 @@ std::vector<std::string> StopsOf(const std::optional<ffi::Any>& value) {
 
 }  // namespace
 
+std::string SpeculativeMethodOf(const ffi::Any& value) {
+  auto method = value.as<ffi::String>();
+  if (!method.has_value() || (*method != "off" && *method != "prompt-lookup")) {
+    BadRequest("speculative must be one of off, prompt-lookup");
+  }
+  return std::string(*method);
+}
+
 json::Object ParseRequest(const std::string& request_json) {
   ffi::String problem;
   json::Value value = json::Parse(request_json, &problem);
@@ -121,6 +129,9 @@ GenerationSettings SettingsOf(const json::Object& request, const json::Object& c
     settings.seed = RandomSeed();
   }
   settings.stop = StopsOf(Field(request, chat_config, "stop", false));
+  if (auto speculative = Field(request, chat_config, "speculative", false)) {
+    settings.speculative = SpeculativeMethodOf(*speculative);
+  }
   if (auto n = Field(request, chat_config, "n", false)) {
     auto integer = IntegerOf(*n);
     if (!integer.has_value() || *integer != 1) BadRequest("n must be 1");

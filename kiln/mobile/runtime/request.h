@@ -25,7 +25,12 @@ struct GenerationSettings {
   std::optional<int64_t> max_tokens;
   uint64_t seed = 0;
   std::vector<std::string> stop;
+  // "off" or "prompt-lookup" (speculative.h); none: the engine's own
+  std::optional<std::string> speculative;
 };
+
+// "off" or "prompt-lookup" from a request's or an engine config's `speculative` field; else a bad-request EngineError.
+std::string SpeculativeMethodOf(const tvm::ffi::Any& value);
 
 // The request's settings; what it leaves out of temperature, top_p and repetition_penalty comes
 // from the chat config (mlc-chat-config.json). A bad field is a bad-request EngineError.
