@@ -379,11 +379,15 @@ def run_bench_native(args) -> int:
     from kiln.bench.native import bench_native
 
     if args.speculative:  # greedy replies to the written-down tasks, plain and speculative
-        from kiln.bench.speculative import bench_speculative
+        from kiln.bench.speculative import bench_speculative, native_replies
         from kiln.engine import Engine
+        from kiln.runtime import set_cpu_threads
 
         engine = Engine(args.model_dir, args.target, speculation=args.speculative)
-        print_report(bench_speculative(engine, args.decode_tokens, args.runs), args.json)
+        replies = native_replies(engine, args.decode_tokens)
+        where = f"{args.target} ({set_cpu_threads()} threads)" if args.target == "cpu" else args.target
+        report = bench_speculative(replies, engine.model_id, where, args.speculative.method, args.runs)
+        print_report(report, args.json)
         return 0
     report = bench_native(
         args.model_dir,
@@ -416,13 +420,24 @@ def add_bench_browser(bench) -> None:
         dest="wasm_threads",
         help="threads of the CPU wasm library (default: the engine's choice, this machine's cores up to 4)",
     )
+    b.add_argument(
+        "--speculative",
+        choices=("prompt-lookup",),
+        help="greedy replies to three written-down tasks, plain and with prompt lookup (--decode-tokens each)",
+    )
     add_run_options(b, prompt_tokens=32, decode_tokens=16, runs=1)
     b.set_defaults(run=run_bench_browser)
 
 
 def run_bench_browser(args) -> int:
-    from kiln.bench.browser import bench_browser
+    from kiln.bench.browser import bench_browser, bench_browser_speculative
 
+    if args.speculative:
+        report = bench_browser_speculative(
+            args.model_dir, args.target, args.decode_tokens, args.runs, args.wasm_threads
+        )
+        print_report(report, args.json)
+        return 0
     report = bench_browser(
         args.model_dir, args.target, args.prompt_tokens, args.decode_tokens, args.runs, threads=args.wasm_threads
     )

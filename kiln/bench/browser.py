@@ -125,6 +125,20 @@ def bench_browser(
     return report
 
 
+def bench_browser_speculative(
+    model_dir: Path, device: str = "auto", max_tokens: int = 256, runs: int = 3, threads: int | None = None
+) -> dict:
+    """kiln.bench.speculative's tasks on the browser engine's chat completions, plain and with prompt lookup."""
+    from kiln.bench.speculative import bench_speculative, browser_replies
+
+    model_dir = Path(model_dir)
+    with page_engine(model_dir.resolve().parent, device != "wasm") as engine:
+        stats = engine.load(model_dir.name, device, threads=threads)["stats"]
+        where = stats["library_target"] + (f" ({stats['threads']} threads)" if stats["backend"] == "wasm" else "")
+        replies = browser_replies(engine, max_tokens)
+        return bench_speculative(replies, stats["model_id"], where, "prompt-lookup", runs)
+
+
 def run_in_chromium(
     model_dir: Path, device: str, prompt: list[int], decode_tokens: int, runs: int, threads: int | None
 ) -> PageRuns:

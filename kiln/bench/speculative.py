@@ -1,5 +1,5 @@
-"""`kiln bench native --speculative`: greedy replies to three kinds of task, decoded plainly and
-speculatively by one engine in one sitting: decode tokens/s of each, their ratio, proposed tokens
+"""`kiln bench native|browser --speculative`: greedy replies to three kinds of task, decoded plainly
+and speculatively by one engine in one sitting: decode tokens/s of each, their ratio, proposed tokens
 accepted per verify pass and model steps per token, and whether the two replies are the same.
 
 The tasks are written down here, so that every run and every engine asks the same: rewriting a
@@ -10,8 +10,10 @@ quoting it, and free chat (where nothing is there to copy: speculation must not 
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass
+from typing import Callable
 
+from kiln.browser.driver import PageEngine
 from kiln.engine import Engine, GenerationConfig
 from kiln.speculative import OFF
 
@@ -65,39 +67,77 @@ TASKS = {
 }
 
 
-def bench_speculative(engine: Engine, max_tokens: int = 256, runs: int = 3) -> dict:
+@dataclass
+class Reply:
+    """A greedy reply to a task, as an engine reports it."""
+
+    tokens: list[int]
+    decode_tokens_per_s: float
+    model_steps: int
+    proposed_tokens: int
+    accepted_tokens: int
+
+
+def native_replies(engine: Engine, max_tokens: int) -> Callable[[list[dict], str], Reply]:
+    """Replies of the native engine (its cache forgotten first), plain ("off") or speculative."""
+
+    def reply(messages: list[dict], mode: str) -> Reply:
+        engine.reset()
+        result = engine.generate_chat(messages, GenerationConfig(max_tokens=max_tokens, speculative=mode))
+        u = result.usage
+        return Reply(result.tokens, u.decode_tokens_per_s, u.model_steps, u.proposed_tokens, u.accepted_tokens)
+
+    return reply
+
+
+def browser_replies(engine: PageEngine, max_tokens: int) -> Callable[[list[dict], str], Reply]:
+    """Replies of the browser engine's own chat completion, as native_replies."""
+
+    def reply(messages: list[dict], mode: str) -> Reply:
+        engine.call("resetChat")
+        request = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "speculative": mode}
+        extra = engine.chat(request)["completion"]["usage"]["extra"]
+        tokens = engine.call("stats")["last_request"]["token_ids"]
+        return Reply(
+            tokens,
+            extra["decode_tokens_per_s"],
+            extra["model_steps"],
+            extra["proposed_tokens"],
+            extra["accepted_tokens"],
+        )
+
+    return reply
+
+
+def bench_speculative(
+    reply: Callable[[list[dict], str], Reply], model_id: str, where: str, method: str, runs: int = 3
+) -> dict:
     """Each task's reply `runs` times each way (after one warm-up of each), medians reported."""
-    method = engine.speculation.method
-    config = GenerationConfig(max_tokens=max_tokens)
     tasks = {}
     for name, prompt in TASKS.items():
         messages = [{"role": "user", "content": prompt}]
-        results = {mode: [] for mode in (OFF, method)}
+        replies: dict[str, list[Reply]] = {OFF: [], method: []}
         for run in range(runs + 1):
-            for mode in results:
-                engine.reset()
-                result = engine.generate_chat(messages, replace(config, speculative=mode))
+            for mode, kept in replies.items():
+                result = reply(messages, mode)
                 if run:  # the first run of each warms up
-                    results[mode].append(result)
-        plain, speculative = results[OFF], results[method]
-
-        def median(results, key):
-            return statistics.median(getattr(r.usage, key) for r in results)
-
-        usage = speculative[-1].usage
-        plain_rate, speculative_rate = median(plain, "decode_tokens_per_s"), median(speculative, "decode_tokens_per_s")
+                    kept.append(result)
+        plain, speculative = replies[OFF], replies[method]
+        plain_rate = statistics.median(r.decode_tokens_per_s for r in plain)
+        speculative_rate = statistics.median(r.decode_tokens_per_s for r in speculative)
+        last = speculative[-1]
         tasks[name] = {
-            "tokens": len(speculative[-1].tokens),
+            "tokens": len(last.tokens),
             "plain_decode_tokens_per_s": plain_rate,
             "speculative_decode_tokens_per_s": speculative_rate,
             "speed_up": speculative_rate / plain_rate if plain_rate else 0.0,
-            "verify_steps": usage.model_steps,
-            "accepted_per_step": usage.accepted_tokens / usage.model_steps if usage.model_steps else 0.0,
-            "steps_per_token": usage.model_steps / max(1, usage.completion_tokens - 1),
-            "acceptance": usage.accepted_tokens / usage.proposed_tokens if usage.proposed_tokens else 0.0,
-            "same_reply": plain[-1].tokens == speculative[-1].tokens,
+            "model_steps": last.model_steps,
+            "accepted_per_step": last.accepted_tokens / last.model_steps if last.model_steps else 0.0,
+            "steps_per_token": last.model_steps / max(1, len(last.tokens) - 1),
+            "acceptance": last.accepted_tokens / last.proposed_tokens if last.proposed_tokens else 0.0,
+            "same_reply": plain[-1].tokens == last.tokens,
         }
-    lines = [f"{engine.model_id}: greedy replies of up to {max_tokens} tokens, plain and {method}, median of {runs}"]
+    lines = [f"{model_id} on {where}: greedy replies, plain and {method}, median of {runs} after a warm-up"]
     lines.append(
         f"  {'task':8} {'tokens':>6} {'plain':>8} {method:>14} {'speed-up':>9} {'acc/step':>9} {'steps/tok':>10}  same"
     )
@@ -108,11 +148,5 @@ def bench_speculative(engine: Engine, max_tokens: int = 256, runs: int = 3) -> d
             f"{t['speed_up']:8.2f}× {t['accepted_per_step']:9.2f} {t['steps_per_token']:10.2f}  "
             f"{'yes' if t['same_reply'] else 'NO'}"
         )
-    return {
-        "model_id": engine.model_id,
-        "method": method,
-        "max_tokens": max_tokens,
-        "runs": runs,
-        "tasks": tasks,
-        "lines": lines,
-    }
+    lines.append("  (tokens/s of decoding: tokens after the first ÷ the time from the first to the last)")
+    return {"model_id": model_id, "where": where, "method": method, "runs": runs, "tasks": tasks, "lines": lines}

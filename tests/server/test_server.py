@@ -224,6 +224,7 @@ def test_path_traversal_never_reads_outside_the_served_roots(traversal_dist):
         ({"model": MODEL_ID, "messages": QUESTION, "top_k": True}, 400, "top_k"),
         ({"model": MODEL_ID, "messages": QUESTION, "n": True}, 400, "n"),
         ({"model": MODEL_ID, "messages": QUESTION, "ignore_eos": 1}, 400, "ignore_eos"),
+        ({"model": MODEL_ID, "messages": QUESTION, "speculative": "maybe"}, 400, "speculative"),
         ({"model": MODEL_ID, "messages": QUESTION, "stop": [1]}, 400, "stop"),
         ({"model": MODEL_ID, "messages": QUESTION, "stop": {"a": 1}}, 400, "stop"),
         ({"model": MODEL_ID, "messages": QUESTION, "max_completion_tokens": -3}, 400, "max_completion_tokens"),
@@ -351,6 +352,8 @@ def test_openai_client_streams_a_chat_completion(kiln_serve):
     whole = client.chat.completions.create(**request)
     assert whole.choices[0].message.content == "".join(content)
     assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+    speculative = client.chat.completions.create(**request, extra_body={"speculative": "prompt-lookup"})
+    assert speculative.choices[0].message.content == whole.choices[0].message.content
 
 
 def test_openai_client_completes_a_prompt(kiln_serve):
