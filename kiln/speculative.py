@@ -18,6 +18,8 @@ and the decode step give the same logits. The same definition as web/src/specula
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,11 +193,48 @@ class PlainDecoding:
         """Leave the cache holding the reply's tokens and no proposed ones."""
 
 
+class PassCosts:
+    """Whether verify passes pay for themselves here, in time: a pass saves the decode steps of the
+    tokens it took and costs what it takes beyond one decode step. Where their recent worth (a
+    running mean) falls below zero, proposals pause for as many decode steps as keep the loss of
+    the pass that lost within `LOSS_SHARE` of their time (at most `MAX_PAUSE`), then are tried
+    again. A pass costs several decode steps on a CPU and about one on a GPU, where a step is bound
+    by its dispatches: the same rule pauses longer where passes cost more. It changes how fast a
+    reply comes, never which tokens it has."""
+
+    LOSS_SHARE = 0.1
+    MAX_PAUSE = 64
+
+    def __init__(self):
+        self.decode_s: float | None = None  # a decode step's time, a running mean
+        self.worth = 0.0  # seconds a pass saved, a running mean
+        self.pause = 0  # decode steps before the next proposal
+
+    def decoded(self, seconds: float) -> None:
+        self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
+
+    def verified(self, seconds: float, accepted: int) -> None:
+        if self.decode_s is None:
+            return
+        saved = accepted * self.decode_s - (seconds - self.decode_s)
+        self.worth = 0.5 * self.worth + 0.5 * saved
+        if self.worth < 0 and saved < 0:
+            self.pause = min(self.MAX_PAUSE, math.ceil(-saved / (self.LOSS_SHARE * self.decode_s)))
+            self.worth = 0.0
+
+    def may_propose(self) -> bool:
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+
 class Lookahead(PlainDecoding):
     """Verified rows ahead of the reply (see the module's docstring). A proposal's length starts at
     `first_proposal`, doubles (up to `max_proposal`) after one the reply took whole and halves after
-    one it left; it stops where the cache could no longer roll it back. `constraint` (a reply's
-    TokenConstraint) cuts a proposal at its first token the response format does not allow."""
+    one it left; it stops where the cache could no longer roll it back, and pauses where passes do
+    not pay (`PassCosts`). `constraint` (a reply's TokenConstraint) cuts a proposal at its first
+    token the response format does not allow."""
 
     def __init__(self, model, proposer, speculation: Speculation, constraint=None):
         super().__init__(model)
@@ -204,24 +243,34 @@ class Lookahead(PlainDecoding):
         self.constraint = constraint
         self.proposal_length = speculation.first_proposal
         self.rows: list[Row] = []
+        self.costs = PassCosts()
+        self.pass_s = 0.0  # the time of the pass the rows came from
+        self.pass_accepted = 0  # its rows the reply took so far
 
     def logits_after(self, token: int) -> np.ndarray:
         self.proposer.extend([token])
         if self.rows and self.rows[0].token == token:
             self.stats.accepted += 1
+            self.pass_accepted += 1
             row = self.rows.pop(0)
             if not self.rows:  # every proposed token taken: propose more next time
                 self.proposal_length = min(self.speculation.max_proposal, self.proposal_length * 2)
+                self.costs.verified(self.pass_s, self.pass_accepted)
             return row.logits
         if self.rows:  # the reply went another way: forget the rest
             self.proposal_length = max(1, self.proposal_length // 2)
+            self.costs.verified(self.pass_s, self.pass_accepted)
             self.settle()
-        proposal = self.proposal(token)
+        proposal = self.proposal(token) if self.costs.may_propose() else []
+        started = time.perf_counter()
         if not proposal:
-            return super().logits_after(token)
+            logits = super().logits_after(token)
+            self.costs.decoded(time.perf_counter() - started)
+            return logits
         self.stats.steps += 1
         self.stats.proposed += len(proposal)
         logits = self.model.all_logits([token, *proposal])
+        self.pass_s, self.pass_accepted = time.perf_counter() - started, 0
         self.rows = [Row(t, row) for t, row in zip(proposal, logits[1:])]
         return logits[0]
 

@@ -70,6 +70,46 @@ export class PlainDecoding {
   settle() {}
 }
 
+/**
+ * Whether verify passes pay for themselves here, in time (`PassCosts` in kiln/speculative.py): where
+ * their recent worth falls below zero, proposals pause for as many decode steps as keep the loss of
+ * the pass that lost within LOSS_SHARE of their time (at most MAX_PAUSE).
+ */
+export class PassCosts {
+  static LOSS_SHARE = 0.1;
+  static MAX_PAUSE = 64;
+
+  constructor() {
+    this.decodeSeconds = null; // a decode step's time, a running mean
+    this.worth = 0; // seconds a pass saved, a running mean
+    this.pause = 0; // decode steps before the next proposal
+  }
+
+  decoded(seconds) {
+    this.decodeSeconds = this.decodeSeconds === null ? seconds : 0.8 * this.decodeSeconds + 0.2 * seconds;
+  }
+
+  verified(seconds, accepted) {
+    if (this.decodeSeconds === null) return;
+    const saved = accepted * this.decodeSeconds - (seconds - this.decodeSeconds);
+    this.worth = 0.5 * this.worth + 0.5 * saved;
+    if (this.worth < 0 && saved < 0) {
+      this.pause = Math.min(PassCosts.MAX_PAUSE, Math.ceil(-saved / (PassCosts.LOSS_SHARE * this.decodeSeconds)));
+      this.worth = 0;
+    }
+  }
+
+  mayPropose() {
+    if (this.pause > 0) {
+      this.pause -= 1;
+      return false;
+    }
+    return true;
+  }
+}
+
+const seconds = (start) => (performance.now() - start) / 1000;
+
 /** Verified rows ahead of the reply, as `Lookahead` in kiln/speculative.py. */
 export class Lookahead extends PlainDecoding {
   constructor(session, proposer, speculation, constraint = null) {
@@ -79,25 +119,40 @@ export class Lookahead extends PlainDecoding {
     this.constraint = constraint;
     this.proposalLength = speculation.firstProposal;
     this.rows = []; // [{token, logits}]
+    this.costs = new PassCosts();
+    this.passSeconds = 0; // the time of the pass the rows came from
+    this.passAccepted = 0; // its rows the reply took so far
   }
 
   async logitsAfter(token) {
     this.proposer.extend([token]);
     if (this.rows.length > 0 && this.rows[0].token === token) {
       this.stats.accepted += 1;
+      this.passAccepted += 1;
       const row = this.rows.shift();
-      if (this.rows.length === 0) this.proposalLength = Math.min(this.speculation.maxProposal, this.proposalLength * 2);
+      if (this.rows.length === 0) {
+        this.proposalLength = Math.min(this.speculation.maxProposal, this.proposalLength * 2);
+        this.costs.verified(this.passSeconds, this.passAccepted);
+      }
       return row.logits;
     }
     if (this.rows.length > 0) {
       this.proposalLength = Math.max(1, Math.floor(this.proposalLength / 2));
+      this.costs.verified(this.passSeconds, this.passAccepted);
       this.settle();
     }
-    const proposal = this.proposal();
-    if (proposal.length === 0) return super.logitsAfter(token);
+    const proposal = this.costs.mayPropose() ? this.proposal() : [];
+    const started = performance.now();
+    if (proposal.length === 0) {
+      const logits = await super.logitsAfter(token);
+      this.costs.decoded(seconds(started));
+      return logits;
+    }
     this.stats.steps += 1;
     this.stats.proposed += proposal.length;
     const logits = await this.session.allLogits([token, ...proposal]);
+    this.passSeconds = seconds(started);
+    this.passAccepted = 0;
     this.rows = proposal.map((proposed, i) => ({ token: proposed, logits: logits[i + 1] }));
     return logits[0];
   }

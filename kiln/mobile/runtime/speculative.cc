@@ -1,6 +1,8 @@
 #include "speculative.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 
 namespace kiln {
 
@@ -32,6 +34,34 @@ std::vector<int32_t> PromptLookup::Propose(int count) const {
   return {};
 }
 
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+void PassCosts::Decoded(double seconds) {
+  decode_seconds_ = decode_seconds_ ? 0.8 * *decode_seconds_ + 0.2 * seconds : seconds;
+}
+
+void PassCosts::Verified(double seconds, int accepted) {
+  if (!decode_seconds_) return;
+  double saved = accepted * *decode_seconds_ - (seconds - *decode_seconds_);
+  worth_ = 0.5 * worth_ + 0.5 * saved;
+  if (worth_ < 0 && saved < 0) {
+    pause_ = static_cast<int>(std::min<double>(kMaxPause, std::ceil(-saved / (kLossShare * *decode_seconds_))));
+    worth_ = 0;
+  }
+}
+
+bool PassCosts::MayPropose() {
+  if (pause_ == 0) return true;
+  pause_ -= 1;
+  return false;
+}
+
 DecodingSteps::DecodingSteps(Model& model, const std::optional<Speculation>& speculation,
                              const std::vector<int32_t>& prompt_ids)
     : model_(model), speculation_(speculation) {
@@ -45,22 +75,34 @@ std::vector<float> DecodingSteps::LogitsAfter(int32_t token) {
   if (lookup_) lookup_->Extend(token);
   if (!rows_.empty() && rows_.front().token == token) {
     stats_.accepted += 1;
+    pass_accepted_ += 1;
     std::vector<float> logits = std::move(rows_.front().logits);
     rows_.pop_front();
-    if (rows_.empty()) proposal_length_ = std::min(speculation_->max_proposal, proposal_length_ * 2);
+    if (rows_.empty()) {
+      proposal_length_ = std::min(speculation_->max_proposal, proposal_length_ * 2);
+      costs_.Verified(pass_seconds_, pass_accepted_);
+    }
     return logits;
   }
   if (!rows_.empty()) {
     proposal_length_ = std::max(1, proposal_length_ / 2);
+    costs_.Verified(pass_seconds_, pass_accepted_);
     Settle();
   }
   stats_.steps += 1;
-  std::vector<int32_t> proposal = Proposal();
-  if (proposal.empty()) return model_.Decode(token);
+  std::vector<int32_t> proposal = costs_.MayPropose() ? Proposal() : std::vector<int32_t>{};
+  const auto started = std::chrono::steady_clock::now();
+  if (proposal.empty()) {
+    std::vector<float> logits = model_.Decode(token);
+    costs_.Decoded(SecondsSince(started));
+    return logits;
+  }
   stats_.proposed += static_cast<int64_t>(proposal.size());
   std::vector<int32_t> ids{token};
   ids.insert(ids.end(), proposal.begin(), proposal.end());
   std::vector<std::vector<float>> logits = model_.AllLogits(ids);
+  pass_seconds_ = SecondsSince(started);
+  pass_accepted_ = 0;
   for (size_t i = 0; i < proposal.size(); ++i) rows_.push_back({proposal[i], std::move(logits[i + 1])});
   return std::move(logits[0]);
 }

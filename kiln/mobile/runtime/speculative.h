@@ -39,6 +39,23 @@ class PromptLookup {
   std::map<int, std::map<std::vector<int32_t>, size_t>> latest_;
 };
 
+// Whether verify passes pay for themselves here, in time (PassCosts in kiln/speculative.py): where
+// their recent worth falls below zero, proposals pause for as many decode steps as keep the loss of
+// the pass that lost within kLossShare of their time (at most kMaxPause).
+class PassCosts {
+ public:
+  void Decoded(double seconds);
+  void Verified(double seconds, int accepted);
+  bool MayPropose();
+
+ private:
+  static constexpr double kLossShare = 0.1;
+  static constexpr int kMaxPause = 64;
+  std::optional<double> decode_seconds_;  // a decode step's time, a running mean
+  double worth_ = 0;                      // seconds a pass saved, a running mean
+  int pause_ = 0;                         // decode steps before the next proposal
+};
+
 struct SpeculationStats {
   int64_t steps = 0;     // model passes after the prompt's prefill (verify passes and decode steps)
   int64_t proposed = 0;  // tokens proposed and verified
@@ -69,6 +86,9 @@ class DecodingSteps {
   int proposal_length_ = 0;
   std::deque<Row> rows_;
   SpeculationStats stats_;
+  PassCosts costs_;
+  double pass_seconds_ = 0;  // the time of the pass the rows came from
+  int pass_accepted_ = 0;    // its rows the reply took so far
 };
 
 }  // namespace kiln
