@@ -27,7 +27,7 @@ from kiln.chat_template import ChatTemplate
 from kiln.completions import ChatCompletionRequest, CompletionRequest, Reply, collected
 from kiln.errors import KilnError
 from kiln.model_folder import read_json
-from kiln.runtime import NativeModel
+from kiln.runtime import NativeModel, reusable_prefix
 from kiln.sampling import Sampler
 from kiln.speculative import METHODS, OFF, DraftModel, Speculation, check_same_vocabulary, decoding_steps
 from kiln.structured import GrammarCompiler, ResponseFormat, TokenConstraint
@@ -389,12 +389,7 @@ class Engine:
     def _prefill(self, prompt_ids: list[int]) -> tuple[np.ndarray | None, int]:
         """Bring the cache to `prompt_ids`: keep the common prefix, prefill the rest chunk by chunk.
         Returns the last logits (None when interrupted) and how many tokens were prefilled."""
-        common = 0
-        for cached, wanted in zip(self._cached_ids, prompt_ids):
-            if cached != wanted:
-                break
-            common += 1
-        common = min(common, len(prompt_ids) - 1)  # the last prompt token must run to give logits
+        common = reusable_prefix(self._cached_ids, prompt_ids)
         common = self.model.rollback(len(self._cached_ids) - common)
         del self._cached_ids[common:]
         logits = None

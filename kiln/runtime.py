@@ -127,6 +127,17 @@ def missing_cpu_features(mcpu: str | None) -> list[str]:
     return sorted(instruction_sets(mcpu) - instruction_sets(tvm.target.codegen.llvm_get_system_cpu()))
 
 
+def reusable_prefix(cached: list[int], wanted: list[int]) -> int:
+    """How many of `wanted`'s first tokens a cache holding `cached` can keep: their common prefix,
+    short of `wanted`'s last token, which must run to give logits."""
+    common = 0
+    for held, token in zip(cached, wanted[:-1]):
+        if held != token:
+            break
+        common += 1
+    return common
+
+
 class NativeModel:
     """One compiled model with one KV cache sequence."""
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.runtime import reusable_prefix
 
 METHODS = ("prompt-lookup", "draft")
 OFF = "off"
@@ -110,12 +111,7 @@ class DraftModel:
         count = min(count, model.context_window_size - len(history))
         if count <= 0:
             return []
-        common = 0
-        for cached, wanted in zip(self.cached, history[:-1]):
-            if cached != wanted:
-                break
-            common += 1
-        kept = model.rollback(len(self.cached) - common)
+        kept = model.rollback(len(self.cached) - reusable_prefix(self.cached, history))
         del self.cached[kept:]
         logits = model.prefill(history[kept:])
         self.cached.extend(history[kept:])
