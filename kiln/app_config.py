@@ -123,6 +123,9 @@ def model_needs(model: CompiledModel, target: str | None = None) -> MemoryNeeds:
     return max((memory_needs(model.chat_config, model.tensor_cache, plan) for plan in plans), key=lambda n: n.total)
 
 
+WEBLLM_EMBEDDING_MODEL = 1  # WebLLM's ModelType.embedding (0: LLM, 2: VLM)
+
+
 def model_record(model: CompiledModel, models_url: str) -> dict | None:
     """The app-config entry of `model`, with URLs under `models_url`; None without a browser library."""
     built = model.libraries
@@ -131,6 +134,7 @@ def model_record(model: CompiledModel, models_url: str) -> dict | None:
         return None
     folder_url = f"{models_url}{model.model_id}/"
     quantization = model.chat_config["quantization"]
+    embedding = "embedding" in model.chat_config
     needs = {target: model_needs(model, target) for target in browser_libraries}
     model_lib = next(iter(browser_libraries))  # WebLLM's: webgpu, unless only the subgroup one was built
     vram_mb = round(needs[model_lib].total / MIB, 1)
@@ -145,8 +149,14 @@ def model_record(model: CompiledModel, models_url: str) -> dict | None:
         "low_resource_required": vram_mb <= LOW_RESOURCE_MB,
         "required_features": required_features,
         "buffer_size_required_bytes": max(n.largest_buffer for n in needs.values()),
-        "overrides": {key: model.chat_config[key] for key in ("context_window_size", "prefill_chunk_size")},
+        "overrides": {
+            key: model.chat_config[key]
+            for key in ("context_window_size", "prefill_chunk_size")
+            if key in model.chat_config
+        },
+        **({"model_type": WEBLLM_EMBEDDING_MODEL} if embedding else {}),
         "kiln": {
+            "kind": "embedding" if embedding else "chat",
             "family": model.build.get("source_hash", model.model_id)[:16],
             "quantization": quantization,
             "libraries": {target: folder_url + path for target, path in browser_libraries.items()},

@@ -40,8 +40,16 @@ def add_compile(sub) -> None:
     p.add_argument("--target", "-t", type=comma_list, default=["cpu"], help=f"comma-separated: {described(TARGETS)}")
     p.add_argument("--output", "-o", type=Path, default=Path("dist"), help="output folder (default dist/)")
     p.add_argument("--model-id", help="folder name under the output (default <source name>-<quantization>)")
-    p.add_argument("--context-window-size", type=int)
+    p.add_argument("--context-window-size", type=int, help="an embedding model's: its longest input")
     p.add_argument("--prefill-chunk-size", type=int)
+    p.add_argument(
+        "--matryoshka-dimensions",
+        type=comma_list,
+        default=[],
+        metavar="N,N",
+        help="an embedding model's shorter lengths it was trained to give (Matryoshka): requests may ask for them "
+        "(`dimensions`)",
+    )
     p.add_argument(
         "--cpu-tuning",
         choices=CPU_TUNINGS,
@@ -75,6 +83,12 @@ def add_compile(sub) -> None:
     p.set_defaults(run=run_compile)
 
 
+def dimension_list(values: list[str]) -> list[int]:
+    if not all(value.isdigit() for value in values):
+        raise KilnError(f"--matryoshka-dimensions should be whole numbers, got {','.join(values)}")
+    return [int(value) for value in values]
+
+
 def run_compile(args) -> int:
     from kiln.compile.pipeline import BuildRequest, build
 
@@ -92,6 +106,7 @@ def run_compile(args) -> int:
             allow_pickle=args.allow_pickle,
             jobs=args.jobs,
             library_cache=args.library_cache,
+            matryoshka_dimensions=tuple(dimension_list(args.matryoshka_dimensions)),
         )
     )
     print(result.model_dir)
@@ -641,7 +656,38 @@ def run_package(args) -> int:
     return 0
 
 
-COMMANDS = (add_compile, add_doctor, add_bench, add_generate, add_chat, add_parity, add_serve, add_package)
+def add_embed(sub) -> None:
+    p = sub.add_parser("embed", help="embed texts with a compiled embedding model on this machine (JSON out)")
+    p.add_argument("model_dir", type=Path, help="a compiled embedding model folder (dist/<model-id>)")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--target", "-t", choices=NATIVE_TARGETS, default="cpu", help="which library to run (default cpu)")
+    p.add_argument("--dimensions", type=int, help="a shorter length the model was trained to give (Matryoshka)")
+    p.add_argument("--encoding-format", choices=("float", "base64"), default="float")
+    add_threads_option(p)
+    p.set_defaults(run=run_embed)
+
+
+def run_embed(args) -> int:
+    """OpenAI's embeddings response for the texts, as JSON on stdout."""
+    from kiln.embeddings import EmbeddingEngine
+
+    engine = EmbeddingEngine(args.model_dir, args.target)
+    request = {"input": args.texts, "dimensions": args.dimensions, "encoding_format": args.encoding_format}
+    print(json.dumps(engine.create(request)))
+    return 0
+
+
+COMMANDS = (
+    add_compile,
+    add_doctor,
+    add_bench,
+    add_generate,
+    add_chat,
+    add_embed,
+    add_parity,
+    add_serve,
+    add_package,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

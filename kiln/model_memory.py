@@ -24,6 +24,7 @@ PAGE_SIZE = 16
 F32_BYTES = 4
 # The functions the engines run in a chat; each one's plan stays in the VM's pool once it has run.
 CHAT_FUNCTIONS = ("embed", "prefill", "decode")
+EMBEDDING_FUNCTION = "sentence_embeddings"  # an embedding model's (kiln/models/embedding.py)
 MIB = 1 << 20
 
 
@@ -73,12 +74,18 @@ def cache_scratch_bytes(model_config: dict, chunk: int, element_bytes: int) -> i
     return chunk * (2 * query_heads + 2 * kv_heads) * head_dim * element_bytes + 2 * chunk * query_heads * F32_BYTES
 
 
+def stored_weight_sizes(tensor_cache: dict) -> list[int]:
+    return [record["nbytes"] for shard in tensor_cache["records"] for record in shard["records"]]
+
+
 def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
     """The needs of a model (its mlc-chat-config.json and tensor-cache.json) run by a library whose
     functions' memory plans are `planned_storage` (one library's entry of kiln-build.json)."""
+    if "embedding" in chat_config:
+        return embedding_memory_needs(tensor_cache, planned_storage)
     model_config = {"head_dim": head_dim(chat_config["model_config"]), **chat_config["model_config"]}
     element = float_bytes(chat_config["quantization"])
-    weight_sizes = [record["nbytes"] for shard in tensor_cache["records"] for record in shard["records"]]
+    weight_sizes = stored_weight_sizes(tensor_cache)
     kv_cache, kv_layer = kv_cache_bytes(model_config, element)
     plans = [size for name in CHAT_FUNCTIONS for size in planned_storage.get(name, [])]
     return MemoryNeeds(
@@ -86,4 +93,13 @@ def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[st
         kv_cache=kv_cache,
         workspace=sum(plans) + cache_scratch_bytes(model_config, chat_config["prefill_chunk_size"], element),
         largest_buffer=max([*weight_sizes, kv_layer, *plans]),
+    )
+
+
+def embedding_memory_needs(tensor_cache: dict, planned_storage: dict[str, list[int]]) -> MemoryNeeds:
+    """An embedding model holds its weights and the plan of its one function (no KV cache)."""
+    weight_sizes = stored_weight_sizes(tensor_cache)
+    plans = planned_storage.get(EMBEDDING_FUNCTION, [])
+    return MemoryNeeds(
+        weights=sum(weight_sizes), kv_cache=0, workspace=sum(plans), largest_buffer=max([*weight_sizes, *plans])
     )

@@ -138,10 +138,28 @@ def reusable_prefix(cached: list[int], wanted: list[int]) -> int:
     return common
 
 
-class NativeModel:
-    """One compiled model with one KV cache sequence."""
+def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -> list[tvm.runtime.Tensor]:
+    """A library's parameters on the device, md5-checked, read one shard at a time (so the peak
+    memory is the weights plus one shard, not twice the weights)."""
+    verify_shards(model_dir)
+    wanted = set(names)
+    loaded = {}
+    for shard, shard_records in groupby(records(model_dir), key=lambda r: r.shard):
+        data = shard.read_bytes()
+        for r in shard_records:
+            if r.name in wanted:
+                array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
+                loaded[r.name] = tvm.runtime.tensor(array.reshape(r.shape), device)
+    missing = [name for name in names if name not in loaded]
+    if missing:
+        raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", model_dir / "tensor-cache.json")
+    return [loaded[name] for name in names]
 
-    def __init__(self, model_dir: Path, target: str = "cpu"):
+
+class CompiledLibrary:
+    """A model folder's library for `target` in a Relax VM, its `_metadata` and its parameters."""
+
+    def __init__(self, model_dir: Path, target: str):
         set_cpu_threads()
         self.model_dir = Path(model_dir)
         self.chat_config = read_json(self.model_dir / "mlc-chat-config.json")
@@ -150,7 +168,20 @@ class NativeModel:
         self.device = tvm.device(TARGETS[target].device, 0)
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(library_path(self.model_dir, target))), self.device)
         self.metadata = json.loads(str(self.vm["_metadata"]()))
-        self.params = self._load_params([p["name"] for p in self.metadata["params"]])
+        self.params = load_params(self.model_dir, self.device, [p["name"] for p in self.metadata["params"]])
+
+
+class NativeModel(CompiledLibrary):
+    """One compiled model with one KV cache sequence."""
+
+    def __init__(self, model_dir: Path, target: str = "cpu"):
+        super().__init__(model_dir, target)
+        if "embedding" in self.chat_config:
+            raise KilnError(
+                "an embedding model, not a chat model: run it with kiln embed, /v1/embeddings or "
+                "engine.embeddings.create",
+                self.model_dir,
+            )
         self.context_window_size = int(self.metadata["context_window_size"])
         self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
         self.all_logits_chunk_size = int(self.metadata.get("all_logits_chunk_size", self.prefill_chunk_size))
@@ -184,23 +215,6 @@ class NativeModel:
                 self.kv_cache, SEQUENCE_ID, self.sliding_window_size, 0
             )
         self.cached_tokens = 0
-
-    def _load_params(self, names: list[str]) -> list[tvm.runtime.Tensor]:
-        """The library's parameters on the device, md5-checked, read one shard at a time (so the
-        peak memory is the weights plus one shard, not twice the weights)."""
-        verify_shards(self.model_dir)
-        wanted = set(names)
-        loaded = {}
-        for shard, shard_records in groupby(records(self.model_dir), key=lambda r: r.shard):
-            data = shard.read_bytes()
-            for r in shard_records:
-                if r.name in wanted:
-                    array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
-                    loaded[r.name] = tvm.runtime.tensor(array.reshape(r.shape), self.device)
-        missing = [name for name in names if name not in loaded]
-        if missing:
-            raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", self.model_dir / "tensor-cache.json")
-        return [loaded[name] for name in names]
 
     def reset(self) -> None:
         self._kv_builtin["kv_state_remove_sequence"](self.kv_cache, SEQUENCE_ID)

@@ -22,6 +22,7 @@ import pytest
 # ruff: noqa: E402
 pytest.register_assert_rewrite("helpers")
 
+from helpers.embedding_models import MINILM
 from helpers.failures import CommandResult
 from helpers.session_builds import SMOLLM2, SessionBuilds, SessionSources, building_ahead, built_for
 from helpers.tiny_llama import CHAT_TEMPLATES, TOOL_FAMILIES, make_tiny_llama
@@ -112,6 +113,21 @@ def smollm2_source(sources) -> Path:
 def smollm2_build(builds, smollm2_source):
     """smollm2_build(quantization, targets) → model folder of SmolLM2-135M-Instruct."""
     return lambda quantization, targets=("cpu",): builds.model_dir(smollm2_source, SMOLLM2, quantization, list(targets))
+
+
+@pytest.fixture(scope="session")
+def bert_build(builds, sources):
+    """bert_build(name, quantization, targets) → model folder of a tiny BERT embedder (helpers.embedding_models):
+    tiny-bert (mean pooling, normalized) or tiny-bert-cls (CLS pooling, not normalized)."""
+    return lambda name, quantization, targets=("cpu",): builds.model_dir(
+        sources.path(name), name, quantization, list(targets)
+    )
+
+
+@pytest.fixture(scope="session")
+def minilm_build(builds, sources):
+    """minilm_build(targets) → model folder of all-MiniLM-L6-v2 (from PyPI) at q0f32."""
+    return lambda targets=("cpu",): builds.model_dir(sources.path(MINILM), MINILM, "q0f32", list(targets))
 
 
 @pytest.fixture(scope="session")

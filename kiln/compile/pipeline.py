@@ -26,14 +26,14 @@ from typing import Callable
 import tvm
 
 import kiln
-from kiln.compile.chat_config.configure import write_chat_config
+from kiln.compile.chat_config.configure import write_chat_config, write_embedding_config
 from kiln.compile.digests import file_digests
 from kiln.compile.library_cache import LibraryCache
 from kiln.compile.quantization.convert import convert_weights
 from kiln.compile.source.ingest import IngestOptions, SourceModel, ingest, looks_like_hub_id
 from kiln.errors import KilnError, one_line
 from kiln.model_memory import MemoryNeeds, memory_needs
-from kiln.models import Architecture, DecoderConfig, DecoderModel, architecture_for
+from kiln.models import Architecture, DecoderConfig, DecoderModel, EncoderConfig, SentenceEmbedding, architecture_for
 from kiln.compile.lower.library import (
     check_memory_limits,
     compile_library,
@@ -70,6 +70,8 @@ class BuildRequest:
     allow_pickle: bool = False  # read pytorch_model*.bin with a torch older than 2.10
     jobs: int | None = None  # targets compiled side by side (default: one per core, at most one per target)
     library_cache: Path | None = None  # libraries compiled before, reused (kiln/compile/library_cache.py)
+    # An embedding model's shorter lengths it was trained to give (Matryoshka), which requests may ask for.
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     def ingest_options(self) -> IngestOptions:
         return IngestOptions(revision=self.revision, allow_pickle=self.allow_pickle)
@@ -161,6 +163,30 @@ def kiln_code_digest() -> str:
 
 def config_file(source: SourceModel) -> Path:
     return source.path / "config.json" if source.path.is_dir() else source.path
+
+
+def model_config(
+    arch: Architecture, source: SourceModel, overrides: dict[str, int], matryoshka_dimensions: tuple[int, ...]
+) -> DecoderConfig | EncoderConfig:
+    """The family's config; an embedding model's with its pooling (sentence-transformers' files, else
+    mean pooling, sentence-transformers' default for a plain checkpoint)."""
+    config = arch.parse_config(source.config, config_file(source), overrides)
+    if not isinstance(config, EncoderConfig):
+        if source.sentence_embedding or matryoshka_dimensions:
+            raise KilnError(
+                f"an embedding checkpoint of the {arch.model_type} family: Kiln compiles {arch.model_type} "
+                "models for chat only (embedding families: bert)",
+                source.path,
+            )
+        return config
+    for width in matryoshka_dimensions:
+        if not 0 < width < config.hidden_size:
+            raise KilnError(
+                f"--matryoshka-dimensions: {width} is no shorter length of a {config.hidden_size}-wide embedding"
+            )
+    embedding = source.sentence_embedding or SentenceEmbedding()
+    config.embedding = replace(embedding, dimensions=tuple(sorted(set(matryoshka_dimensions), reverse=True)))
+    return config
 
 
 def reusable_build(model_dir: Path, source: SourceModel, request: BuildRequest, code_digest: str) -> dict | None:
@@ -268,6 +294,7 @@ class TargetCompile:
     library: Path
     model_id: str
     library_cache: LibraryCache | None
+    matryoshka_dimensions: tuple[int, ...]
 
     def run(self) -> tuple[dict[str, list[int]], bool, float]:
         """The library's `planned_storage`, whether the library cache had it, and the compile's seconds.
@@ -279,7 +306,7 @@ class TargetCompile:
         ):
             source = ingest(self.source, Path(work), self.ingest_options)
             arch = architecture_for(source.config, config_file(source))
-            config = arch.parse_config(source.config, config_file(source), self.overrides)
+            config = model_config(arch, source, self.overrides, self.matryoshka_dimensions)
             model, _, _ = quantized_model(source, arch, config, quantization_named(self.quantization))
             start = time.perf_counter()
             entry = target_named(self.target, self.cpu_tuning)
@@ -319,6 +346,7 @@ def compiles_side_by_side(
             library=libraries[name],
             model_id=model_id,
             library_cache=library_cache,
+            matryoshka_dimensions=request.matryoshka_dimensions,
         )
         compiles[name] = side_by_side.submit(jobs, job.run)
     clock.started(f"compile {', '.join(compiles)}", f" ({jobs} side by side, while the build goes on)")
@@ -350,7 +378,7 @@ def build(request: BuildRequest) -> BuildResult:
         with clock.stage("ingest"):
             source = ingest(request.source, tmp / "work", request.ingest_options())
             arch = architecture_for(source.config, config_file(source))
-            config = arch.parse_config(source.config, config_file(source), request.overrides())
+            config = model_config(arch, source, request.overrides(), request.matryoshka_dimensions)
 
         with clock.stage("quantize"):
             model, weights, float_names = quantized_model(source, arch, config, quantization)
@@ -383,7 +411,8 @@ def build(request: BuildRequest) -> BuildResult:
                 with clock.stage("convert"):
                     convert_weights(weights, arch, quantization, float_names, params, staging)
             with clock.stage("configure"):
-                write_chat_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
+                write_config = write_embedding_config if isinstance(config, EncoderConfig) else write_chat_config
+                write_config(staging, source.tokenizer_dir, arch.model_type, quantization.name, config)
 
             planned, cached = {}, set()
             for entry in entries:

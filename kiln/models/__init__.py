@@ -6,8 +6,9 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from . import gemma2, gemma3, granite, llama, ministral3, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
+from . import bert, gemma2, gemma3, granite, llama, ministral3, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
+from .embedding import EncoderConfig, EncoderModel, SentenceEmbedding, encoder_export_spec
 from .gguf import GGUFMapping, GGUFTensors
 
 MODELS: dict[str, Architecture] = {
@@ -27,6 +28,7 @@ MODELS: dict[str, Architecture] = {
         olmo3.ARCHITECTURE,
         ministral3.ARCHITECTURE,
         ministral3.MULTIMODAL_ARCHITECTURE,
+        bert.ARCHITECTURE,
     )
 }
 
@@ -43,6 +45,10 @@ __all__ = [
     "Architecture",
     "DecoderConfig",
     "DecoderModel",
+    "EncoderConfig",
+    "EncoderModel",
+    "SentenceEmbedding",
+    "encoder_export_spec",
     "GGUFMapping",
     "GGUFTensors",
     "architecture_for",

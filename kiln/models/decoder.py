@@ -81,13 +81,15 @@ class Architecture:
     # Where a checkpoint may keep the decoder's "model.*" tensors, when it holds more than the decoder
     # (the text tower of a multimodal checkpoint, named otherwise by other transformers versions).
     decoder_prefixes: tuple[str, ...] = ("model.",)
+    # The tensor whose name, after one of `decoder_prefixes`, tells which prefix a checkpoint uses.
+    prefix_probe: str = "embed_tokens.weight"
     # Where such a checkpoint may keep the output head, "lm_head.*" (transformers 5 saves a mistral3's as
     # "language_model.lm_head.weight", beside "language_model.model.*").
     head_prefixes: tuple[str, ...] = ("",)
 
     def decoder_prefix(self, tensor_names: list[str]) -> str:
         names = set(tensor_names)
-        return next((p for p in self.decoder_prefixes if f"{p}embed_tokens.weight" in names), self.decoder_prefixes[0])
+        return next((p for p in self.decoder_prefixes if p + self.prefix_probe in names), self.decoder_prefixes[0])
 
     def head_prefix(self, tensor_names: list[str]) -> str:
         names = set(tensor_names)

@@ -24,6 +24,7 @@ from flask import Response
 
 from kiln.app_config import compiled_models
 from kiln.errors import KilnError
+from kiln.model_folder import read_json
 from kiln.speculative import Speculation
 
 from .api_request import ApiError
@@ -51,7 +52,7 @@ class Slot:
     """A model's place in the pool: its load lock, once loaded its engine, and the leases on it."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while loading or releasing
-    engine: object | None = None  # a kiln.engine.Engine
+    engine: object | None = None  # a kiln.engine.Engine, or a kiln.embeddings.EmbeddingEngine
     requested_at: float = 0.0  # time.monotonic() of the last request for it, at its start and at its end
     leases: int = 0  # requests holding the engine (or waiting for it to load); guarded by the pool's lock
 
@@ -136,11 +137,14 @@ class NativeEngines:
         return Lease(engine, lambda: self._let_go(slot))
 
     def load(self, model_id: str):
+        """The model's engine: an EmbeddingEngine for an embedding model, else a chat Engine."""
+        from kiln.embeddings import EmbeddingEngine
         from kiln.engine import Engine
 
-        return Engine(
-            self.dist / model_id, self.target, busy_timeout_s=self.queue_timeout_s, speculation=self.speculation
-        )
+        model_dir = self.dist / model_id
+        if "embedding" in read_json(model_dir / "mlc-chat-config.json"):
+            return EmbeddingEngine(model_dir, self.target, busy_timeout_s=self.queue_timeout_s)
+        return Engine(model_dir, self.target, busy_timeout_s=self.queue_timeout_s, speculation=self.speculation)
 
     def loaded(self) -> list[str]:
         with self.lock:

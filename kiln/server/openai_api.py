@@ -1,4 +1,5 @@
-"""OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions` over the native engine.
+"""OpenAI-compatible `/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings`
+over the native engines.
 
 One engine per model (see `engines.py`), leased by each request until its reply ends; a model runs
 one generation at a time and later requests wait for it (a bounded number of them, each up to the
@@ -22,7 +23,7 @@ from flask import Blueprint, Response, jsonify, request
 from kiln.completions import collected
 from kiln.errors import KilnError
 
-from .api_request import ApiError, ApiRequest, read_request
+from .api_request import ApiError, ApiRequest, body_object, read_request, required, text
 from .engines import Lease, ModelBusy, NativeEngines
 
 log = logging.getLogger(__name__)
@@ -181,9 +182,24 @@ def released_at_end(events: Iterator[str], lease: Lease) -> Iterator[str]:
         lease.release()
 
 
+def check_kind(engine, model: str, embedding: bool) -> None:
+    """A chat request to an embedding model, or an embeddings request to a chat model, is a 400."""
+    from kiln.embeddings import EmbeddingEngine
+
+    if isinstance(engine, EmbeddingEngine) != embedding:
+        kind, instead = ("a chat", "/v1/chat/completions") if embedding else ("an embedding", "/v1/embeddings")
+        raise ApiError(400, f"The model {model!r} is {kind} model: use {instead}.", "model", code="wrong_model_kind")
+
+
+def embeddings_reply(body: dict, model: str, engine) -> Response:
+    check_kind(engine, model, embedding=True)
+    return jsonify(started(lambda: engine.create(body)))
+
+
 def chat_reply(asked: ApiRequest, engine) -> Response:
     from kiln.completions import ChatCompletionRequest
 
+    check_kind(engine, asked.model, embedding=False)
     completion = ChatCompletionRequest(
         asked.messages, asked.generation_config(engine.chat_config), asked.model, asked.tools
     )
@@ -194,6 +210,7 @@ def chat_reply(asked: ApiRequest, engine) -> Response:
 def completion_reply(asked: ApiRequest, engine) -> Response:
     from kiln.completions import CompletionRequest
 
+    check_kind(engine, asked.model, embedding=False)
     completion = CompletionRequest(asked.prompt, asked.generation_config(engine.chat_config), asked.model)
     return respond(asked, engine, lambda: engine.completion_chunks(completion))
 
@@ -226,5 +243,11 @@ def make_openai_blueprint(engines: NativeEngines) -> Blueprint:
     def completions():
         asked = read_request(chat=False)
         return answer(engines.lease(asked.model), lambda engine: completion_reply(asked, engine))
+
+    @api.post("/embeddings")
+    def embeddings():
+        body = body_object()
+        model = text("model", required(body, "model"))
+        return answer(engines.lease(model), lambda engine: embeddings_reply(body, model, engine))
 
     return api

@@ -22,15 +22,11 @@ from typing import Callable
 from kiln.chat_template import ChatTemplate, read_json_object
 from kiln.compile.chat_config.conv_template import derive_conv_template
 from kiln.errors import KilnError, one_line
-from kiln.models import DecoderConfig
+from kiln.models import DecoderConfig, EncoderConfig
 from kiln.text import load_tokenizer
-from kiln.compile.source.ingest import (
-    TOKENIZER_FILES,
-    TOKENIZER_SIDE_FILES,
-    check_contained,
-    contained_file,
-    source_root,
-)
+from tokenizers import Tokenizer
+from kiln.compile.source.containment import check_contained, contained_file, source_root
+from kiln.compile.source.ingest import TOKENIZER_FILES, TOKENIZER_SIDE_FILES
 from kiln.compile.lower.library import kv_cache_window
 
 CHAT_CONFIG_VERSION = "0.1.0"
@@ -38,6 +34,7 @@ CHAT_CONFIG_VERSION = "0.1.0"
 # SentencePiece's binary model.
 COPIED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 JSON_SIDE_FILES = ("generation_config.json", "special_tokens_map.json", "added_tokens.json")
+SAMPLE_TEXT = "kiln"  # a text that finds where a tokenizer's post-processor adds its special tokens
 
 
 def copy_source_file(source: Path, target: Path) -> None:
@@ -260,6 +257,63 @@ def write_chat_config(
         "bos_token_id": bos_ids[0] if bos_ids else None,
         "eos_token_id": eos_ids,
         "pad_token_id": pad_ids[0] if pad_ids else 0,
+    }
+    (out_dir / "mlc-chat-config.json").write_text(json.dumps(chat_config, indent=2, allow_nan=False))
+    return chat_config
+
+
+def special_token_ids(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a single text ([CLS] … [SEP])."""
+    plain = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False).ids
+    full = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=True).ids
+    start = next(i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain)
+    return full[:start], full[start + len(plain) :]
+
+
+def write_embedding_config(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    model_type: str,
+    quantization: str,
+    config: EncoderConfig,
+) -> dict:
+    """An embedding model's `mlc-chat-config.json` (no conversation: the `embedding` section says how
+    inputs are tokenized, truncated and pooled) and its tokenizer files. tokenizer.json is written
+    without the truncation and padding a checkpoint may keep in it: the engines truncate to the
+    model's longest input and pad batches themselves, alike natively and in the browser."""
+    check_contained(tokenizer_dir, TOKENIZER_FILES + TOKENIZER_SIDE_FILES)
+    tokenizer_json = read_side_file(contained_file(tokenizer_dir / "tokenizer.json", source_root(tokenizer_dir)))
+    write_json(out_dir / "tokenizer.json", {**tokenizer_json, "truncation": None, "padding": None})
+    write_tokenizer_config(tokenizer_dir, out_dir, chat_template=None)
+    tokenizer = load_tokenizer(out_dir)
+    before, after = special_token_ids(tokenizer)
+    embedding = config.embedding
+    if config.max_sequence_length <= len(before) + len(after):
+        raise KilnError(
+            f"inputs of at most {config.max_sequence_length} tokens leave no room for text beside the "
+            f"{len(before) + len(after)} special tokens",
+            tokenizer_dir / "tokenizer.json",
+        )
+    model_config = {k: v for k, v in asdict(config).items() if k not in ("extra", "embedding")}
+    chat_config = {
+        "version": CHAT_CONFIG_VERSION,
+        "model_type": model_type,
+        "quantization": quantization,
+        "model_config": model_config,
+        "vocab_size": config.vocab_size,
+        "context_window_size": config.max_sequence_length,
+        "tokenizer_files": ["tokenizer.json", "tokenizer_config.json"],
+        "embedding": {
+            "pooling": embedding.pooling,
+            "normalize": embedding.normalize,
+            "dimensions": config.hidden_size,
+            "matryoshka_dimensions": list(embedding.dimensions),
+            "max_sequence_length": config.max_sequence_length,
+            "max_batch_size": config.max_batch_size,
+            "truncation_side": "right",
+            "prefix_token_ids": before,
+            "suffix_token_ids": after,
+        },
     }
     (out_dir / "mlc-chat-config.json").write_text(json.dumps(chat_config, indent=2, allow_nan=False))
     return chat_config

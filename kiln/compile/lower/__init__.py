@@ -6,7 +6,13 @@ import tvm
 from tvm import relax, s_tir
 from tvm.s_tir import dlight as dl
 
-from kiln.compile.lower.cpu_schedule import FactoredDecodeGEMV, RowNorm, RowParallelMatmul, block_names
+from kiln.compile.lower.cpu_schedule import (
+    EncoderAttentionValues,
+    FactoredDecodeGEMV,
+    RowNorm,
+    RowParallelMatmul,
+    block_names,
+)
 from kiln.compile.lower.decode_fusion import merge_into_decode_gemvs
 from kiln.models.stage_names import GROUP_STAGES
 from kiln.targets import TargetEntry
@@ -99,7 +105,9 @@ def webgpu_subgroup_schedules() -> tvm.transform.Pass:
 
 
 def cpu_schedules() -> tvm.transform.Pass:
-    return dl.ApplyDefaultSchedule(FactoredDecodeGEMV(), RowParallelMatmul(), RowNorm(), dl.cpu.Reduction())
+    return dl.ApplyDefaultSchedule(
+        FactoredDecodeGEMV(), RowParallelMatmul(), EncoderAttentionValues(), RowNorm(), dl.cpu.Reduction()
+    )
 
 
 SCHEDULES = {

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import tvm
 from tvm import relax
+from tvm.relax.frontend import nn
 
 from kiln.compile.library_cache import LibraryCache
 from kiln.compile.lower import kiln_pipeline
-from kiln.compile.lower.vm_functions import attach_vm_functions
+from kiln.compile.lower.vm_functions import attach_metadata, attach_vm_functions
 from kiln.compile.lower.webgpu_limits import check_webgpu_limits
 from kiln.compile.toolchain.mobile_runtime import link_arm64_linux_library
 from kiln.compile.toolchain.system_lib import export_system_library, system_lib_prefix
@@ -24,7 +26,7 @@ from kiln.compile.toolchain.wasm_toolchain import (
 )
 from kiln.errors import KilnError
 from kiln.model_memory import MIB, MemoryNeeds
-from kiln.models import DecoderConfig, DecoderModel, export_spec
+from kiln.models import DecoderConfig, DecoderModel, EncoderModel, encoder_export_spec, export_spec
 from kiln.targets import TargetEntry
 
 
@@ -82,19 +84,27 @@ def all_logits_chunk_size(config: DecoderConfig) -> int:
     return max(1, min(config.prefill_chunk_size, ALL_LOGITS_BYTES // (config.vocab_size * F32_BYTES)))
 
 
-def with_planned_memory(mod: tvm.IRModule, config: DecoderConfig) -> tvm.IRModule:
+def with_planned_memory(mod: tvm.IRModule, upper_bounds: Callable[[str], dict[str, int]]) -> tvm.IRModule:
     """`mod` with every function's memory planned for its longest input (TVM's static planning with
-    `tir_var_upper_bound`, outputs included), so that every call reuses the same blocks. Planned for
-    each call's own length, each new prompt length took new blocks that the VM's pool kept: a chat's
-    wasm memory grew by some 0.3 MB for each token of each new length, without end."""
-    bounds = {"prefill_all_logits": all_logits_chunk_size(config)}
+    `tir_var_upper_bound`, outputs included: `upper_bounds(function name)`), so that every call reuses
+    the same blocks. Planned for each call's own length, each new prompt length took new blocks that
+    the VM's pool kept: a chat's wasm memory grew by some 0.3 MB for each token of each new length,
+    without end."""
     for global_var, function in list(mod.functions.items()):
         if isinstance(function, relax.Function):
-            bound = bounds.get(global_var.name_hint, config.prefill_chunk_size)
             mod[global_var] = function.with_attrs(
-                {"tir_var_upper_bound": {"seq_len": bound}, "relax.memory_plan_dynamic_func_output": True}
+                {
+                    "tir_var_upper_bound": upper_bounds(global_var.name_hint),
+                    "relax.memory_plan_dynamic_func_output": True,
+                }
             )
     return mod
+
+
+def decoder_upper_bounds(config: DecoderConfig) -> Callable[[str], dict[str, int]]:
+    return lambda function: {
+        "seq_len": all_logits_chunk_size(config) if function == "prefill_all_logits" else config.prefill_chunk_size
+    }
 
 
 def planned_storage(mod: tvm.IRModule) -> dict[str, list[int]]:
@@ -118,8 +128,16 @@ def planned_storage(mod: tvm.IRModule) -> dict[str, list[int]]:
     return planned
 
 
-def library_metadata(model: DecoderModel, quantization: str, params: list[ParamSpec]) -> dict:
+def library_metadata(model: nn.Module, quantization: str, params: list[ParamSpec]) -> dict:
     """What `_metadata` returns; WebLLM fetches weights by `params[].name`."""
+    return library_kind(model).metadata(model, quantization, params)
+
+
+def params_metadata(params: list[ParamSpec]) -> list[dict]:
+    return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in params]
+
+
+def decoder_metadata(model: DecoderModel, quantization: str, params: list[ParamSpec]) -> dict:
     config = model.config
     return {
         "model_type": type(model).__name__,
@@ -134,8 +152,61 @@ def library_metadata(model: DecoderModel, quantization: str, params: list[ParamS
         "layer_sliding_window_size": config.layer_window_size or -1,
         "tensor_parallel_shards": 1,
         "kv_state_kind": "kv_cache",
-        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in params],
+        "params": params_metadata(params),
     }
+
+
+def encoder_metadata(model: EncoderModel, quantization: str, params: list[ParamSpec]) -> dict:
+    """An embedding model's: no KV cache; inputs of up to `max_sequence_length` tokens (special tokens
+    included), at most `max_batch_size` of them a call."""
+    config = model.config
+    return {
+        "model_type": type(model).__name__,
+        "quantization": quantization,
+        "kv_state_kind": "none",
+        "max_sequence_length": config.max_sequence_length,
+        "max_batch_size": config.max_batch_size,
+        "hidden_size": config.hidden_size,
+        "params": params_metadata(params),
+    }
+
+
+@dataclass(frozen=True)
+class LibraryKind:
+    """What a kind of model's library holds: its exported functions, `_metadata`, the bounds its memory
+    is planned for, and the VM functions added beside them."""
+
+    export_spec: Callable[[nn.Module], dict[str, dict]]
+    metadata: Callable[[nn.Module, str, list[ParamSpec]], dict]
+    upper_bounds: Callable[[nn.Module], Callable[[str], dict[str, int]]]
+    vm_functions: Callable[[tvm.IRModule, dict, tvm.target.Target, nn.Module], tvm.IRModule]
+
+
+LIBRARY_KINDS: dict[type, LibraryKind] = {
+    DecoderModel: LibraryKind(
+        export_spec=export_spec,
+        metadata=decoder_metadata,
+        upper_bounds=lambda model: decoder_upper_bounds(model.config),
+        vm_functions=lambda mod, metadata, target, model: attach_vm_functions(
+            mod, metadata, target, model.config.vocab_size
+        ),
+    ),
+    EncoderModel: LibraryKind(
+        export_spec=encoder_export_spec,
+        metadata=encoder_metadata,
+        upper_bounds=lambda model: (
+            lambda _: {
+                "batch": model.config.max_batch_size,
+                "seq_len": model.config.max_sequence_length,
+            }
+        ),
+        vm_functions=lambda mod, metadata, target, model: attach_metadata(mod, metadata),
+    ),
+}
+
+
+def library_kind(model: nn.Module) -> LibraryKind:
+    return next(kind for base, kind in LIBRARY_KINDS.items() if isinstance(model, base))
 
 
 def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> dict:
@@ -152,9 +223,10 @@ def exported_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> 
     """The model's Relax functions and kernels for `entry`, with the VM's functions, before scheduling."""
     target = entry.target()
     # Exporting under the target makes TVM pick that target's attention kernels.
+    kind = library_kind(model)
     with target:
-        mod, _ = model.export_tvm(spec=export_spec(model))
-    return attach_vm_functions(with_planned_memory(mod, model.config), metadata, target, model.config.vocab_size)
+        mod, _ = model.export_tvm(spec=kind.export_spec(model))
+    return kind.vm_functions(with_planned_memory(mod, kind.upper_bounds(model)), metadata, target, model)
 
 
 def scheduled_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:

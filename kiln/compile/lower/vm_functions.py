@@ -322,11 +322,17 @@ def _attach_logit_processors(bb: rx.BlockBuilder, gpu: bool) -> None:
     )
 
 
-def attach_vm_functions(mod, metadata: dict, target: tvm.target.Target, vocab_size: int):
-    """Return `mod` with `_metadata`, the sampling functions and the logit processors added."""
+def attach_metadata(mod, metadata: dict):
+    """Return `mod` with `_metadata`, the JSON every engine reads first."""
     bb = rx.BlockBuilder(mod)
     with bb.function("_metadata", []):
         bb.emit_func_output(tvm.ir.StringImm(json.dumps(metadata, sort_keys=True)))
+    return bb.finalize()
+
+
+def attach_vm_functions(mod, metadata: dict, target: tvm.target.Target, vocab_size: int):
+    """Return `mod` with `_metadata`, the sampling functions and the logit processors added."""
+    bb = rx.BlockBuilder(attach_metadata(mod, metadata))
     gpu = "gpu" in target.keys
     _attach_sampling(bb, vocab_size, gpu)
     _attach_logit_processors(bb, gpu)

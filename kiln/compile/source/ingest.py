@@ -36,7 +36,10 @@ from tqdm import tqdm
 
 from kiln.chat_template import ChatTemplate
 from kiln.compile.source.gguf_source import GGUFModel, model_name_from_gguf_path
+from kiln.compile.source.containment import check_contained, contained_file, source_root
+from kiln.compile.source.sentence_transformers import SIDE_FILES as SENTENCE_FILES, read_sentence_embedding
 from kiln.errors import KilnError, one_line
+from kiln.models import SentenceEmbedding
 from kiln.text import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -78,6 +81,8 @@ class SourceModel:
     source_hash: str  # see `hash_source_files`
     tensors: TensorReader = field(repr=False)
     revision: str | None = None  # the commit a hub download was made from
+    # How a sentence-transformers checkpoint pools its hidden states into an embedding (modules.json).
+    sentence_embedding: SentenceEmbedding | None = None
 
     def tensor_names(self) -> list[str]:
         return self.tensors.names()
@@ -85,39 +90,6 @@ class SourceModel:
     def load_tensor(self, name: str) -> np.ndarray:
         """float32, Hugging Face layout ([out, in] for a Linear)."""
         return self.tensors.load(name)
-
-
-# ---- containment -----------------------------------------------------------------------------
-
-
-def source_root(folder: Path) -> Path:
-    """The folder every file of a source must lie in: the folder itself, or for a snapshot in the
-    Hugging Face cache (models--org--name/snapshots/<commit>) its repository's folder, whose
-    blobs/ the snapshot's files link to."""
-    folder = folder.resolve()
-    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-        return folder.parent.parent
-    return folder
-
-
-def contained_file(path: Path, root: Path) -> Path:
-    """`path` with every link followed, if that lies inside `root` (a link within is fine)."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root):
-        raise KilnError(
-            "a link to a file outside the model folder: Kiln reads only the source's own files "
-            "(copy the file in instead)",
-            path,
-        )
-    return resolved
-
-
-def check_contained(folder: Path, names: tuple[str, ...]) -> None:
-    """Each of the files `names` in `folder` that exists (a dangling link counts) lies inside the source."""
-    root = source_root(folder)
-    for name in names:
-        if (folder / name).is_symlink() or (folder / name).exists():
-            contained_file(folder / name, root)
 
 
 # ---- safetensors -----------------------------------------------------------------------------
@@ -380,15 +352,16 @@ def read_hf_folder(folder: Path, options: IngestOptions, name: str | None = None
         refuse_unsafe_pickle(shard_files[0], options)
     tensors = weight_format.reader(shard_files)
     index_files = [folder / weight_format.index] if (folder / weight_format.index).is_file() else []
+    sentence_embedding, sentence_files = read_sentence_embedding(folder)
+    read_files = [config_path, *tokenizer_files, *sentence_files, *index_files, *shard_files]
     return SourceModel(
         name=name or folder.name,
         path=folder,
         config=config,
         tokenizer_dir=folder,
-        source_hash=hash_source_files(folder, [config_path, *tokenizer_files, *index_files, *shard_files])
-        if options.hash_source
-        else "",
+        source_hash=hash_source_files(folder, read_files) if options.hash_source else "",
         tensors=tensors,
+        sentence_embedding=sentence_embedding,
     )
 
 
@@ -417,7 +390,7 @@ def looks_like_hub_id(source: str) -> bool:
 def read_hub_model(repo_id: str, work_dir: Path, options: IngestOptions) -> SourceModel:
     """Download only what a build reads; safetensors first, PyTorch weights only when a repo has no
     safetensors (and `refuse_unsafe_pickle` allows them)."""
-    wanted = ["config.json", *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES]
+    wanted = ["config.json", *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES, *SENTENCE_FILES, "*_Pooling/config.json"]
     try:
         for weight_format in WEIGHT_FORMATS:
             if weight_format.pickled:

@@ -1,0 +1,161 @@
+"""What every embedding model shares: the pooling that turns a batch's hidden states into one
+vector per input, the exported function and its signature.
+
+An embedding family subclasses `EncoderModel` and provides `hidden_states(input_ids, attention_mask)`
+over a batch padded to one length (mask 1 for a token, 0 for padding, padding on the right); the
+library then exports one function, `sentence_embeddings(input_ids, attention_mask) -> (batch, hidden)`,
+the pooled vectors before any normalization (the engines truncate them to the requested dimensions,
+then normalize: Matryoshka's order). No KV cache: an input runs whole, in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+
+from .stage_names import ATTENTION_SCORES, ATTENTION_VALUES
+
+# sentence-transformers' pooling modes Kiln computes, by their names in 1_Pooling/config.json.
+POOLING_MODES = ("cls", "mean", "max", "lasttoken")
+# A batch's largest intermediate (attention scores, or the feed-forward's activations) is kept within
+# this many bytes; the engines split a larger batch. A WebGPU binding must hold it (128 MiB is the
+# default limit) and a library plans its memory for the largest batch of the longest inputs.
+BATCH_BUFFER_BYTES = 32 << 20
+MOST_INPUTS_PER_BATCH = 32
+MASKED_SCORE = -1e30  # a padding key's attention score: exp() of it is 0
+
+
+@dataclass(frozen=True)
+class SentenceEmbedding:
+    """How a checkpoint turns hidden states into its embedding (sentence-transformers' modules)."""
+
+    pooling: str = "mean"
+    normalize: bool = False
+    max_sequence_length: int | None = None  # sentence_bert_config.json's max_seq_length
+    # Shorter lengths the model was trained to give (Matryoshka); the full width is always allowed.
+    dimensions: tuple[int, ...] = ()
+
+
+@dataclass
+class EncoderConfig:
+    """Fields every embedding model has; a family's config extends it."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    embedding: SentenceEmbedding = field(default_factory=SentenceEmbedding)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest input, special tokens included: the checkpoint's, within the positions the model has."""
+        return min(self.embedding.max_sequence_length or self.max_position_embeddings, self.max_position_embeddings)
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most inputs of the longest length one call takes (`BATCH_BUFFER_BYTES`)."""
+        length = self.max_sequence_length
+        per_input = 4 * length * max(self.num_attention_heads * length, self.intermediate_size)
+        return max(1, min(MOST_INPUTS_PER_BATCH, BATCH_BUFFER_BYTES // per_input))
+
+
+def pooled(hidden: nn.Tensor, attention_mask: nn.Tensor, mode: str) -> nn.Tensor:
+    """One vector per input (batch, hidden) from its tokens' hidden states, padding left out."""
+
+    def pool(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
+        batch, seq_len, width = x.shape
+
+        def over_tokens(name: str) -> tirx.IterVar:
+            return te.reduce_axis((0, seq_len), name=name)
+
+        j = over_tokens("j")
+        lengths = te.compute((batch,), lambda b: te.sum(mask[b, j], axis=j), name="lengths")
+        kept = lambda b, t, value, masked: tirx.if_then_else(mask[b, t] > 0, value, tirx.const(masked, x.dtype))  # noqa: E731
+        t = over_tokens("t")
+        sums = te.compute((batch, width), lambda b, c: te.sum(kept(b, t, x[b, t, c], 0.0), axis=t), name="sums")
+
+        def mean(b, c):
+            return sums[b, c] / tirx.max(lengths[b], 1).astype(x.dtype)
+
+        def maximum(b, c):
+            t = over_tokens("t")
+            return te.max(kept(b, t, x[b, t, c], MASKED_SCORE), axis=t)
+
+        pools: dict[str, Callable[..., tirx.PrimExpr]] = {
+            "cls": lambda b, c: x[b, 0, c],
+            "lasttoken": lambda b, c: x[b, tirx.max(lengths[b] - 1, 0), c],
+            "mean": mean,
+            "max": maximum,
+        }
+        return te.compute((batch, width), pools[mode], name="pooled")
+
+    return nn.op.tensor_expr_op(pool, f"pool_{mode}", [hidden, attention_mask])
+
+
+class EncoderModel(nn.Module):
+    """Base of every embedding family's top-level module. `dtype` is the activation dtype."""
+
+    config: EncoderConfig
+    dtype: str
+
+    def hidden_states(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
+        raise NotImplementedError
+
+    def sentence_embeddings(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
+        hidden = self.hidden_states(input_ids, attention_mask)
+        return pooled(hidden, attention_mask, self.config.embedding.pooling).astype("float32")
+
+
+def encoder_export_spec(model: EncoderModel) -> dict[str, dict]:
+    batch = nn.spec.Tensor(["batch", "seq_len"], "int32")
+    return {
+        "sentence_embeddings": {
+            "input_ids": batch,
+            "attention_mask": batch,
+            "$": {"param_mode": "packed", "effect_mode": "none"},
+        }
+    }
+
+
+def bidirectional_attention(qkv: nn.Tensor, attention_mask: nn.Tensor, num_heads: int) -> nn.Tensor:
+    """Every token attends to every token of its input, padding left out: a fused q, k, v of shape
+    (batch, seq, 3 · heads, head_dim) → (batch, seq, heads · head_dim). Scores and softmax in float32."""
+    batch, seq_len, _, head_dim = qkv.shape
+    scale = 1.0 / float(head_dim) ** 0.5
+
+    def scores(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
+        d = te.reduce_axis((0, head_dim), name="d")
+        raw = te.compute(
+            (batch, num_heads, seq_len, seq_len),
+            lambda b, h, i, j: te.sum(
+                x[b, i, h, d].astype("float32") * x[b, j, num_heads + h, d].astype("float32"), axis=d
+            ),
+            name=ATTENTION_SCORES,
+        )
+        return te.compute(
+            raw.shape,
+            lambda b, h, i, j: tirx.if_then_else(mask[b, j] > 0, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE)),
+            name="masked_scores",
+        )
+
+    def values(p: te.Tensor, x: te.Tensor) -> te.Tensor:
+        j = te.reduce_axis((0, seq_len), name="j")
+        return te.compute(
+            (batch, seq_len, num_heads, head_dim),
+            lambda b, i, h, d: te.sum(p[b, h, i, j] * x[b, j, 2 * num_heads + h, d].astype("float32"), axis=j),
+            name=ATTENTION_VALUES,
+        )
+
+    probabilities = nn.op.softmax(nn.op.tensor_expr_op(scores, "attention_scores", [qkv, attention_mask]), axis=-1)
+    context = nn.op.tensor_expr_op(values, "attention_values", [probabilities, qkv]).astype(qkv.dtype)
+    return nn.op.reshape(context, (batch, seq_len, num_heads * head_dim))
