@@ -116,9 +116,10 @@ def smollm2_build(builds, smollm2_source):
 
 
 @pytest.fixture(scope="session")
-def bert_build(builds, sources):
-    """bert_build(name, quantization, targets) → model folder of a tiny BERT embedder (helpers.embedding_models):
-    tiny-bert (mean pooling, normalized) or tiny-bert-cls (CLS pooling, not normalized)."""
+def embedder_build(builds, sources):
+    """embedder_build(name, quantization, targets) → model folder of a tiny embedding model (helpers.embedding_models):
+    tiny-bert (mean pooling, normalized), tiny-bert-cls (CLS pooling, not normalized), tiny-qwen3-embedder
+    (last-token pooling) or tiny-qwen2-embedder (mean pooling)."""
     return lambda name, quantization, targets=("cpu",): builds.model_dir(
         sources.path(name), name, quantization, list(targets)
     )

@@ -33,7 +33,16 @@ from kiln.compile.quantization.convert import convert_weights
 from kiln.compile.source.ingest import IngestOptions, SourceModel, ingest, looks_like_hub_id
 from kiln.errors import KilnError, one_line
 from kiln.model_memory import MemoryNeeds, memory_needs
-from kiln.models import Architecture, DecoderConfig, DecoderModel, EncoderConfig, SentenceEmbedding, architecture_for
+from kiln.models.embedding import BATCH_BUFFER_BYTES
+from kiln.models import (
+    EMBEDDER_FAMILIES,
+    Architecture,
+    DecoderConfig,
+    DecoderModel,
+    EncoderConfig,
+    SentenceEmbedding,
+    architecture_for,
+)
 from kiln.compile.lower.library import (
     check_memory_limits,
     compile_library,
@@ -175,7 +184,7 @@ def model_config(
         if source.sentence_embedding or matryoshka_dimensions:
             raise KilnError(
                 f"an embedding checkpoint of the {arch.model_type} family: Kiln compiles {arch.model_type} "
-                "models for chat only (embedding families: bert)",
+                f"models for chat only (embedding models: bert, and the {', '.join(EMBEDDER_FAMILIES)} families)",
                 source.path,
             )
         return config
@@ -186,6 +195,14 @@ def model_config(
             )
     embedding = source.sentence_embedding or SentenceEmbedding()
     config.embedding = replace(embedding, dimensions=tuple(sorted(set(matryoshka_dimensions), reverse=True)))
+    positions = config.max_position_embeddings
+    checkpoint_longest = min(embedding.max_sequence_length or positions, positions)
+    if config.max_sequence_length < checkpoint_longest:
+        print(
+            f"kiln: inputs are cut at {config.max_sequence_length} tokens, not the checkpoint's {checkpoint_longest}: "
+            f"a longer one's attention scores or feed-forward activations would pass {BATCH_BUFFER_BYTES >> 20} MiB",
+            file=sys.stderr,
+        )
     return config
 
 
@@ -305,7 +322,7 @@ class TargetCompile:
             tempfile.TemporaryDirectory(prefix="kiln-compile-") as work,
         ):
             source = ingest(self.source, Path(work), self.ingest_options)
-            arch = architecture_for(source.config, config_file(source))
+            arch = architecture_for(source.config, config_file(source), source.sentence_embedding is not None)
             config = model_config(arch, source, self.overrides, self.matryoshka_dimensions)
             model, _, _ = quantized_model(source, arch, config, quantization_named(self.quantization))
             start = time.perf_counter()
@@ -377,7 +394,7 @@ def build(request: BuildRequest) -> BuildResult:
 
         with clock.stage("ingest"):
             source = ingest(request.source, tmp / "work", request.ingest_options())
-            arch = architecture_for(source.config, config_file(source))
+            arch = architecture_for(source.config, config_file(source), source.sentence_embedding is not None)
             config = model_config(arch, source, request.overrides(), request.matryoshka_dimensions)
 
         with clock.stage("quantize"):

@@ -7,6 +7,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 from . import bert, gemma2, gemma3, granite, llama, ministral3, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
+from .decoder_embedding import embedder_architecture
 from .decoder import Architecture, DecoderConfig, DecoderModel, export_spec
 from .embedding import EncoderConfig, EncoderModel, SentenceEmbedding, encoder_export_spec
 from .gguf import GGUFMapping, GGUFTensors
@@ -33,15 +34,23 @@ MODELS: dict[str, Architecture] = {
 }
 
 
-def architecture_for(hf_config: dict, path: Path) -> Architecture:
+def architecture_for(hf_config: dict, path: Path, embedding: bool = False) -> Architecture:
+    """The family of a checkpoint's config; `embedding` (a sentence-transformers checkpoint): a decoder
+    family's embedder where the family has one."""
     model_type = hf_config.get("model_type")
     if model_type not in MODELS:
         raise KilnError(f"unknown model_type {model_type!r} (supported: {', '.join(sorted(MODELS))})", path)
-    return MODELS[model_type]
+    arch = MODELS[model_type]
+    return embedder_architecture(arch) if embedding and arch.sentence_embeddings else arch
+
+
+# Decoder families whose sentence-transformers checkpoints compile to embedding models (beside the encoders').
+EMBEDDER_FAMILIES = sorted(arch.model_type for arch in MODELS.values() if arch.sentence_embeddings)
 
 
 __all__ = [
     "MODELS",
+    "EMBEDDER_FAMILIES",
     "Architecture",
     "DecoderConfig",
     "DecoderModel",

@@ -17,7 +17,7 @@ from tvm.relax.frontend import nn
 
 from .config_reader import ConfigReader
 from .decoder import Architecture
-from .embedding import EncoderConfig, EncoderModel, bidirectional_attention
+from .embedding import EncoderConfig, EncoderModel, masked_attention
 from .layers import Embedding, Linear
 
 SQRT_HALF = 0.5**0.5
@@ -113,9 +113,9 @@ class BertSelfAttention(nn.Module):
         self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, dtype, bias=True)
 
     def forward(self, x: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
-        batch, seq_len, _ = x.shape
+        batch, seq_len = attention_mask.shape
         qkv = nn.op.reshape(self.qkv(x), (batch, seq_len, 3 * self.num_heads, -1))  # (batch, seq, 3·heads, head_dim)
-        return bidirectional_attention(qkv, attention_mask, self.num_heads)
+        return nn.op.reshape(masked_attention(qkv, attention_mask, self.num_heads), x.shape)
 
 
 class BertOutput(nn.Module):
@@ -176,10 +176,14 @@ class BertModel(EncoderModel):
         self.model = BertBody(config, dtype)
 
     def hidden_states(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
-        x = self.model.embeddings(input_ids)
+        """The layers see the batch's tokens as one row (1, batch · seq, hidden), as a prefill's: every
+        linear layer is then one matmul over a symbolic number of rows, which the CPU and WebGPU
+        prefill schedules take (with two symbolic extents, WebGPU fell back to a workgroup per output)."""
+        batch, seq_len = input_ids.shape
+        x = nn.op.reshape(self.model.embeddings(input_ids), (1, batch * seq_len, self.config.hidden_size))
         for layer in self.model.encoder.layer:
             x = layer(x, attention_mask)
-        return x
+        return nn.op.reshape(x, (batch, seq_len, self.config.hidden_size))
 
 
 def fused_sources(config: BertConfig) -> dict[str, list[str]]:

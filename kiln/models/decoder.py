@@ -86,6 +86,9 @@ class Architecture:
     # Where such a checkpoint may keep the output head, "lm_head.*" (transformers 5 saves a mistral3's as
     # "language_model.lm_head.weight", beside "language_model.model.*").
     head_prefixes: tuple[str, ...] = ("",)
+    # The family's layers also run as an embedding model (kiln/models/decoder_embedding.py), for its
+    # sentence-transformers checkpoints (Qwen3-Embedding).
+    sentence_embeddings: bool = False
 
     def decoder_prefix(self, tensor_names: list[str]) -> str:
         names = set(tensor_names)

@@ -10,6 +10,7 @@ then normalize: Matryoshka's order). No KV cache: an input runs whole, in one ca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -58,8 +59,18 @@ class EncoderConfig:
 
     @property
     def max_sequence_length(self) -> int:
-        """The longest input, special tokens included: the checkpoint's, within the positions the model has."""
-        return min(self.embedding.max_sequence_length or self.max_position_embeddings, self.max_position_embeddings)
+        """The longest input, special tokens included: the checkpoint's, within the positions the model
+        has and the longest whose largest intermediate fits `BATCH_BUFFER_BYTES` (`longest_in_budget`)."""
+        checkpoint = self.embedding.max_sequence_length or self.max_position_embeddings
+        return min(checkpoint, self.max_position_embeddings, self.longest_in_budget)
+
+    @property
+    def longest_in_budget(self) -> int:
+        """The longest input whose attention scores (heads · length² floats) and feed-forward activations
+        (length · intermediate_size floats) each fit `BATCH_BUFFER_BYTES`: a decoder embedder's 32k positions
+        would take gigabytes of scores (bert's 512 take 12 MiB)."""
+        floats = BATCH_BUFFER_BYTES // 4
+        return min(math.isqrt(floats // self.num_attention_heads), floats // self.intermediate_size)
 
     @property
     def max_batch_size(self) -> int:
@@ -127,32 +138,46 @@ def encoder_export_spec(model: EncoderModel) -> dict[str, dict]:
     }
 
 
-def bidirectional_attention(qkv: nn.Tensor, attention_mask: nn.Tensor, num_heads: int) -> nn.Tensor:
-    """Every token attends to every token of its input, padding left out: a fused q, k, v of shape
-    (batch, seq, 3 · heads, head_dim) → (batch, seq, heads · head_dim). Scores and softmax in float32."""
+def masked_attention(
+    qkv: nn.Tensor,
+    attention_mask: nn.Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+) -> nn.Tensor:
+    """Each token attends to the tokens of its input, padding left out (and, `causal`, to those up to
+    itself only): a fused q, k, v of shape (batch, seq, heads + 2 · kv_heads, head_dim) → (batch, seq,
+    heads · head_dim). Grouped-query: a query head reads kv head h // (heads / kv_heads). `scale`
+    (default 1/√head_dim) multiplies the scores; scores and softmax are float32."""
     batch, seq_len, _, head_dim = qkv.shape
-    scale = 1.0 / float(head_dim) ** 0.5
+    num_kv_heads = num_kv_heads or num_heads
+    group = num_heads // num_kv_heads
+    scale = float(head_dim) ** -0.5 if scale is None else scale
 
     def scores(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
         d = te.reduce_axis((0, head_dim), name="d")
         raw = te.compute(
             (batch, num_heads, seq_len, seq_len),
             lambda b, h, i, j: te.sum(
-                x[b, i, h, d].astype("float32") * x[b, j, num_heads + h, d].astype("float32"), axis=d
+                x[b, i, h, d].astype("float32") * x[b, j, num_heads + h // group, d].astype("float32"), axis=d
             ),
             name=ATTENTION_SCORES,
         )
-        return te.compute(
-            raw.shape,
-            lambda b, h, i, j: tirx.if_then_else(mask[b, j] > 0, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE)),
-            name="masked_scores",
-        )
+
+        def masked(b, h, i, j):
+            seen = tirx.all(mask[b, j] > 0, j <= i) if causal else mask[b, j] > 0
+            return tirx.if_then_else(seen, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE))
+
+        return te.compute(raw.shape, masked, name="masked_scores")
 
     def values(p: te.Tensor, x: te.Tensor) -> te.Tensor:
         j = te.reduce_axis((0, seq_len), name="j")
         return te.compute(
             (batch, seq_len, num_heads, head_dim),
-            lambda b, i, h, d: te.sum(p[b, h, i, j] * x[b, j, 2 * num_heads + h, d].astype("float32"), axis=j),
+            lambda b, i, h, d: te.sum(
+                p[b, h, i, j] * x[b, j, num_heads + num_kv_heads + h // group, d].astype("float32"), axis=j
+            ),
             name=ATTENTION_VALUES,
         )
 

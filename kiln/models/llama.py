@@ -208,6 +208,7 @@ ARCHITECTURE = Architecture(
     build=LlamaForCausalLM,
     fused_sources=fused_sources,
     ignored_tensors=IGNORED_TENSORS,
+    sentence_embeddings=True,
     gguf=GGUFMapping(
         architecture="llama",
         config=gguf_config,

@@ -31,5 +31,6 @@ ARCHITECTURE = Architecture(
     build=LlamaForCausalLM,
     fused_sources=fused_sources,
     ignored_tensors=IGNORED_TENSORS,
+    sentence_embeddings=True,
     gguf=GGUFMapping(architecture="qwen2", config=gguf_config, layer_tensors=LLAMA_LAYER_TENSORS),
 )

@@ -54,6 +54,7 @@ ARCHITECTURE = Architecture(
     build=Qwen3ForCausalLM,
     fused_sources=fused_sources,
     ignored_tensors=IGNORED_TENSORS,
+    sentence_embeddings=True,
     gguf=GGUFMapping(
         architecture="qwen3",
         config=gguf_config,

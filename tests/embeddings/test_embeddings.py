@@ -45,8 +45,8 @@ def reference(source, texts: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("quantization", list(LEAST_COSINE))
-def test_tiny_bert_gives_sentence_transformers_embeddings(bert_build, sources, quantization):
-    engine = EmbeddingEngine(bert_build("tiny-bert", quantization))
+def test_tiny_bert_gives_sentence_transformers_embeddings(embedder_build, sources, quantization):
+    engine = EmbeddingEngine(embedder_build("tiny-bert", quantization))
     longest = engine.settings.max_sequence_length
     texts = texts_of_lengths(engine, [3, 4, 9, 17, 30, longest - 1, longest])
     expected = reference(sources.path("tiny-bert"), texts)
@@ -59,8 +59,32 @@ def test_tiny_bert_gives_sentence_transformers_embeddings(bert_build, sources, q
     np.testing.assert_allclose(batched, alone, atol=1e-6)  # padding changes nothing
 
 
-def test_cls_pooling_without_normalization(bert_build, sources):
-    engine = EmbeddingEngine(bert_build("tiny-bert-cls", "q0f32"))
+@pytest.mark.parametrize("name", ["tiny-qwen3-embedder", "tiny-qwen2-embedder"])
+@pytest.mark.parametrize("quantization", ["q0f32", "q8f32_1"])
+def test_decoder_embedders_give_sentence_transformers_embeddings(embedder_build, sources, name, quantization):
+    """Qwen3-Embedding's shape (last-token pooling, <|endoftext|> appended, padded on the left by
+    sentence-transformers and on the right by Kiln) and a Qwen2 with mean pooling, causal attention
+    over each input of a batch."""
+    engine = EmbeddingEngine(embedder_build(name, quantization))
+    longest = engine.settings.max_sequence_length
+    texts = texts_of_lengths(engine, [2, 3, 9, 17, 30, longest - 1, longest])
+    expected = reference(sources.path(name), texts)
+    batched = engine.embed(texts)
+    alone = np.concatenate([engine.embed([text]) for text in texts])
+    assert cosines(batched, expected).min() >= LEAST_COSINE[quantization]
+    np.testing.assert_allclose(batched, alone, atol=1e-6)
+
+
+@pytest.mark.parametrize("family, problem", [("llama3", "rope_type 'llama3'"), ("gemma2", "for chat only")])
+def test_embedding_checkpoints_kiln_cannot_run_are_refused(tmp_path, run_compile, family, problem):
+    from helpers.embedding_models import make_tiny_decoder_embedder
+
+    source = make_tiny_decoder_embedder(tmp_path / "source", family)
+    assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", problem)
+
+
+def test_cls_pooling_without_normalization(embedder_build, sources):
+    engine = EmbeddingEngine(embedder_build("tiny-bert-cls", "q0f32"))
     assert engine.settings.pooling == "cls" and not engine.settings.normalize
     texts = texts_of_lengths(engine, [5, 12, 40])
     vectors, expected = engine.embed(texts), reference(sources.path("tiny-bert-cls"), texts)
@@ -119,7 +143,7 @@ def test_bad_requests_are_refused(minilm, request_body, problem):
     assert refused.value.code == "bad-request"
 
 
-def test_matryoshka_lengths_are_cut_then_normalized(bert_build, sources, tmp_path, run_compile):
+def test_matryoshka_lengths_are_cut_then_normalized(embedder_build, sources, tmp_path, run_compile):
     result = run_compile(sources.path("tiny-bert"), tmp_path, "--matryoshka-dimensions", "32,16")
     assert result.returncode == 0, result.stderr
     engine = EmbeddingEngine(tmp_path / "broken")

@@ -53,3 +53,37 @@ def make_tiny_bert(folder: Path, seed: int = 0, pooling: str = "mean", normalize
         modules = [Transformer(str(base), max_seq_length=48), Pooling(64, pooling_mode=pooling)]
         SentenceTransformer(modules=modules + [Normalize()] * normalize, device="cpu").save(str(folder))
     return folder
+
+
+def make_tiny_decoder_embedder(folder: Path, family: str = "qwen3", seed: int = 0, pooling: str = "lasttoken") -> Path:
+    """A tiny decoder family's base model (Qwen3Model, as Qwen3-Embedding keeps it: no head, no "model." prefix)
+    saved by sentence-transformers with `pooling` and normalization, its tokenizer ending each text with
+    <|endoftext|> and padding on the left, as Qwen3-Embedding's does."""
+    import json
+
+    import torch
+    from helpers.tiny_families import TINY_FAMILIES
+    from helpers.tiny_llama import write_tokenizer
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoModel
+
+    config, _ = TINY_FAMILIES[family].make()
+    with tempfile.TemporaryDirectory() as scratch:
+        base = Path(scratch) / "transformer"
+        base.mkdir()
+        write_tokenizer(base, chat_template=None)
+        tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+        end = "<|endoftext|>"
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"$A {end}", special_tokens=[(end, tokenizer.token_to_id(end))]
+        )
+        tokenizer.save(str(base / "tokenizer.json"))
+        tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+        (base / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "padding_side": "left"}))
+        torch.manual_seed(seed)
+        AutoModel.from_config(config).save_pretrained(base)
+        modules = [Transformer(str(base), max_seq_length=48), Pooling(config.hidden_size, pooling_mode=pooling)]
+        SentenceTransformer(modules=[*modules, Normalize()], device="cpu").save(str(folder))
+    return folder

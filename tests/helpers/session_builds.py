@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 from filelock import FileLock
 
 from helpers.assets import smollm2_gguf
-from helpers.embedding_models import MINILM, make_tiny_bert, unpack_minilm
+from helpers.embedding_models import MINILM, make_tiny_bert, make_tiny_decoder_embedder, unpack_minilm
 from helpers.paths import CHECKOUT
 from helpers.real_sizes import REAL_SIZES, make_real_sized
 from helpers.tiny_families import (
@@ -61,6 +61,7 @@ BUILT_TOGETHER = {
     "tiny-mixed-gguf_f32": ("cpu", "webgpu", "wasm"),
     **{f"{name}-sized-q4f32_1": ("cpu", "wasm", "webgpu") for name in REAL_SIZES},
     "tiny-bert-q0f32": ("cpu", "wasm", "webgpu"),
+    "tiny-qwen3-embedder-q0f32": ("cpu", "wasm"),
     f"{MINILM}-q0f32": ("cpu", "wasm", "webgpu"),
 }
 
@@ -86,6 +87,8 @@ MADE_SOURCES: dict[str, Callable[[Path], Path]] = {
     "tiny-bert": make_tiny_bert,
     "tiny-bert-cls": partial(make_tiny_bert, seed=1, pooling="cls", normalize=False),
     MINILM: unpack_minilm,
+    "tiny-qwen3-embedder": make_tiny_decoder_embedder,
+    "tiny-qwen2-embedder": partial(make_tiny_decoder_embedder, family="qwen2", seed=1, pooling="mean"),
 }
 
 # Sources written from another source: name → (that source, a function of its path and an empty folder).
@@ -108,9 +111,10 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
     ],
     "all_local_models": [(name, f"tiny-{name}", "q0f32") for name in ("gemma2-all-local", "gemma3-all-local")],
     "real_size": [(name, f"{name}-sized", "q4f32_1") for name in REAL_SIZES],
-    "bert_build": [
+    "embedder_build": [
         *(("tiny-bert", "tiny-bert", q) for q in ("q0f32", "q8f32_1", "q4f32_1")),
         ("tiny-bert-cls", "tiny-bert-cls", "q0f32"),
+        *((name, name, q) for name in ("tiny-qwen3-embedder", "tiny-qwen2-embedder") for q in ("q0f32", "q8f32_1")),
     ],
     "minilm_build": [(MINILM, MINILM, "q0f32")],
 }

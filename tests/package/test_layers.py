@@ -26,7 +26,15 @@ LAYERS = (
     ),
     ("kiln.models",),
     ("kiln.compile",),
-    ("kiln.runtime", "kiln.sampling", "kiln.speculative", "kiln.completions", "kiln.engine", "kiln.chat"),
+    (
+        "kiln.runtime",
+        "kiln.sampling",
+        "kiln.speculative",
+        "kiln.completions",
+        "kiln.engine",
+        "kiln.chat",
+        "kiln.embeddings",
+    ),
     ("kiln.server", "kiln.browser", "kiln.bench", "kiln.mobile"),
     ("kiln.cli",),
 )
