@@ -1,5 +1,6 @@
 // The chat harness page: picks a model from the app config, loads it with the browser engine
-// and chats with it. Model output is only ever set as textContent, never parsed as HTML.
+// and chats with it, or with an embedding model ranks pasted paragraphs for a query (the search
+// tab). Model output is only ever set as textContent, never parsed as HTML.
 import { createEngine } from "/web/src/index.js";
 import { appConfigUrl, checkAppConfigOrigins } from "/web/harness/app-config.js";
 
@@ -19,6 +20,8 @@ function setState(state) {
   $("send-button").disabled = !ready;
   $("reset-button").disabled = !ready;
   $("stop-button").disabled = !generating;
+  $("query").disabled = !ready;
+  $("search-button").disabled = !ready;
   // "starting": until start() has read the app config and listens to the form, a click would submit it natively.
   const busy = state === "starting" || state === "loading" || generating;
   $("load-button").disabled = busy;
@@ -149,7 +152,13 @@ async function loadModel(modelId) {
   $("stats").textContent = `Loaded ${stats.model_id} on ${on} in ${stats.load.seconds.toFixed(1)} s` +
     `${stats.load.from_cache ? " from the browser cache" : ""}${note}`;
   resetConversation();
+  showKind(stats.kind);
   setState("ready");
+  if (stats.kind === "embedding") {
+    $("query").placeholder = "Type a query: the paragraphs are ranked by how close they are to it";
+    $("query").focus();
+    return;
+  }
   $("prompt").placeholder = "Type a message (Enter sends, Shift+Enter adds a line, Esc stops the reply)";
   $("prompt").focus();
 }
@@ -205,6 +214,58 @@ async function send(text) {
   $("prompt").focus();
 }
 
+/** The chat for a chat model, the search tab for an embedding model. */
+function showKind(kind) {
+  $("search").hidden = kind !== "embedding";
+  $("chat-form").hidden = kind === "embedding";
+  $("transcript").hidden = kind === "embedding";
+}
+
+function cosine(a, b) {
+  let dot = 0, aa = 0, bb = 0;
+  for (let i = 0; i < a.length; i += 1) {
+    dot += a[i] * b[i];
+    aa += a[i] * a[i];
+    bb += b[i] * b[i];
+  }
+  return dot / Math.sqrt(aa * bb);
+}
+
+/** Embed the query and the paragraphs in one request, and list the paragraphs closest first. */
+async function rank(query) {
+  showError(null);
+  const paragraphs = $("paragraphs").value.split(/\n\s*\n/).map((text) => text.trim()).filter(Boolean);
+  if (paragraphs.length === 0) {
+    showError(new Error("Paste a few paragraphs to search first."));
+    return;
+  }
+  setState("generating");
+  const started = performance.now();
+  try {
+    const reply = await page.engine.embeddings.create({ input: [query, ...paragraphs] });
+    const [queryVector, ...vectors] = reply.data.map((item) => item.embedding);
+    const ranked = paragraphs.map((text, index) => ({ text, score: cosine(queryVector, vectors[index]) }))
+      .sort((a, b) => b.score - a.score);
+    $("ranking").replaceChildren(...ranked.map(({ text, score }) => {
+      const item = document.createElement("li");
+      const similarity = document.createElement("span");
+      similarity.className = "score";
+      similarity.textContent = score.toFixed(3);
+      const body = document.createElement("div");
+      body.className = "content";
+      body.textContent = text;
+      item.append(similarity, body);
+      return item;
+    }));
+    const seconds = (performance.now() - started) / 1000;
+    $("stats").textContent = `${page.engine.backend} · ${paragraphs.length + 1} texts, ${reply.usage.prompt_tokens} tokens ` +
+      `embedded in ${seconds.toFixed(2)} s`;
+  } catch (error) {
+    showError(error);
+  }
+  setState("ready");
+}
+
 function refuseToStart(error) {
   showError(error);
   setState("error");
@@ -244,6 +305,11 @@ async function start() {
     if (!text || document.body.dataset.state !== "ready") return;
     $("prompt").value = "";
     send(text);
+  });
+  $("search-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const query = $("query").value.trim();
+    if (query && document.body.dataset.state === "ready") rank(query);
   });
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {

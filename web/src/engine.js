@@ -7,8 +7,10 @@
 // as one packed array. Logits come back to the host every step and tokens are chosen there.
 import { encodePrompt, formatChat, piecesFrom, specialTokensAround } from "./chat-format.js";
 import { ChatTemplate, TOKENIZER_CONFIG } from "./chat-template.js";
+import { EmbeddingSession, createEmbeddings } from "./embeddings.js";
 import { EngineError, asEngineError } from "./errors.js";
 import { KernelTimer } from "./kernel-timer.js";
+import { LibrarySession } from "./library-session.js";
 import { ModelFiles, chooseBackend, requestDevice, softwareAdapter, wasmBytes } from "./loader.js";
 import { Sampler, randomSeed, topK } from "./sampler.js";
 import { decodingSteps, speculationFor } from "./speculative.js";
@@ -60,11 +62,9 @@ function yieldToEventLoop() {
  * The compiled model on one device: parameters, KV cache and the token-level steps.
  * Tracks the token ids held in the KV cache so chats can reuse a cached prefix.
  */
-export class ModelSession {
+export class ModelSession extends LibrarySession {
   constructor(tvm, device, backend) {
-    this.tvm = tvm;
-    this.device = device;
-    this.backend = backend;
+    super(tvm, device, backend);
     this.cachedIds = [];
     this.lastDecodeDispatches = null;
     this.lastDecodeIssueMs = null;
@@ -73,17 +73,8 @@ export class ModelSession {
   /** Create the VM, upload the weights shard by shard (`shards` yields {shard, bytes}), make the KV cache. */
   async initialize(shards, onUpload) {
     const tvm = this.tvm;
+    await this.open(["embed", "prefill", "decode", "prefill_all_logits", "create_tir_paged_kv_cache"], shards, onUpload);
     tvm.beginScope();
-    this.vm = tvm.detachFromCurrentScope(tvm.createVirtualMachine(this.device));
-    this.metadata = JSON.parse(String(this.vm.getFunction("_metadata")()));
-    this.functions = {};
-    for (const name of ["embed", "prefill", "decode", "prefill_all_logits", "create_tir_paged_kv_cache"]) {
-      try {
-        this.functions[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
-      } catch (error) {
-        throw new EngineError("bad-model", `The model library has no function ${name} (${error.message}); rebuild it with kiln compile.`);
-      }
-    }
     this.kvBuiltins = Object.fromEntries(KV_BUILTINS.map((name) =>
       [name, tvm.detachFromCurrentScope(tvm.getGlobalFunc(`vm.builtin.${name}`))]));
     tvm.endScope();
@@ -93,23 +84,6 @@ export class ModelSession {
     this.slidingWindowSize = this.metadata.sliding_window_size ?? -1;
     this.layerWindowSize = this.metadata.layer_sliding_window_size ?? -1;
     this.layerWindowChunkedPrefill = this.metadata.layer_window_chunked_prefill ?? false;
-
-    const wanted = new Map(this.metadata.params.map((param, index) => [param.name, index]));
-    const tensors = new Array(wanted.size);
-    for await (const { shard, bytes } of shards) {
-      for (const record of shard.records) {
-        if (!wanted.has(record.name)) continue;
-        tensors[wanted.get(record.name)] = this.upload(record, bytes.subarray(record.byteOffset, record.byteOffset + record.nbytes));
-      }
-      onUpload(shard);
-    }
-    const missing = this.metadata.params.find((param, index) => tensors[index] === undefined);
-    if (missing) throw new EngineError("bad-model", `The tensor cache has no weight ${missing.name}; the model folder is from another build.`);
-    await this.device.sync();
-    tvm.beginScope();
-    this.params = tvm.detachFromCurrentScope(tvm.makeTVMArray(tensors));
-    tvm.endScope();
-    tensors.forEach((tensor) => tensor.dispose());
 
     tvm.beginScope();
     const shape = (value) => tvm.makeShapeTuple([value]);
@@ -130,27 +104,6 @@ export class ModelSession {
       }
     });
     this.cachedIds = [];
-  }
-
-  /**
-   * One weight on the device. On the CPU the bytes go straight into the tensor's wasm memory: passed
-   * through tvmjs's call, they would be staged in a call stack that grows to the largest weight and
-   * keeps that size (a 262k-word embedding: 84-168 MB of wasm memory for good).
-   */
-  upload(record, bytes) {
-    const tvm = this.tvm;
-    return tvm.withNewScope(() => {
-      const tensor = tvm.detachFromCurrentScope(tvm.empty(record.shape, record.dtype, this.device));
-      if (this.backend !== "webgpu") {
-        tvm.memory.storeRawBytes(tensor.getCPUDataAddress(), bytes);
-      } else if (bytes.length % 4 !== 0) {
-        // WebGPU buffer writes must be whole 4-byte words: stage odd-sized tensors on the CPU.
-        tensor.copyFrom(tvm.empty(record.shape, record.dtype, tvm.cpu()).copyFromRawBytes(bytes));
-      } else {
-        tensor.copyFromRawBytes(bytes);
-      }
-      return tensor;
-    });
   }
 
   reset() {
@@ -221,10 +174,7 @@ export class ModelSession {
       this.kvBuiltins.kv_state_begin_forward(this.kvCache, tvm.makeShapeTuple([SEQUENCE_ID]), tvm.makeShapeTuple([ids.length]));
       const result = this.functions[functionName](batch, this.kvCache, this.params);
       this.kvBuiltins.kv_state_end_forward(this.kvCache);
-      const deviceLogits = result.get(0);
-      this.logits = tvm.detachFromCurrentScope(this.backend === "webgpu"
-        ? tvm.empty(deviceLogits.shape, deviceLogits.dtype, tvm.cpu()).copyFrom(deviceLogits)
-        : deviceLogits);
+      this.logits = this.onHost(result.get(0));
     } finally {
       tvm.endScope();
     }
@@ -288,8 +238,8 @@ export class ModelSession {
   }
 
   dispose() {
-    for (const object of [this.logits, this.kvCache, this.params, ...Object.values(this.functions ?? {}),
-      ...Object.values(this.kvBuiltins ?? {}), this.vm]) object?.dispose();
+    for (const object of [this.logits, this.kvCache, ...Object.values(this.kvBuiltins ?? {})]) object?.dispose();
+    super.dispose();
   }
 }
 
@@ -578,7 +528,8 @@ export class Engine {
       await weightsStored;
     }
 
-    this.session = new ModelSession(this.tvm, device, this.backend);
+    const Session = this.chatConfig.embedding ? EmbeddingSession : ModelSession;
+    this.session = new Session(this.tvm, device, this.backend);
     const shardCount = files.tensorCache.records.length;
     let uploaded = 0;
     await this.session.initialize(files.storedShards(), () => {
@@ -591,6 +542,7 @@ export class Engine {
       build_id: files.buildId, from_cache: files.downloadedBytes === 0,
       downloaded_bytes: files.downloadedBytes, cached_bytes: files.cachedBytes,
     });
+    if (this.chatConfig.embedding) return;
     this.stopTokenIds = new Set([...(this.chatConfig.conv_template.stop_token_ids ?? []),
       ...[this.chatConfig.eos_token_id ?? []].flat()]);
     this.tokenizerJSON = tokenizerName === "tokenizer.json" ? tokenizerBytes : null;
@@ -773,6 +725,11 @@ export class Engine {
     return this.timeKernels(() => this.decode(id, options));
   }
 
+  /** embeddings, plus the GPU time of each kernel it ran, as timePrefill. */
+  timeEmbeddings(request) {
+    return this.timeKernels(() => this.embeddings(request));
+  }
+
   async timeKernels(step) {
     if (!this.kernelTimer) {
       throw new EngineError("unsupported-gpu", "Kernel times need the WebGPU backend on an adapter with the timestamp-query feature.");
@@ -883,6 +840,29 @@ export class Engine {
     }
   }
 
+  /** Refuse a request of the other kind of model: chat of an embedding model, embeddings of a chat model. */
+  checkKind(embedding) {
+    if (Boolean(this.chatConfig.embedding) === embedding) return;
+    throw new EngineError("bad-request", embedding
+      ? `${this.record.model_id} is a chat model: use chat.completions.create`
+      : `${this.record.model_id} is an embedding model: use embeddings.create`);
+  }
+
+  /** OpenAI's embeddings response (embeddings.js): an embedding model's vectors for `request.input`. */
+  async embeddings(request) {
+    this.throwIfFailed();
+    this.checkKind(true);
+    if (this.generating) throw new EngineError("busy", "Another request is running; wait for it.");
+    this.generating = true;
+    try {
+      return await createEmbeddings(this, request);
+    } catch (error) {
+      throw this.failed(error);
+    } finally {
+      this.generating = false;
+    }
+  }
+
   /**
    * An OpenAI chat completion, with OpenAI's `tools` and `tool_choice` (see tools.js). With
    * `stream: true`, `onChunk` receives each `chat.completion.chunk` (tool calls come whole in the
@@ -890,6 +870,7 @@ export class Engine {
    */
   async chatCompletion(request, onChunk = () => {}) {
     this.throwIfFailed();
+    this.checkKind(false);
     if (this.generating) throw new EngineError("busy", "A generation is already running; wait for it or interrupt it.");
     const settings = generationSettings(request, this.chatConfig);
     settings.speculation = speculationFor(request, this.speculation);
@@ -1026,7 +1007,9 @@ export class Engine {
       shaders: this.shaders,
       compiled_shaders: this.compiledShaders ?? null,
       context_window_size: this.session?.contextWindowSize,
-      cached_tokens: this.session?.cachedIds.length ?? 0,
+      cached_tokens: this.session?.cachedIds?.length ?? 0,
+      // "embedding" for an embedding model (engine.embeddings.create), else "chat"
+      kind: this.chatConfig?.embedding ? "embedding" : "chat",
       // WebGPU compute dispatches of the last decode step: embedding, layers, head (null on wasm)
       decode_step_dispatches: this.session?.lastDecodeDispatches ?? null,
       // CPU time to issue that step (on WebGPU): a floor under its time however fast the GPU

@@ -186,6 +186,14 @@ export async function createEngine(appConfig, modelId, {
         },
       },
     },
+    embeddings: {
+      /**
+       * OpenAI's embeddings.create (WebLLM's `engine.embeddings.create`), for an embedding model: `input` a
+       * string or a list of them, `dimensions` (a Matryoshka length the model allows), `encoding_format`
+       * "float" or "base64". Inputs past the model's longest are cut to their beginning.
+       */
+      create: (request) => call("embeddings", { request }),
+    },
     /** Stop the running generation after its current token (finish_reason "abort"). */
     interrupt: () => call("interrupt"),
     /** Forget the conversation (clears the KV cache). */
@@ -206,6 +214,8 @@ export async function createEngine(appConfig, modelId, {
       generate: (ids, request) => call("generate", { ids, request }),
       /** prefill and decode, plus `kernels`: the GPU time of each kernel of the step (WebGPU with timestamp queries). */
       timePrefill: (ids, options = {}) => call("timePrefill", { ids, options }),
+      /** embeddings.create, plus `kernels` (an embedding model on WebGPU with timestamp queries). */
+      timeEmbeddings: (request) => call("timeEmbeddings", { request }),
       timeDecode: (id, options = {}) => call("timeDecode", { id, options }),
       /** One result per id (the logits after each position), as prefill's. */
       allLogits: (ids, options = {}) => call("allLogits", { ids, options }),
@@ -244,6 +254,7 @@ export function serveEngine(scope, loadEngine) {
       return engine.stats();
     },
     chatCompletion: ({ request }, emit) => loaded().chatCompletion(request, emit),
+    embeddings: ({ request }) => loaded().embeddings(request),
     interrupt: () => loaded().interrupt(),
     resetChat: () => loaded().resetChat(),
     stats: () => loaded().stats(),
@@ -255,6 +266,7 @@ export function serveEngine(scope, loadEngine) {
     decode: ({ id, options }) => loaded().decode(id, options),
     generate: ({ ids, request }) => loaded().generateTokens(ids, request),
     timePrefill: ({ ids, options }) => loaded().timePrefill(ids, options),
+    timeEmbeddings: ({ request }) => loaded().timeEmbeddings(request),
     timeDecode: ({ id, options }) => loaded().timeDecode(id, options),
     allLogits: ({ ids, options }) => loaded().allLogits(ids, options),
     rollback: ({ count }) => loaded().rollback(count),

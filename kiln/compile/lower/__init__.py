@@ -18,6 +18,7 @@ from kiln.models.stage_names import GROUP_STAGES
 from kiln.targets import TargetEntry
 from kiln.compile.lower.gpu_schedule import (
     SplitReductionGEMV,
+    ThreadPerScore,
     WEBGPU_DECODE_GEMV,
     WEBGPU_PREFILL_MATMUL,
     WEBGPU_SUBGROUP_DECODE_GEMV,
@@ -73,6 +74,7 @@ def inline_group_parameters(func: tvm.tirx.PrimFunc, mod, ctx) -> tvm.tirx.PrimF
 
 def gpu_schedules(matmul: dl.ScheduleRule | None = None, decode_gemv: tuple = ()) -> tvm.transform.Pass:
     rules = (
+        ThreadPerScore(),
         matmul or dl.gpu.Matmul(),
         *decode_gemv,
         dl.gpu.GEMV(),

@@ -50,6 +50,7 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from kiln.compile.lower.cpu_schedule import block_names, one_matmul
+from kiln.models.stage_names import ATTENTION_SCORES
 
 
 def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None):
@@ -446,3 +447,16 @@ MAX_DECODE_ROW = 1536
 WEBGPU_DECODE_GEMV = RowPerThreadGEMV(rows=64, lane_width=8, max_row=MAX_DECODE_ROW)
 WEBGPU_SUBGROUP_DECODE_GEMV = SubgroupGEMV(rows=16, lane_width=8, max_steps=MAX_DECODE_ROW // (SUBGROUP_MIN_SIZE * 8))
 WEBGPU_PREFILL_MATMUL = ShortPrefillMatmul(WebGPUMatmul(), max_tokens=64, tokens=4, rows=64, lane_width=8)
+
+
+class ThreadPerScore(dl.ScheduleRule):
+    """An encoder's attention scores (kiln/models/embedding.py): a thread per score, its head_dim-long
+    dot product in the thread. dlight's reduction rules gave each score a workgroup of 64 threads for
+    a sum of 32 products (MiniLM on SwiftShader: minutes for a batch)."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        if ATTENTION_SCORES not in block_names(s_tir.Schedule(func)):
+            return None
+        return dl.gpu.Fallback().apply(func, target, tunable)
