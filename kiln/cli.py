@@ -182,6 +182,7 @@ def add_bench(sub) -> None:
     add_bench_native(bench)
     add_bench_browser(bench)
     add_bench_report(bench)
+    add_bench_embeddings(bench)
 
 
 def run_bench_compile(args) -> int:
@@ -502,6 +503,58 @@ def run_parity(args) -> int:
     )
     print_report(report, args.json)
     return 0 if report["passed"] else 1
+
+
+def add_bench_embeddings(bench) -> None:
+    e = bench.add_parser(
+        "embeddings",
+        help="texts/s of an embedding model natively, beside sentence-transformers and in Chromium on request",
+    )
+    e.add_argument("model_dir", type=Path, help="a compiled embedding model folder (dist/<model-id>)")
+    e.add_argument("--target", "-t", choices=NATIVE_TARGETS, default="cpu", help="the native library (default cpu)")
+    e.add_argument("--texts", type=int, default=64, help="sentences of the English sample to embed (default 64)")
+    e.add_argument(
+        "--reference",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="a sentence-transformers checkpoint folder (the one compiled) to time beside, on the same threads",
+    )
+    e.add_argument(
+        "--browser",
+        type=comma_list,
+        default=[],
+        metavar="LIBRARIES",
+        help=f"browser libraries to time in headless Chromium, comma-separated: {one_of(BROWSER_TARGETS)}",
+    )
+    e.add_argument(
+        "--transformers-js",
+        type=comma_list,
+        default=[],
+        metavar="DEVICES",
+        help="time transformers.js (npm, fetched once) on an ONNX export of --reference in the same Chromium, "
+        "comma-separated: wasm or webgpu",
+    )
+    add_threads_option(e)
+    e.add_argument("--runs", type=int, default=3, help="measured runs, after one warm-up run")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(run=run_bench_embeddings)
+
+
+def run_bench_embeddings(args) -> int:
+    from kiln.bench.embeddings import bench_embeddings
+
+    for option, asked, known in (
+        ("--browser", args.browser, BROWSER_TARGETS),
+        ("--transformers-js", args.transformers_js, ("wasm", "webgpu")),
+    ):
+        unknown = sorted(set(asked) - set(known))
+        if unknown:
+            raise KilnError(f"{option} {','.join(unknown)}: choose from {one_of(known)}")
+    report = bench_embeddings(
+        args.model_dir, args.target, args.texts, args.runs, args.reference, args.browser, args.transformers_js
+    )
+    print_report(report, args.json)
+    return 0
 
 
 def add_bench_report(bench) -> None:
