@@ -24,6 +24,12 @@ from kiln.embeddings import EmbeddingEngine
 from kiln.errors import KilnError
 from kiln.runtime import set_cpu_threads
 
+# Each Kiln engine's peer, by the start of their rows' names (a browser library: wasm, webgpu, webgpu-subgroups).
+PEERS = {
+    "native": "sentence-transformers",
+    "browser wasm": "transformers.js wasm",
+    "browser webgpu": "transformers.js webgpu",
+}
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "english.txt"
 # Timed inside the page: one warm-up request, then `runs` requests, each one's seconds.
 PAGE_RUNS_JS = """async ({texts, runs}) => {
@@ -138,9 +144,21 @@ def bench_embeddings(
         "runs": runs,
         "max_batch_size": engine.settings.max_batch_size,
         "engines": rows,
+        "kiln_over_peer": kiln_over_peer(rows),
     }
     report["lines"] = report_lines(report)
     return report
+
+
+def kiln_over_peer(rows: list[dict]) -> dict[str, float]:
+    """Kiln's texts/s over its peer's where both ran: {"browser wasm / transformers.js wasm": ratio, …}."""
+    speed = {row["engine"].split(" (")[0]: row["texts_per_s"] for row in rows}
+    ratios = {}
+    for kiln, peer in PEERS.items():
+        for name in speed:
+            if name.startswith(kiln) and peer in speed:
+                ratios[f"{name} / {peer}"] = speed[name] / speed[peer]
+    return ratios
 
 
 def report_lines(report: dict) -> list[str]:
@@ -152,7 +170,8 @@ def report_lines(report: dict) -> list[str]:
     ]
     for row in report["engines"]:
         lines.append(
-            f"{row['engine']:<44} {row['texts_per_s']:>9.1f} {row['tokens_per_s']:>9.0f} "
-            f"{row['texts_per_s'] / native:>8.2f}x {row['least_cosine_to_native']:>10.6f}"
+            f"{row['engine']:<44} {row['texts_per_s']:>9.4g} {row['tokens_per_s']:>9.4g} "
+            f"{row['texts_per_s'] / native:>8.3g}x {row['least_cosine_to_native']:>10.6f}"
         )
+    lines += [f"{pair}: {ratio:.2f}x" for pair, ratio in report["kiln_over_peer"].items()]
     return lines

@@ -21,6 +21,10 @@ def test_the_bench_times_kiln_beside_sentence_transformers_and_transformers_js(e
     rows = {row["engine"].split(" (")[0]: row for row in report["engines"]}
     assert list(rows) == ["native cpu", "sentence-transformers", "browser wasm", "transformers.js wasm"]
     assert report["texts"] == 6 and report["tokens"] > 6
+    assert list(report["kiln_over_peer"]) == [
+        "native cpu / sentence-transformers",
+        "browser wasm / transformers.js wasm",
+    ]
     for row in rows.values():
         assert row["texts_per_s"] > 0 and len(row["seconds"]) == 1
         assert row["least_cosine_to_native"] >= 0.9999, row
