@@ -187,14 +187,26 @@ def model_config(
                 f"models for chat only (embedding models: bert, and the {', '.join(EMBEDDER_FAMILIES)} families)",
                 source.path,
             )
-        return config
-    for width in matryoshka_dimensions:
-        if not 0 < width < config.hidden_size:
+        if config.bidirectional:
             raise KilnError(
-                f"--matryoshka-dimensions: {width} is no shorter length of a {config.hidden_size}-wide embedding"
+                "use_bidirectional_attention: an embedding model (its attention runs both ways); compile its "
+                "sentence-transformers folder (with modules.json) to embed with it",
+                config_file(source),
             )
+        return config
     embedding = source.sentence_embedding or SentenceEmbedding()
     config.embedding = replace(embedding, dimensions=tuple(sorted(set(matryoshka_dimensions), reverse=True)))
+    if embedding.dense and embedding.dense[0].in_features != config.hidden_size:
+        raise KilnError(
+            f"the first Dense module takes {embedding.dense[0].in_features} features; the model gives "
+            f"{config.hidden_size}",
+            source.path,
+        )
+    for width in matryoshka_dimensions:
+        if not 0 < width < config.embedding_width:
+            raise KilnError(
+                f"--matryoshka-dimensions: {width} is no shorter length of a {config.embedding_width}-wide embedding"
+            )
     positions = config.max_position_embeddings
     checkpoint_longest = min(embedding.max_sequence_length or positions, positions)
     if config.max_sequence_length < checkpoint_longest:

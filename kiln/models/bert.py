@@ -17,7 +17,7 @@ from tvm.relax.frontend import nn
 
 from .config_reader import ConfigReader
 from .decoder import Architecture
-from .embedding import EncoderConfig, EncoderModel, masked_attention
+from .embedding import EncoderConfig, EncoderModel, dense_modules, masked_attention
 from .layers import Embedding, Linear
 
 SQRT_HALF = 0.5**0.5
@@ -174,6 +174,7 @@ class BertModel(EncoderModel):
         self.config = config
         self.dtype = dtype
         self.model = BertBody(config, dtype)
+        self.dense = dense_modules(config, dtype)
 
     def hidden_states(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
         """The layers see the batch's tokens as one row (1, batch · seq, hidden), as a prefill's: every

@@ -62,6 +62,8 @@ class DecoderConfig:
     family_applies_rope: bool = False
     # Attention scores s become cap · tanh(s / cap) before the softmax (Gemma 2).
     attention_logit_softcap: float | None = None
+    # Every token attends to the tokens after it too (EmbeddingGemma): an embedding model only.
+    bidirectional: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,7 +1,9 @@
-"""Decoder embedders: a decoder family's layers as an embedding model — Qwen3-Embedding, and the
-sentence-transformers checkpoints of the other families that set `Architecture.sentence_embeddings`.
-Causal attention over each input of a padded batch, the family's final norm, then the checkpoint's
-pooling (last-token for Qwen3-Embedding) and normalization, as for an encoder (kiln/models/embedding.py).
+"""Decoder embedders: a decoder family's layers as an embedding model — Qwen3-Embedding, EmbeddingGemma
+(Gemma 3's layers with attention both ways, `use_bidirectional_attention`), and the sentence-transformers
+checkpoints of the other families that set `Architecture.sentence_embeddings`. Attention over each input
+of a padded batch (causal, or both ways; within a layer's window where it has one), the family's final
+norm, then the checkpoint's pooling, Dense modules and normalization, as for an encoder
+(kiln/models/embedding.py).
 
 The layers run as in a chat model's prefill, with `WholeInputs` where they expect the paged KV cache:
 it gives each token its position in its own input and attends over that input, so the library needs
@@ -14,15 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
-from tvm import te
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 
 from kiln.errors import KilnError
 
 from .decoder import Architecture, DecoderConfig, DecoderModel, rope_in_model, rope_inv_freq, rope_type, rotate_qkv
-from .embedding import EncoderConfig, EncoderModel, masked_attention
+from .embedding import EncoderConfig, EncoderModel, dense_modules, masked_attention
 
 
 @dataclass
@@ -35,10 +38,10 @@ class DecoderEmbedderConfig(EncoderConfig):
 
     @classmethod
     def of(cls, decoder: DecoderConfig, path: Path) -> DecoderEmbedderConfig:
-        """The embedder of a decoder whose attention `WholeInputs` can stand in for: whole inputs, the
-        default RoPE or one the model applies itself."""
+        """The embedder of a decoder whose attention `WholeInputs` can stand in for: the default RoPE or
+        one the model applies itself, whole inputs or windowed layers (no window over every layer)."""
         refused = {
-            "a sliding window": decoder.sliding_window_size or decoder.windowed_layers,
+            "a sliding window over every layer": decoder.sliding_window_size,
             "soft-capped attention scores": decoder.attention_logit_softcap,
             f"rope_type {rope_type(decoder)!r}": not rope_in_model(decoder)
             and rope_type(decoder) not in (None, "default"),
@@ -61,11 +64,22 @@ class DecoderEmbedderConfig(EncoderConfig):
 class WholeInputs:
     """What a decoder family's layers call on the paged KV cache, over a batch of whole inputs laid end
     to end in one row (1, batch · seq, ·): each token's position in its input, and attention over its
-    input up to itself (RoPE first, where the cache would apply it)."""
+    input (RoPE first, where the cache would apply it) — up to itself, or both ways for a bidirectional
+    embedder — within the layer's window, if it has one."""
 
     def __init__(self, config: DecoderConfig, attention_mask: nn.Tensor):
         self.config = config
         self.attention_mask = attention_mask
+
+    def sees(self, layer_id: int) -> Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr] | None:
+        """Which keys j query i attends to in layer `layer_id` (None: all), as transformers masks them: a
+        causal window holds the last `window` tokens; a bidirectional one reaches window // 2 tokens each
+        way (Gemma3TextConfig's (window // 2) + 1, an exclusive bound)."""
+        window = self.config.layer_window_size if layer_id in self.config.windowed_layers else None
+        if self.config.bidirectional:
+            reach = None if window is None else window // 2 + 1
+            return None if reach is None else lambda i, j: tirx.all(i - j < reach, j - i < reach)
+        return (lambda i, j: j <= i) if window is None else lambda i, j: tirx.all(j <= i, i - j < window)
 
     def get_query_positions(self, total_tokens) -> nn.Tensor:
         _, seq_len = self.attention_mask.shape
@@ -83,7 +97,7 @@ class WholeInputs:
         batch, seq_len = self.attention_mask.shape
         inputs = nn.op.reshape(qkv, (batch, seq_len, -1, config.head_dim))
         attended = masked_attention(
-            inputs, self.attention_mask, num_qo_heads, config.num_key_value_heads, sm_scale, causal=True
+            inputs, self.attention_mask, num_qo_heads, config.num_key_value_heads, sm_scale, self.sees(layer_id)
         )
         return nn.op.reshape(attended, (*qkv.shape[:2], num_qo_heads, config.head_dim))
 
@@ -98,6 +112,7 @@ class DecoderEmbedder(EncoderModel):
         self.config = config
         self.dtype = decoder.dtype
         self.model = decoder.model
+        self.dense = dense_modules(config, decoder.dtype)
         self.decoder_steps = (decoder.embed_tokens, decoder.hidden_states)  # bound methods: no weights of their own
 
     def hidden_states(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 
+from .layers import Linear
 from .stage_names import ATTENTION_SCORES, ATTENTION_VALUES
 
 # sentence-transformers' pooling modes Kiln computes, by their names in 1_Pooling/config.json.
@@ -29,11 +30,26 @@ MOST_INPUTS_PER_BATCH = 32
 MASKED_SCORE = -1e30  # a padding key's attention score: exp() of it is 0
 
 
+# sentence-transformers' Dense activations Kiln computes, by the last part of their torch name.
+DENSE_ACTIVATIONS: dict[str, Callable[[nn.Tensor], nn.Tensor]] = {"Identity": lambda x: x, "Tanh": nn.op.tanh}
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module after the pooling: a linear map, then an activation."""
+
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "Tanh"  # a key of DENSE_ACTIVATIONS (sentence-transformers' default)
+
+
 @dataclass(frozen=True)
 class SentenceEmbedding:
     """How a checkpoint turns hidden states into its embedding (sentence-transformers' modules)."""
 
     pooling: str = "mean"
+    dense: tuple[DenseLayer, ...] = ()  # after the pooling, before the normalization (EmbeddingGemma's two)
     normalize: bool = False
     max_sequence_length: int | None = None  # sentence_bert_config.json's max_seq_length
     # Shorter lengths the model was trained to give (Matryoshka); the full width is always allowed.
@@ -56,6 +72,12 @@ class EncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def embedding_width(self) -> int:
+        """The width of the vectors: the hidden size, or the last Dense module's."""
+        dense = self.embedding.dense
+        return dense[-1].out_features if dense else self.hidden_size
 
     @property
     def max_sequence_length(self) -> int:
@@ -113,18 +135,39 @@ def pooled(hidden: nn.Tensor, attention_mask: nn.Tensor, mode: str) -> nn.Tensor
     return nn.op.tensor_expr_op(pool, f"pool_{mode}", [hidden, attention_mask])
 
 
+class Dense(nn.Module):
+    def __init__(self, layer: DenseLayer, dtype: str):
+        self.linear = Linear(layer.in_features, layer.out_features, dtype, bias=layer.bias)
+        self.activation = DENSE_ACTIVATIONS[layer.activation]
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return self.activation(self.linear(x))
+
+
 class EncoderModel(nn.Module):
-    """Base of every embedding family's top-level module. `dtype` is the activation dtype."""
+    """Base of every embedding family's top-level module. `dtype` is the activation dtype. A family
+    sets `dense` (`dense_modules`): the checkpoint's Dense modules, weights "dense.<i>.linear.*"."""
 
     config: EncoderConfig
     dtype: str
+    dense: nn.ModuleList
 
     def hidden_states(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
         raise NotImplementedError
 
     def sentence_embeddings(self, input_ids: nn.Tensor, attention_mask: nn.Tensor) -> nn.Tensor:
-        hidden = self.hidden_states(input_ids, attention_mask)
-        return pooled(hidden, attention_mask, self.config.embedding.pooling).astype("float32")
+        vectors = pooled(self.hidden_states(input_ids, attention_mask), attention_mask, self.config.embedding.pooling)
+        if len(self.dense):
+            batch, width = vectors.shape
+            rows = nn.op.reshape(vectors, (1, batch, width))  # the inputs' vectors as one row, as a prefill's tokens
+            for module in self.dense:
+                rows = module(rows)
+            vectors = nn.op.reshape(rows, (batch, self.config.embedding_width))
+        return vectors.astype("float32")
+
+
+def dense_modules(config: EncoderConfig, dtype: str) -> nn.ModuleList:
+    return nn.ModuleList([Dense(layer, dtype) for layer in config.embedding.dense])
 
 
 def encoder_export_spec(model: EncoderModel) -> dict[str, dict]:
@@ -144,12 +187,13 @@ def masked_attention(
     num_heads: int,
     num_kv_heads: int | None = None,
     scale: float | None = None,
-    causal: bool = False,
+    sees: Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr] | None = None,
 ) -> nn.Tensor:
-    """Each token attends to the tokens of its input, padding left out (and, `causal`, to those up to
-    itself only): a fused q, k, v of shape (batch, seq, heads + 2 · kv_heads, head_dim) → (batch, seq,
-    heads · head_dim). Grouped-query: a query head reads kv head h // (heads / kv_heads). `scale`
-    (default 1/√head_dim) multiplies the scores; scores and softmax are float32."""
+    """Each token attends to the tokens of its input, padding left out (and, with `sees`, to the keys
+    j that query i sees: causal attention, a window): a fused q, k, v of shape (batch, seq, heads + 2 ·
+    kv_heads, head_dim) → (batch, seq, heads · head_dim). Grouped-query: a query head reads kv head
+    h // (heads / kv_heads). `scale` (default 1/√head_dim) multiplies the scores; scores and softmax
+    are float32."""
     batch, seq_len, _, head_dim = qkv.shape
     num_kv_heads = num_kv_heads or num_heads
     group = num_heads // num_kv_heads
@@ -166,7 +210,7 @@ def masked_attention(
         )
 
         def masked(b, h, i, j):
-            seen = tirx.all(mask[b, j] > 0, j <= i) if causal else mask[b, j] > 0
+            seen = mask[b, j] > 0 if sees is None else tirx.all(mask[b, j] > 0, sees(i, j))
             return tirx.if_then_else(seen, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE))
 
         return te.compute(raw.shape, masked, name="masked_scores")

@@ -143,11 +143,12 @@ def gemma_config(
     read.expect("hidden_activation", ("gelu_pytorch_tanh",), read.hf_config.get("hidden_act", "gelu_pytorch_tanh"))
     read.expect("hidden_act", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
     read.expect("attention_bias", (False,), False)
-    read.expect("use_bidirectional_attention", (False,), False)
+    bidirectional = read.get("use_bidirectional_attention", bool, False)
     fields = read.decoder_fields(overrides, max_context=8192)
     kinds = layer_kinds(read, fields["num_hidden_layers"], global_every)
     window = read.get("sliding_window", int)
-    binds = fields["context_window_size"] > window
+    # A bidirectional window reaches window // 2 tokens each way (transformers' Gemma3TextConfig).
+    binds = fields["context_window_size"] > (window // 2 + 1 if bidirectional else window)
     if binds:
         fields["prefill_chunk_size"] = min(fields["prefill_chunk_size"], window - 1)
     return Gemma3Config(
@@ -164,6 +165,7 @@ def gemma_config(
         family_applies_rope=True,
         layer_ropes=tuple(ropes[kind] for kind in kinds),
         attention_logit_softcap=read.get("attn_logit_softcapping", float, None),
+        bidirectional=bidirectional,
         intermediate_size=read.get("intermediate_size", int),
         rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
         query_pre_attn_scalar=read.get("query_pre_attn_scalar", float, 256.0),
@@ -333,6 +335,7 @@ ARCHITECTURE = Architecture(
     parse_config=parse_text_config,
     build=Gemma3ForCausalLM,
     fused_sources=fused_sources,
+    sentence_embeddings=True,
     gguf=GGUFMapping(
         architecture="gemma3",
         config=gguf_config,

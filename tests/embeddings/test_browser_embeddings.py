@@ -79,8 +79,9 @@ def test_one_page_holds_a_chat_model_and_an_embedding_model(minilm_build, tiny_d
 
 
 @pytest.mark.browser
-def test_a_decoder_embedder_in_the_browser_matches_the_native_one(embedder_build, driver):
-    model_dir = embedder_build("tiny-qwen3-embedder", "q0f32", ["cpu", "wasm"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-embedder", "tiny-gemma3-embedder"])
+def test_a_decoder_embedder_in_the_browser_matches_the_native_one(embedder_build, driver, name):
+    model_dir = embedder_build(name, "q0f32", ["cpu", "wasm"])
     texts = ["A kiln fires clay.", "Glaze " * 60, *PASSAGES]  # one cut to the model's 48 tokens
     with page_engine(model_dir.parent, webgpu=False, driver=driver) as engine:
         engine.load(model_dir.name, "wasm")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -59,12 +60,13 @@ def test_tiny_bert_gives_sentence_transformers_embeddings(embedder_build, source
     np.testing.assert_allclose(batched, alone, atol=1e-6)  # padding changes nothing
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-embedder", "tiny-qwen2-embedder"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-embedder", "tiny-qwen2-embedder", "tiny-gemma3-embedder"])
 @pytest.mark.parametrize("quantization", ["q0f32", "q8f32_1"])
 def test_decoder_embedders_give_sentence_transformers_embeddings(embedder_build, sources, name, quantization):
     """Qwen3-Embedding's shape (last-token pooling, <|endoftext|> appended, padded on the left by
-    sentence-transformers and on the right by Kiln) and a Qwen2 with mean pooling, causal attention
-    over each input of a batch."""
+    sentence-transformers and on the right by Kiln), a Qwen2 with mean pooling (causal attention over
+    each input of a batch), and EmbeddingGemma's (Gemma 3 attending both ways, within a window of 16 on
+    its local layers that inputs of up to 48 tokens pass, then two Dense modules)."""
     engine = EmbeddingEngine(embedder_build(name, quantization))
     longest = engine.settings.max_sequence_length
     texts = texts_of_lengths(engine, [2, 3, 9, 17, 30, longest - 1, longest])
@@ -81,6 +83,18 @@ def test_embedding_checkpoints_kiln_cannot_run_are_refused(tmp_path, run_compile
 
     source = make_tiny_decoder_embedder(tmp_path / "source", family)
     assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", problem)
+
+
+def test_a_bidirectional_model_is_refused_for_chat_and_a_residual_dense_module_for_embeddings(
+    sources, tmp_path, run_compile
+):
+    source = tmp_path / "source"
+    shutil.copytree(sources.path("tiny-gemma3-embedder"), source)
+    dense_config = source / "2_Dense" / "config.json"
+    dense_config.write_text(json.dumps({**json.loads(dense_config.read_text()), "use_residual": True}))
+    assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", "without a residual")
+    (source / "modules.json").unlink()
+    assert_clean_failure(run_compile(source, tmp_path / "chat"), tmp_path / "chat", "use_bidirectional_attention")
 
 
 def test_cls_pooling_without_normalization(embedder_build, sources):

@@ -55,21 +55,31 @@ def make_tiny_bert(folder: Path, seed: int = 0, pooling: str = "mean", normalize
     return folder
 
 
-def make_tiny_decoder_embedder(folder: Path, family: str = "qwen3", seed: int = 0, pooling: str = "lasttoken") -> Path:
+def make_tiny_decoder_embedder(
+    folder: Path,
+    family: str = "qwen3",
+    seed: int = 0,
+    pooling: str = "lasttoken",
+    bidirectional: bool = False,
+    dense: tuple[int, ...] = (),
+) -> Path:
     """A tiny decoder family's base model (Qwen3Model, as Qwen3-Embedding keeps it: no head, no "model." prefix)
-    saved by sentence-transformers with `pooling` and normalization, its tokenizer ending each text with
-    <|endoftext|> and padding on the left, as Qwen3-Embedding's does."""
+    saved by sentence-transformers with `pooling`, Dense modules of the widths `dense` (no bias, no activation,
+    as EmbeddingGemma's) and normalization; its tokenizer ends each text with <|endoftext|> and pads on the
+    left, as Qwen3-Embedding's does. `bidirectional`: attention both ways (EmbeddingGemma's Gemma 3)."""
     import json
 
     import torch
     from helpers.tiny_families import TINY_FAMILIES
     from helpers.tiny_llama import write_tokenizer
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
     from tokenizers import Tokenizer, processors
     from transformers import AutoModel
 
     config, _ = TINY_FAMILIES[family].make()
+    if bidirectional:  # given to the constructor, which turns the window into the reach each way
+        config = type(config)(**{**config.to_dict(), "use_bidirectional_attention": True})
     with tempfile.TemporaryDirectory() as scratch:
         base = Path(scratch) / "transformer"
         base.mkdir()
@@ -85,5 +95,7 @@ def make_tiny_decoder_embedder(folder: Path, family: str = "qwen3", seed: int = 
         torch.manual_seed(seed)
         AutoModel.from_config(config).save_pretrained(base)
         modules = [Transformer(str(base), max_seq_length=48), Pooling(config.hidden_size, pooling_mode=pooling)]
+        for width, out in zip((config.hidden_size, *dense), dense):
+            modules.append(Dense(width, out, bias=False, activation_function=torch.nn.Identity()))
         SentenceTransformer(modules=[*modules, Normalize()], device="cpu").save(str(folder))
     return folder

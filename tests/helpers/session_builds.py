@@ -62,6 +62,7 @@ BUILT_TOGETHER = {
     **{f"{name}-sized-q4f32_1": ("cpu", "wasm", "webgpu") for name in REAL_SIZES},
     "tiny-bert-q0f32": ("cpu", "wasm", "webgpu"),
     "tiny-qwen3-embedder-q0f32": ("cpu", "wasm"),
+    "tiny-gemma3-embedder-q0f32": ("cpu", "wasm"),
     f"{MINILM}-q0f32": ("cpu", "wasm", "webgpu"),
 }
 
@@ -89,6 +90,9 @@ MADE_SOURCES: dict[str, Callable[[Path], Path]] = {
     MINILM: unpack_minilm,
     "tiny-qwen3-embedder": make_tiny_decoder_embedder,
     "tiny-qwen2-embedder": partial(make_tiny_decoder_embedder, family="qwen2", seed=1, pooling="mean"),
+    "tiny-gemma3-embedder": partial(
+        make_tiny_decoder_embedder, family="gemma3", seed=2, pooling="mean", bidirectional=True, dense=(128, 64)
+    ),
 }
 
 # Sources written from another source: name → (that source, a function of its path and an empty folder).
@@ -114,7 +118,11 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
     "embedder_build": [
         *(("tiny-bert", "tiny-bert", q) for q in ("q0f32", "q8f32_1", "q4f32_1")),
         ("tiny-bert-cls", "tiny-bert-cls", "q0f32"),
-        *((name, name, q) for name in ("tiny-qwen3-embedder", "tiny-qwen2-embedder") for q in ("q0f32", "q8f32_1")),
+        *(
+            (name, name, q)
+            for name in ("tiny-qwen3-embedder", "tiny-qwen2-embedder", "tiny-gemma3-embedder")
+            for q in ("q0f32", "q8f32_1")
+        ),
     ],
     "minilm_build": [(MINILM, MINILM, "q0f32")],
 }

@@ -306,7 +306,7 @@ def write_embedding_config(
         "embedding": {
             "pooling": embedding.pooling,
             "normalize": embedding.normalize,
-            "dimensions": config.hidden_size,
+            "dimensions": config.embedding_width,
             "matryoshka_dimensions": list(embedding.dimensions),
             "max_sequence_length": config.max_sequence_length,
             "max_batch_size": config.max_batch_size,

@@ -30,9 +30,10 @@ def contained_file(path: Path, root: Path) -> Path:
     return resolved
 
 
-def check_contained(folder: Path, names: tuple[str, ...]) -> None:
-    """Each of the files `names` in `folder` that exists (a dangling link counts) lies inside the source."""
-    root = source_root(folder)
+def check_contained(folder: Path, names: tuple[str, ...], root: Path | None = None) -> None:
+    """Each of the files `names` in `folder` that exists (a dangling link counts) lies inside the source
+    (`root`, by default `folder`'s source root)."""
+    root = root or source_root(folder)
     for name in names:
         if (folder / name).is_symlink() or (folder / name).exists():
             contained_file(folder / name, root)

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from kiln.chat_template import ChatTemplate
 from kiln.compile.source.gguf_source import GGUFModel, model_name_from_gguf_path
 from kiln.compile.source.containment import check_contained, contained_file, source_root
-from kiln.compile.source.sentence_transformers import SIDE_FILES as SENTENCE_FILES, read_sentence_embedding
+from kiln.compile.source.sentence_transformers import SIDE_FILES as SENTENCE_FILES, read_sentence_modules
 from kiln.errors import KilnError, one_line
 from kiln.models import SentenceEmbedding
 from kiln.text import load_tokenizer
@@ -326,6 +326,39 @@ FOLDER_FILES = (
 )
 
 
+def folder_weights(folder: Path, options: IngestOptions, root: Path) -> tuple[TensorReader, list[Path]]:
+    """A folder's weights (safetensors first) and the files they are read from, index included, each
+    inside the source's `root`."""
+    check_contained(folder, tuple(weight_format.index for weight_format in WEIGHT_FORMATS), root)
+    for weight_format in WEIGHT_FORMATS:
+        if shard_files := weight_format.shard_files(folder):
+            break
+    else:
+        raise KilnError("no weights (model*.safetensors or pytorch_model*.bin)", folder)
+    check_contained(folder, tuple(shard.name for shard in shard_files), root)
+    if weight_format.pickled:
+        refuse_unsafe_pickle(shard_files[0], options)
+    index_files = [folder / weight_format.index] if (folder / weight_format.index).is_file() else []
+    return weight_format.reader(shard_files), [*index_files, *shard_files]
+
+
+@dataclass(frozen=True)
+class JoinedTensors:
+    """A checkpoint's transformer tensors, and each further module's under a prefix of its own (a
+    sentence-transformers Dense module's "linear.weight" as "dense.0.linear.weight")."""
+
+    main: TensorReader
+    modules: dict[str, TensorReader]
+
+    def names(self) -> list[str]:
+        added = [prefix + name for prefix, reader in self.modules.items() for name in reader.names()]
+        return [*self.main.names(), *added]
+
+    def load(self, name: str) -> np.ndarray:
+        prefix = next((prefix for prefix in self.modules if name.startswith(prefix)), None)
+        return self.main.load(name) if prefix is None else self.modules[prefix].load(name.removeprefix(prefix))
+
+
 def read_hf_folder(folder: Path, options: IngestOptions, name: str | None = None) -> SourceModel:
     check_contained(folder, FOLDER_FILES)
     config_path = folder / "config.json"
@@ -342,18 +375,14 @@ def read_hf_folder(folder: Path, options: IngestOptions, name: str | None = None
     tokenizer_files = [
         folder / file_name for file_name in TOKENIZER_FILES + TOKENIZER_SIDE_FILES if (folder / file_name).is_file()
     ]
-    for weight_format in WEIGHT_FORMATS:
-        if shard_files := weight_format.shard_files(folder):
-            break
-    else:
-        raise KilnError("no weights (model*.safetensors or pytorch_model*.bin)", folder)
-    check_contained(folder, tuple(shard.name for shard in shard_files))
-    if weight_format.pickled:
-        refuse_unsafe_pickle(shard_files[0], options)
-    tensors = weight_format.reader(shard_files)
-    index_files = [folder / weight_format.index] if (folder / weight_format.index).is_file() else []
-    sentence_embedding, sentence_files = read_sentence_embedding(folder)
-    read_files = [config_path, *tokenizer_files, *sentence_files, *index_files, *shard_files]
+    tensors, weight_files = folder_weights(folder, options, source_root(folder))
+    sentence_embedding, sentence_files = None, []
+    if sentence := read_sentence_modules(folder):
+        sentence_embedding, sentence_files = sentence.embedding, sentence.files
+        dense = [folder_weights(dense, options, source_root(folder)) for dense in sentence.dense_folders]
+        tensors = JoinedTensors(tensors, {f"dense.{i}.": reader for i, (reader, _) in enumerate(dense)})
+        weight_files += [path for _, files in dense for path in files]
+    read_files = [config_path, *tokenizer_files, *sentence_files, *weight_files]
     return SourceModel(
         name=name or folder.name,
         path=folder,
@@ -390,7 +419,8 @@ def looks_like_hub_id(source: str) -> bool:
 def read_hub_model(repo_id: str, work_dir: Path, options: IngestOptions) -> SourceModel:
     """Download only what a build reads; safetensors first, PyTorch weights only when a repo has no
     safetensors (and `refuse_unsafe_pickle` allows them)."""
-    wanted = ["config.json", *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES, *SENTENCE_FILES, "*_Pooling/config.json"]
+    sentence_modules = ["*_Pooling/config.json", "*_Dense/*"]
+    wanted = ["config.json", *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES, *SENTENCE_FILES, *sentence_modules]
     try:
         for weight_format in WEIGHT_FORMATS:
             if weight_format.pickled:

@@ -1,6 +1,7 @@
 """How a sentence-transformers checkpoint turns its transformer's hidden states into an embedding:
 `modules.json` lists the modules after the transformer (Pooling, whose folder's config.json names the
-pooling; Normalize); the longest input is `sentence_bert_config.json`'s `max_seq_length` (written by
+pooling; Dense modules, each a folder with its config.json and weights, as EmbeddingGemma has; Normalize);
+the longest input is `sentence_bert_config.json`'s `max_seq_length` (written by
 sentence-transformers before 6), else the tokenizer's `model_max_length` (where 6 keeps it). Every
 file is read from inside the source folder, bounded in size and checked field by field.
 """
@@ -8,12 +9,13 @@ file is read from inside the source folder, bounded in size and checked field by
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from kiln.compile.source.containment import check_contained, contained_file, source_root
 from kiln.errors import KilnError, one_line
 from kiln.models import SentenceEmbedding
-from kiln.models.embedding import POOLING_MODES
+from kiln.models.embedding import DENSE_ACTIVATIONS, POOLING_MODES, DenseLayer
 
 MODULES_FILE = "modules.json"
 SETTINGS_FILE = "sentence_bert_config.json"
@@ -22,7 +24,7 @@ SIDE_FILES = (MODULES_FILE, SETTINGS_FILE)
 NO_LENGTH_LIMIT = 1 << 20  # transformers writes 1e30 for a tokenizer without a longest input
 LARGEST_FILE = 1 << 20  # these files hold a few lines
 # Module types by the last part of their Python name (sentence-transformers 2 to 6 move them between packages).
-TRANSFORMER, POOLING, NORMALIZE = "Transformer", "Pooling", "Normalize"
+TRANSFORMER, POOLING, DENSE, NORMALIZE = "Transformer", "Pooling", "Dense", "Normalize"
 # sentence-transformers before 5 wrote the pooling as one flag per mode.
 POOLING_FLAGS = {
     "pooling_mode_cls_token": "cls",
@@ -54,20 +56,49 @@ def module_types(modules, path: Path) -> list[tuple[str, str]]:
             raise KilnError(f"a module's type and path should be strings, got {module!r}", path)
         listed.append((kind.rsplit(".", 1)[-1], folder))
     kinds = [kind for kind, _ in listed]
-    if kinds[:2] != [TRANSFORMER, POOLING] or any(kind != NORMALIZE for kind in kinds[2:]):
+    after_dense = kinds[2:].count(DENSE)
+    if kinds[:2] != [TRANSFORMER, POOLING] or kinds[2 + after_dense :] not in ([], [NORMALIZE]):
         raise KilnError(
-            f"modules {' → '.join(kinds) or '(none)'}: Kiln computes a Transformer, then Pooling, then "
-            "optionally Normalize (a Dense or other module after them is not supported)",
+            f"modules {' → '.join(kinds) or '(none)'}: Kiln computes a Transformer, then Pooling, then any "
+            "Dense modules, then optionally Normalize",
             path,
         )
     return listed
 
 
-def pooling_folder(folder: Path, name: str, modules_path: Path) -> Path:
+def module_folder(folder: Path, module: tuple[str, str], modules_path: Path) -> Path:
+    kind, name = module
     relative = PurePosixPath(name)
     if not name or relative.is_absolute() or ".." in relative.parts:
-        raise KilnError(f"the Pooling module's path {name!r} should be a folder inside the model folder", modules_path)
+        raise KilnError(f"the {kind} module's path {name!r} should be a folder inside the model folder", modules_path)
     return folder / relative
+
+
+def module_config(folder: Path, module: tuple[str, str], modules_path: Path) -> Path:
+    path = module_folder(folder, module, modules_path) / "config.json"
+    if not path.is_file():
+        raise KilnError(f"missing: modules.json names this {module[0]} module's config", path)
+    contained_file(path, source_root(folder))
+    return path
+
+
+def dense_layer(config, path: Path) -> DenseLayer:
+    """A Dense module's config.json: its sizes, bias and activation; a residual Dense is refused."""
+    if not isinstance(config, dict):
+        raise KilnError("malformed: not a JSON object", path)
+    sizes = [config.get(key) for key in ("in_features", "out_features")]
+    if not all(isinstance(size, int) and not isinstance(size, bool) and 0 < size <= 1 << 16 for size in sizes):
+        raise KilnError(f"in_features and out_features should be positive sizes, got {sizes}", path)
+    bias = config.get("bias", True)
+    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    name = activation.rsplit(".", 1)[-1] if isinstance(activation, str) else None
+    if not isinstance(bias, bool) or name not in DENSE_ACTIVATIONS or config.get("use_residual", False) is not False:
+        raise KilnError(
+            f"a Dense module of bias {bias!r}, activation {activation!r}, use_residual "
+            f"{config.get('use_residual', False)!r}: Kiln computes {' or '.join(DENSE_ACTIVATIONS)} without a residual",
+            path,
+        )
+    return DenseLayer(*sizes, bias=bias, activation=name)
 
 
 def pooling_mode(config, path: Path) -> str:
@@ -104,23 +135,38 @@ def longest_input(path: Path, key: str) -> int | None:
     return length
 
 
-def read_sentence_embedding(folder: Path) -> tuple[SentenceEmbedding | None, list[Path]]:
-    """The checkpoint's pooling, normalization and longest input, and the files they were read from;
-    (None, []) for a folder without modules.json."""
+@dataclass(frozen=True)
+class SentenceModules:
+    """What a checkpoint's modules.json says and where it was read: the embedding's settings, the side
+    files read, and the folder of each Dense module (its weights are "dense.<i>.linear.*" to the model)."""
+
+    embedding: SentenceEmbedding
+    files: list[Path]
+    dense_folders: list[Path]
+
+
+def read_sentence_modules(folder: Path) -> SentenceModules | None:
+    """The checkpoint's pooling, Dense modules, normalization and longest input; None for a folder
+    without modules.json."""
     check_contained(folder, SIDE_FILES)
     modules_path = folder / MODULES_FILE
     if not modules_path.is_file():
-        return None, []
+        return None
     modules = module_types(read_small_json(modules_path), modules_path)
-    pooling_config = pooling_folder(folder, modules[1][1], modules_path) / "config.json"
-    if not pooling_config.is_file():
-        raise KilnError("missing: modules.json names this Pooling module's config", pooling_config)
-    contained_file(pooling_config, source_root(folder))
+    pooling_config = module_config(folder, modules[1], modules_path)
+    dense = [module for module in modules if module[0] == DENSE]
+    dense_configs = [module_config(folder, module, modules_path) for module in dense]
+    layers = tuple(dense_layer(read_small_json(path), path) for path in dense_configs)
+    for before, after, path in zip(layers, layers[1:], dense_configs[1:]):
+        if after.in_features != before.out_features:
+            raise KilnError(f"in_features {after.in_features}: the Dense before it gives {before.out_features}", path)
     settings = folder / SETTINGS_FILE
     embedding = SentenceEmbedding(
         pooling=pooling_mode(read_small_json(pooling_config), pooling_config),
-        normalize=len(modules) > 2,
+        dense=layers,
+        normalize=modules[-1][0] == NORMALIZE,
         max_sequence_length=longest_input(settings, "max_seq_length")
         or longest_input(folder / TOKENIZER_CONFIG, "model_max_length"),
     )
-    return embedding, [modules_path, pooling_config, *[settings] * settings.is_file()]
+    files = [modules_path, pooling_config, *dense_configs, *[settings] * settings.is_file()]
+    return SentenceModules(embedding, files, [path.parent for path in dense_configs])
