@@ -18,7 +18,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 
 from .layers import Linear
-from .stage_names import ATTENTION_SCORES, ATTENTION_VALUES
+from .stage_names import ATTENTION_SCORES, ATTENTION_VALUES, MASKED_SCORES
 
 # sentence-transformers' pooling modes Kiln computes, by their names in 1_Pooling/config.json.
 POOLING_MODES = ("cls", "mean", "max", "lasttoken")
@@ -213,7 +213,7 @@ def masked_attention(
             seen = mask[b, j] > 0 if sees is None else tirx.all(mask[b, j] > 0, sees(i, j))
             return tirx.if_then_else(seen, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE))
 
-        return te.compute(raw.shape, masked, name="masked_scores")
+        return te.compute(raw.shape, masked, name=MASKED_SCORES)
 
     def values(p: te.Tensor, x: te.Tensor) -> te.Tensor:
         j = te.reduce_axis((0, seq_len), name="j")

@@ -7,3 +7,4 @@ GATHERED_ROWS, GATHERED_ROW_SCALES = "rows", "row_scales"  # an embedding's rows
 GROUP_STAGES = ("group_scale", "group_offset")  # a GGUF block type's shared parameters, per group of weights
 LANE_DOTS = "lane_dots"  # a factored decode GEMV's per-lane dot products
 ATTENTION_SCORES, ATTENTION_VALUES = "attention_scores", "attention_values"  # an encoder's q·k and p·v products
+MASKED_SCORES = "masked_scores"  # an encoder's scaled scores, padding (and what a query does not see) masked

@@ -50,7 +50,7 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from kiln.compile.lower.cpu_schedule import block_names, one_matmul
-from kiln.models.stage_names import ATTENTION_SCORES
+from kiln.models.stage_names import ATTENTION_SCORES, MASKED_SCORES
 
 
 def decode_matmul(func: tirx.PrimFunc, rows: int, run: int, max_row: int | None):
@@ -450,13 +450,29 @@ WEBGPU_PREFILL_MATMUL = ShortPrefillMatmul(WebGPUMatmul(), max_tokens=64, tokens
 
 
 class ThreadPerScore(dl.ScheduleRule):
-    """An encoder's attention scores (kiln/models/embedding.py): a thread per score, its head_dim-long
-    dot product in the thread. dlight's reduction rules gave each score a workgroup of 64 threads for
-    a sum of 32 products (MiniLM on SwiftShader: minutes for a batch)."""
+    """An encoder's attention scores (kiln/models/embedding.py): a thread per score, its head_dim-long dot
+    product summed in a register, masked in place; workgroups of `keys` keys, over (input · head) and
+    (query, key tile), so that no index is split out of one fused over symbolic extents. dlight's
+    reduction rules gave each score a workgroup of 64 threads for a sum of 32 products (minutes for a
+    batch on SwiftShader), and its fallback a shader whose index arithmetic SwiftShader took three
+    minutes to compile."""
+
+    def __init__(self, keys: int = 64):
+        self.keys = keys
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
             return None
-        if ATTENTION_SCORES not in block_names(s_tir.Schedule(func)):
+        sch = s_tir.Schedule(func)
+        if block_names(sch) != [ATTENTION_SCORES, MASKED_SCORES]:
             return None
-        return dl.gpu.Fallback().apply(func, target, tunable)
+        scores = sch.get_sblock(ATTENTION_SCORES)
+        batch, head, query, key, element = sch.get_loops(scores)
+        key_tile, key = sch.split(key, [None, self.keys])
+        sch.bind(sch.fuse(batch, head), "blockIdx.y")
+        sch.bind(sch.fuse(query, key_tile), "blockIdx.x")
+        sch.bind(key, "threadIdx.x")
+        sch.reverse_compute_at(sch.get_sblock(MASKED_SCORES), key)
+        sch.set_scope(scores, 0, "local")
+        sch.decompose_reduction(scores, element)
+        return sch
