@@ -46,7 +46,9 @@ TENSOR_INFO_MIN_BYTES = STRING_MIN_BYTES + 4 + 4 + 8  # name, dimension count, t
 
 
 def unreadable(problem: str, path: Path) -> KilnError:
-    return KilnError(f"not a readable GGUF file: {problem}", path)
+    """One line, whatever the file put in the names it quotes (a key's name may hold a newline)."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in problem)
+    return KilnError(f"not a readable GGUF file: {shown}", path)
 
 
 @dataclass(frozen=True)
