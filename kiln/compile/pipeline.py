@@ -489,6 +489,8 @@ def build(request: BuildRequest) -> BuildResult:
             "source_hash": source.source_hash,
             **({"source_revision": source.revision} if source.revision else {}),
             "model_type": arch.model_type,
+            # "embedding" (kiln embed, /v1/embeddings, engine.embeddings.create), else "chat"
+            "kind": "embedding" if isinstance(config, EncoderConfig) else "chat",
             "quantization": quantization.name,
             "overrides": request.overrides(),
             "targets": built_targets,

@@ -76,10 +76,12 @@ class WholeInputs:
         causal window holds the last `window` tokens; a bidirectional one reaches window // 2 tokens each
         way (Gemma3TextConfig's (window // 2) + 1, an exclusive bound)."""
         window = self.config.layer_window_size if layer_id in self.config.windowed_layers else None
+        if window is None:
+            return None if self.config.bidirectional else lambda i, j: j <= i
         if self.config.bidirectional:
-            reach = None if window is None else window // 2 + 1
-            return None if reach is None else lambda i, j: tirx.all(i - j < reach, j - i < reach)
-        return (lambda i, j: j <= i) if window is None else lambda i, j: tirx.all(j <= i, i - j < window)
+            reach = window // 2 + 1
+            return lambda i, j: tirx.all(i - j < reach, j - i < reach)
+        return lambda i, j: tirx.all(j <= i, i - j < window)
 
     def get_query_positions(self, total_tokens) -> nn.Tensor:
         _, seq_len = self.attention_mask.shape

@@ -181,6 +181,9 @@ def test_kiln_embed_prints_the_response(minilm_build, capsys):
 def test_chat_and_embedding_models_refuse_each_others_engine(minilm_build, tiny_build):
     from kiln.engine import Engine
 
+    for model_dir, kind in ((minilm_build(), "embedding"), (tiny_build("q4f32_1"), "chat")):
+        assert json.loads((model_dir / "kiln-build.json").read_text())["kind"] == kind
+
     with pytest.raises(KilnError, match="an embedding model, not a chat model"):
         Engine(minilm_build())
     with pytest.raises(KilnError, match="a chat model, not an embedding model"):
