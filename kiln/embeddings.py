@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from kiln.engine import EngineBusy, EngineError
+from kiln.engine import EngineError, acquire_or_busy
 from kiln.errors import KilnError, one_line
 from kiln.model_folder import read_json
 from kiln.runtime import CompiledLibrary, on_compute_thread
@@ -74,14 +74,8 @@ class EmbeddingSettings:
     suffix_token_ids: tuple[int, ...]
 
     @classmethod
-    def of(cls, chat_config: dict, model_dir: Path) -> EmbeddingSettings:
-        section = chat_config.get("embedding")
-        if not isinstance(section, dict):
-            raise KilnError(
-                "a chat model, not an embedding model: run it with kiln chat, kiln generate or /v1/chat/completions",
-                model_dir,
-            )
-        fields = {name: section[name] for name in cls.__dataclass_fields__}
+    def of(cls, chat_config: dict) -> EmbeddingSettings:
+        fields = {name: chat_config["embedding"][name] for name in cls.__dataclass_fields__}
         for name in ("matryoshka_dimensions", "prefix_token_ids", "suffix_token_ids"):
             fields[name] = tuple(fields[name])
         return cls(**fields)
@@ -123,9 +117,11 @@ def encoded(vector: np.ndarray, encoding_format: str):
 class EmbeddingModel(CompiledLibrary):
     """An embedding model's library: token ids in, pooled vectors out."""
 
+    embedding = True
+
     def __init__(self, model_dir: Path, target: str = "cpu"):
         super().__init__(model_dir, target)
-        self.settings = EmbeddingSettings.of(self.chat_config, self.model_dir)
+        self.settings = EmbeddingSettings.of(self.chat_config)
 
     def pooled(self, inputs: list[list[int]]) -> np.ndarray:
         """One pooled vector per input (each within the model's longest input), [len(inputs), width]."""
@@ -194,11 +190,7 @@ class EmbeddingEngine:
     def create_vectors(self, asked: EmbeddingRequest) -> tuple[np.ndarray, int]:
         width = self.settings.width(asked.dimensions)
         inputs = self.token_ids(asked.texts)
-        acquired = (
-            self._lock.acquire(timeout=self.busy_timeout_s) if self.busy_timeout_s > 0 else self._lock.acquire(False)
-        )
-        if not acquired:
-            raise EngineBusy(f"the engine for {self.model_id} is busy with another request")
+        acquire_or_busy(self._lock, self.busy_timeout_s, f"the engine for {self.model_id} is busy with another request")
         try:
             pooled = self.model.pooled(inputs)
         finally:

@@ -138,6 +138,13 @@ class EngineBusy(EngineError):
         super().__init__("busy", problem)
 
 
+def acquire_or_busy(lock: threading.Lock, timeout_s: float, busy: str) -> None:
+    """Take an engine's `lock`, waiting up to `timeout_s` (0: not at all); else EngineBusy(`busy`)."""
+    acquired = lock.acquire(timeout=timeout_s) if timeout_s > 0 else lock.acquire(blocking=False)
+    if not acquired:
+        raise EngineBusy(busy)
+
+
 @dataclass
 class Conversation:
     """The last chat turn as rendered text and the exact token ids the model saw or produced."""
@@ -351,13 +358,8 @@ class Engine:
         self._conversation = None
 
     def _acquire(self) -> None:
-        acquired = (
-            self._lock.acquire(timeout=self.busy_timeout_s)
-            if self.busy_timeout_s > 0
-            else self._lock.acquire(blocking=False)
-        )
-        if not acquired:
-            raise EngineBusy(f"the engine for {self.model_id} is busy with another generation")
+        busy = f"the engine for {self.model_id} is busy with another generation"
+        acquire_or_busy(self._lock, self.busy_timeout_s, busy)
 
     def _start(
         self, prompt_ids: list[int], config: GenerationConfig, stops: list[str], conversation_text: str | None

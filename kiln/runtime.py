@@ -156,13 +156,26 @@ def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -
     return [loaded[name] for name in names]
 
 
+# What a library of the other kind of model says, by whether the runner wants an embedding model.
+WRONG_KIND = {
+    True: "a chat model, not an embedding model: run it with kiln chat, kiln generate or /v1/chat/completions",
+    False: "an embedding model, not a chat model: run it with kiln embed, /v1/embeddings or engine.embeddings.create",
+}
+
+
 class CompiledLibrary:
-    """A model folder's library for `target` in a Relax VM, its `_metadata` and its parameters."""
+    """A model folder's library for `target` in a Relax VM, its `_metadata` and its parameters. A
+    subclass runs chat models, or embedding models (`embedding`); the other kind is refused before
+    anything is loaded."""
+
+    embedding = False
 
     def __init__(self, model_dir: Path, target: str):
         set_cpu_threads()
         self.model_dir = Path(model_dir)
         self.chat_config = read_json(self.model_dir / "mlc-chat-config.json")
+        if ("embedding" in self.chat_config) != self.embedding:
+            raise KilnError(WRONG_KIND[self.embedding], self.model_dir)
         if target not in NATIVE_TARGETS:
             raise KilnError(f"the native engine runs {', '.join(NATIVE_TARGETS)} libraries, not {target!r}")
         self.device = tvm.device(TARGETS[target].device, 0)
@@ -176,12 +189,6 @@ class NativeModel(CompiledLibrary):
 
     def __init__(self, model_dir: Path, target: str = "cpu"):
         super().__init__(model_dir, target)
-        if "embedding" in self.chat_config:
-            raise KilnError(
-                "an embedding model, not a chat model: run it with kiln embed, /v1/embeddings or "
-                "engine.embeddings.create",
-                self.model_dir,
-            )
         self.context_window_size = int(self.metadata["context_window_size"])
         self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
         self.all_logits_chunk_size = int(self.metadata.get("all_logits_chunk_size", self.prefill_chunk_size))
