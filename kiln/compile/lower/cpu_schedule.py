@@ -131,8 +131,8 @@ class RowParallelMatmul(dl.ScheduleRule):
         epilogue = [n for n in block_names(sch) if not n.startswith(matmul) and n not in (DEQUANTIZE, *GROUP_STAGES)]
         for name in epilogue[:-1]:  # a chain (bias, activation) computed in one pass over the output
             sch.compute_inline(sch.get_sblock(name))
-        for name in epilogue[-1:]:
-            _vectorize_elementwise(sch, name)
+        if epilogue:
+            _vectorize_elementwise(sch, epilogue[-1])
         return sch
 
     @staticmethod
