@@ -61,9 +61,11 @@ def test_the_tarball_holds_the_engine_and_declares_what_it_needs(project):
         ".": "./src/index.js",
         "./worker": "./src/bundle-worker.js",
         "./wasm-thread": "./src/wasm-thread.js",
+        "./ai-sdk": "./src/ai-sdk.js",
     }
     assert (project / "node_modules" / "kiln-web" / "src" / "wasm-thread.js").is_file()
     assert set(installed["dependencies"]) == {
+        "@ai-sdk/provider",
         "@mlc-ai/web-runtime",
         "@mlc-ai/web-tokenizers",
         "@mlc-ai/web-xgrammar",
