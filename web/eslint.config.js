@@ -6,12 +6,12 @@ import js from "@eslint/js";
 // SharedArrayBuffer, globalThis, …) come with `ecmaVersion`.
 const readonly = (names) => Object.fromEntries(names.map((name) => [name, "readonly"]));
 
-// The engine runs in a page and in its Web Worker; the harness is a page.
+// The engine runs in a page and in its Web Worker (or a service worker); the harness is a page.
 const WEB = readonly([
   "self", "navigator", "location", "document", "console", "performance", "crypto",
   "fetch", "Response", "caches", "URL", "URLSearchParams", "TextEncoder", "TextDecoder",
-  "Worker", "MessageChannel", "WebAssembly", "setTimeout", "clearTimeout",
-  "GPUBufferUsage", "GPUMapMode",
+  "Worker", "MessageChannel", "WebAssembly", "setTimeout", "clearTimeout", "setInterval", "clearInterval",
+  "GPUBufferUsage", "GPUMapMode", "ReadableStream",
 ]);
 
 // tools/ are Node scripts, and so is this file.

@@ -153,7 +153,7 @@ def test_the_worker_answers_only_the_methods_it_lists():
     names = ["constructor", "__proto__", "toString", "hasOwnProperty", "valueOf", "isPrototypeOf", "stats"]
     replies = run_node_module(
         """
-        import { serveEngine } from "./src/protocol.js";
+        import { serveEngine } from "./src/engine-host.js";
         const replies = [];
         const scope = { postMessage: (message) => replies.push(message) };
         serveEngine(scope, async () => { throw new Error("not used"); });

@@ -2,7 +2,6 @@
 // over Kiln's browser engine: `createKiln({ engine })` gives `kiln(modelId)`, a model for
 // generateText, streamText, Output.object, tools and abort signals, and `kiln.embeddingModel(modelId)`
 // for embed and embedMany. Requests go to the engine in OpenAI's shape (protocol.js).
-/* global ReadableStream */
 import {
   APICallError, InvalidArgumentError, InvalidPromptError, NoSuchModelError, TooManyEmbeddingValuesForCallError,
   UnsupportedFunctionalityError,

@@ -438,14 +438,17 @@ export class Engine {
    * CPU wasm library (wasm-threads.js). `library` pins one of the model's libraries by target name
    * (loader.js chooseBackend). `shaders`: when WebGPU compiles the library's shaders (`shaderCompilation`).
    * `speculative`: how replies are decoded unless a request says otherwise ("prompt-lookup" or "off").
+   * `admit(choice)` sees the record and library chosen before anything downloads, and may refuse them by
+   * throwing (engine-host.js: a model past the memory budget).
    */
   static async load({
     appConfig, modelId, device = "auto", library = null, threads, shaders, speculative, runtime, onProgress = () => {},
-    onFatal = () => {},
+    onFatal = () => {}, admit = () => {},
   }) {
     const started = performance.now();
     const engineSpeculation = speculationFor({ speculative: speculative ?? "off" }, null);
     const choice = await chooseBackend(appConfig, modelId, device, library);
+    admit(choice);
     const engine = new Engine(choice, onFatal);
     engine.speculation = engineSpeculation;
     engine.requestedThreads = choice.backend === "wasm" ? availableThreads(threads) : 1;

@@ -2,7 +2,8 @@
 // dedicated Web Worker and returns an object with the engine's API; every call becomes a
 // message {id, method, params}, answered by {id, kind: "event" | "result" | "error", ...}.
 // A worker-wide failure (the GPU device lost) arrives as {kind: "fatal", error}.
-import { EngineError, asEngineError } from "./errors.js";
+import { EngineError } from "./errors.js";
+import { EXTENSION_PORT } from "./engine-host.js";
 
 /** Make the app config's URLs absolute (the worker resolves against its own URL otherwise). */
 function absoluteAppConfig(appConfig, base) {
@@ -66,22 +67,23 @@ class AsyncQueue {
   }
 }
 
-class WorkerConnection {
-  constructor(worker, onFatal) {
-    this.worker = worker;
+/** The page's end of a connection to an engine: calls and their answers (engine-host.js). */
+class Connection {
+  /** @param {(error: EngineError) => void} onFatal */
+  constructor(onFatal) {
+    this.onFatal = onFatal;
     this.pending = new Map();
     this.nextId = 1;
-    this.failure = null;
-    worker.onmessage = ({ data }) => this.receive(data, onFatal);
-    worker.onerror = (event) => {
-      event.preventDefault?.();
-      this.fail(new EngineError("internal", `The engine worker failed: ${event.message ?? "it could not start"}`), onFatal);
-    };
+    this.failure = null; // the connection's own, which every call gets
+    this.modelFailures = new Map(); // a model's (its GPU device lost), which the calls to it get
   }
 
-  receive(message, onFatal) {
+  receive(message) {
     if (message.kind === "fatal") {
-      this.fail(EngineError.fromJSON(message.error), onFatal);
+      const error = EngineError.fromJSON(message.error);
+      this.modelFailures.set(message.model, error);
+      this.rejectPending(error, (call) => call.model === message.model);
+      this.onFatal(error);
       return;
     }
     const call = this.pending.get(message.id);
@@ -95,22 +97,157 @@ class WorkerConnection {
     else call.reject(EngineError.fromJSON(message.error));
   }
 
-  /** @param {EngineError} error @param {(error: EngineError) => void} [onFatal] */
-  fail(error, onFatal = () => {}) {
-    this.failure = error;
-    for (const call of this.pending.values()) call.reject(error);
-    this.pending.clear();
-    onFatal(error);
+  /** @param {EngineError} error @param {(call: {model: string | null}) => boolean} [matches] */
+  rejectPending(error, matches = () => true) {
+    for (const [id, call] of this.pending) {
+      if (!matches(call)) continue;
+      this.pending.delete(id);
+      call.reject(error);
+    }
   }
 
-  /** @param {string} method @param {object} [params] @param {(event: any) => void} [onEvent] */
-  call(method, params = {}, onEvent = () => {}) {
-    if (this.failure) return Promise.reject(this.failure);
+  /** @param {EngineError} error */
+  fail(error) {
+    this.failure = error;
+    this.rejectPending(error);
+    this.onFatal(error);
+  }
+
+  /**
+   * @param {string} method @param {object} [params] @param {(event: any) => void} [onEvent]
+   * @param {string | null} [model] the model the call addresses (its failure fails the call)
+   */
+  call(method, params = {}, onEvent = () => {}, model = null) {
+    const failure = this.failure ?? this.modelFailures.get(model);
+    if (failure) return Promise.reject(failure);
     const id = this.nextId++;
     return new Promise((resolve, reject) => {
-      this.pending.set(id, { resolve, reject, onEvent });
-      this.worker.postMessage({ id, method, params });
+      this.pending.set(id, { resolve, reject, onEvent, model });
+      this.send({ id, method, params });
     });
+  }
+
+  /** Post one message to the engine's worker (each transport its own way). @param {object} message */
+  send(message) {
+    throw new Error(`${this.constructor.name} cannot send ${JSON.stringify(message)}`);
+  }
+
+  /** Before a call: whether the engine's worker was restarted since the last call (its models are gone). */
+  async restarted() {
+    return false;
+  }
+
+  close() {}
+}
+
+/** An engine in a dedicated Web Worker of the page. */
+class WorkerConnection extends Connection {
+  constructor(worker, onFatal) {
+    super(onFatal);
+    this.worker = worker;
+    worker.onmessage = ({ data }) => this.receive(data);
+    worker.onerror = (event) => {
+      event.preventDefault?.();
+      this.fail(new EngineError("internal", `The engine worker failed: ${event.message ?? "it could not start"}`));
+    };
+  }
+
+  send(message) {
+    this.worker.postMessage(message);
+  }
+
+  close() {
+    this.worker.terminate();
+  }
+}
+
+const lostCall = (where) => new EngineError("internal", `The browser stopped the engine's ${where} during this call; ` +
+  "the next call loads the model again.");
+
+/**
+ * An engine in the site's service worker (engine-host.js serveEngineInServiceWorker): each call goes
+ * as a message with a port of its own for the answers. A ping every `keepAliveMs` keeps the worker
+ * alive while the page is open, and tells when the browser stopped it and started it again.
+ */
+class ServiceWorkerConnection extends Connection {
+  constructor(serviceWorker, container, keepAliveMs, onFatal) {
+    super(onFatal);
+    this.serviceWorker = serviceWorker;
+    this.instance = null;
+    this.onBroadcast = ({ data }) => {
+      if (data?.kiln) this.receive(data.kiln);
+    };
+    container.addEventListener("message", this.onBroadcast);
+    this.container = container;
+    this.keepAlive = setInterval(() => this.restarted().catch(() => {}), keepAliveMs);
+  }
+
+  send(message, onAnswer = (answer) => this.receive(answer)) {
+    const channel = new MessageChannel();
+    channel.port1.onmessage = ({ data }) => {
+      if (data.kind !== "event") channel.port1.close();
+      onAnswer(data);
+    };
+    this.serviceWorker.postMessage({ kilnCall: message }, [channel.port2]);
+  }
+
+  /** Ping the worker; a new instance id means the browser restarted it: calls in flight are lost. */
+  async restarted() {
+    const { instance } = await new Promise((resolve) => {
+      this.send({ id: 0, method: "ping" }, ({ data }) => resolve(data));
+    });
+    const before = this.instance;
+    this.instance = instance;
+    if (before === null || before === instance) return false;
+    this.rejectPending(lostCall("service worker"));
+    this.modelFailures.clear();
+    return true;
+  }
+
+  close() {
+    clearInterval(this.keepAlive);
+    this.container.removeEventListener("message", this.onBroadcast);
+  }
+}
+
+/**
+ * An engine in an MV3 extension's service worker (engine-host.js serveEngineInExtension), over a
+ * `chrome.runtime` port. The port breaks when the browser stops the worker; the next call connects again.
+ */
+class ExtensionConnection extends Connection {
+  constructor(runtime, portName, keepAliveMs, onFatal) {
+    super(onFatal);
+    this.runtime = runtime;
+    this.portName = portName;
+    this.port = null;
+    this.connect();
+    this.keepAlive = setInterval(() => this.port?.postMessage({ id: 0, method: "models", params: {} }), keepAliveMs);
+  }
+
+  connect() {
+    const port = this.runtime.connect({ name: this.portName });
+    port.onMessage.addListener((message) => this.receive(message));
+    port.onDisconnect.addListener(() => {
+      this.port = null;
+      this.rejectPending(lostCall("extension service worker"));
+    });
+    this.port = port;
+  }
+
+  send(message) {
+    this.port.postMessage(message);
+  }
+
+  async restarted() {
+    if (this.port) return false;
+    this.connect();
+    this.modelFailures.clear();
+    return true;
+  }
+
+  close() {
+    clearInterval(this.keepAlive);
+    this.port?.disconnect();
   }
 }
 
@@ -136,71 +273,48 @@ class WorkerConnection {
  *   adapter such as SwiftShader, where the CPU compiles them)
  * @property {"prompt-lookup" | "off"} [speculative] decode speculatively by default (speculative.js): a request's
  *   own `speculative` field ("off" or "prompt-lookup") overrides it (default "off")
+ * @property {number} [memoryBudget] bytes the engine's models may take together, as the app config accounts
+ *   for them (default: half the device's memory where the browser tells it): a model past it is refused
+ *   (`out-of-memory`) before it downloads
  */
 
+const LOAD_OPTIONS = ["device", "library", "threads", "shaders", "speculative", "memoryBudget"];
+
 /**
- * Start the engine for `modelId` of `appConfig` ({model_list: [...]}, WebLLM's format) in a worker.
- *
- * @param {{model_list: object[]}} appConfig
- * @param {string} modelId
- * @param {EngineOptions} [options]
+ * The page's engine: the API of the models an engine worker holds (a dedicated, service or extension
+ * worker: the connection says which). A request names its model in `model`, as OpenAI's do; with one
+ * model loaded it may leave it out.
  */
-export async function createEngine(appConfig, modelId, {
-  onProgress = () => {}, device = "auto", library, onError = () => {}, workerUrl, threads, shaders, speculative,
-} = {}) {
-  const worker = new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
-  const connection = new WorkerConnection(worker, onError);
-  const base = globalThis.location?.href;
-  let loaded;
-  try {
-    loaded = await connection.call("load", {
-      appConfig: absoluteAppConfig(appConfig, base), modelId, device, library, threads, shaders, speculative,
-    }, onProgress);
-  } catch (error) {
-    worker.terminate();
-    throw error;
-  }
-  const call = (method, params) => connection.call(method, params);
-  return {
-    modelId: loaded.model_id,
-    backend: loaded.backend,
-    chat: {
+class EngineClient {
+  constructor(connection, appConfig, options) {
+    this.connection = connection;
+    this.appConfig = absoluteAppConfig(appConfig, globalThis.location?.href);
+    this.loadOptions = Object.fromEntries(LOAD_OPTIONS.map((name) => [name, options[name]]));
+    this.loads = new Map(); // each model's load parameters, to load it again in a restarted worker
+    this.modelId = null;
+    this.backend = null;
+    const client = this;
+    this.chat = {
       completions: {
         /**
          * OpenAI's chat.completions.create: a completion, or with `stream: true` an async iterable of chunks.
          * Sampling honours the native engine's fields (top_k, the penalties, ignore_eos, seed, …), and a
          * seed picks the native engine's tokens (sampler.js).
          */
-        async create(request) {
-          if (!request.stream) return call("chatCompletion", { request });
-          // Leaving the loop early ends the generation (as closing an OpenAI stream does) and
-          // waits for it to stop, so the next request does not find the engine busy.
-          let finished = null;
-          const chunks = new AsyncQueue(async () => {
-            await call("interrupt");
-            await finished;
-          });
-          finished = connection.call("chatCompletion", { request }, (chunk) => chunks.push(chunk))
-            .then(() => chunks.close(), (error) => chunks.close(error));
-          return chunks;
-        },
+        create: (request) => client.chatCompletion(request),
       },
-    },
-    embeddings: {
+    };
+    this.embeddings = {
       /**
        * OpenAI's embeddings.create (WebLLM's `engine.embeddings.create`), for an embedding model: `input` a
        * string or a list of them, `dimensions` (a Matryoshka length the model allows), `encoding_format`
        * "float" or "base64". Inputs past the model's longest are cut to their beginning.
        */
-      create: (request) => call("embeddings", { request }),
-    },
-    /** Stop the running generation after its current token (finish_reason "abort"). */
-    interrupt: () => call("interrupt"),
-    /** Forget the conversation (clears the KV cache). */
-    resetChat: () => call("resetChat"),
-    stats: () => call("stats"),
-    /** Token-level access to the model's one sequence, for parity checks and benchmarks. */
-    session: {
+      create: (request) => client.call("embeddings", { request }, request?.model),
+    };
+    const call = (method, params = {}) => client.call(method, params, client.modelId);
+    /** Token-level access to the first model's one sequence, for parity checks and benchmarks. */
+    this.session = {
       /** A text's ids without special tokens, as WebLLM encodes each piece of a prompt. */
       encode: (text) => call("encode", { text }),
       /** A raw text's ids with the special tokens the tokenizer adds (a BOS), as natively. */
@@ -221,70 +335,153 @@ export async function createEngine(appConfig, modelId, {
       allLogits: (ids, options = {}) => call("allLogits", { ids, options }),
       rollback: (count) => call("rollback", { count }),
       cachedTokenIds: () => call("cachedTokenIds"),
-    },
-    /** Release the GPU and the worker. */
-    unload: async () => {
-      await call("unload").catch(() => {});
-      worker.terminate();
-      // A terminated worker never answers: later calls (a second unload too) must fail, not wait forever.
-      connection.fail(new EngineError("not-loaded", "The engine was unloaded; create a new one."));
-    },
-  };
+    };
+  }
+
+  /**
+   * Load `modelId` of the app config beside the models held (`options` override the engine's), and
+   * report progress to `onProgress`; resolves to the model's stats, with `reused: true` where the
+   * worker held it already (a service worker's model, from an earlier page).
+   */
+  async load(modelId, { onProgress = () => {}, ...options } = {}) {
+    const params = { appConfig: this.appConfig, ...this.loadOptions, ...options, modelId };
+    await this.connection.restarted();
+    this.connection.modelFailures.delete(modelId); // loading a failed model again clears its failure
+    const loaded = await this.connection.call("load", params, onProgress, modelId);
+    this.loads.set(modelId, params);
+    this.modelId ??= modelId;
+    this.backend ??= loaded.backend;
+    return loaded;
+  }
+
+  /** The model a call reaches: the one it names, else (the engine holding one) the first loaded. */
+  addressed(model) {
+    return model ?? this.modelId;
+  }
+
+  /** Where the browser restarted the engine's worker since the last call, load the models it held again. */
+  async reloadIfRestarted() {
+    if (!(await this.connection.restarted())) return;
+    for (const [modelId, loadParams] of this.loads) await this.connection.call("load", loadParams, () => {}, modelId);
+  }
+
+  async call(method, params = {}, model = null) {
+    await this.reloadIfRestarted();
+    return this.connection.call(method, { model, ...params }, () => {}, this.addressed(model));
+  }
+
+  async chatCompletion(request) {
+    const model = request?.model ?? null;
+    if (!request?.stream) return this.call("chatCompletion", { request }, model);
+    await this.reloadIfRestarted();
+    // Leaving the loop early ends the generation (as closing an OpenAI stream does) and
+    // waits for it to stop, so the next request does not find the engine busy.
+    let finished = null;
+    const chunks = new AsyncQueue(async () => {
+      await this.interrupt(model);
+      await finished;
+    });
+    finished = this.connection.call("chatCompletion", { request }, (chunk) => chunks.push(chunk), this.addressed(model))
+      .then(() => chunks.close(), (error) => chunks.close(error));
+    return chunks;
+  }
+
+  /** Stop the model's running generation after its current token (finish_reason "abort"). */
+  interrupt(model = null) {
+    return this.connection.call("interrupt", { model }, () => {}, this.addressed(model));
+  }
+
+  /** Forget the model's conversation (clears its KV cache). */
+  resetChat(model = null) {
+    return this.call("resetChat", {}, model);
+  }
+
+  stats(model = null) {
+    return this.call("stats", {}, model);
+  }
+
+  /** The models held: [{id, model_id, backend, kind, accounted_bytes}]. */
+  models() {
+    return this.call("models");
+  }
+
+  /**
+   * Unload `model`, and the others keep working; with no model, unload them all and end the engine
+   * (a dedicated worker is terminated; a service worker lives on, empty).
+   */
+  async unload(model = null) {
+    if (model !== null) {
+      await this.connection.call("unload", { model }, () => {}, model);
+      this.loads.delete(model);
+      if (this.modelId === model) this.modelId = this.loads.keys().next().value ?? null;
+      return;
+    }
+    await this.connection.call("unload", {}).catch(() => {});
+    this.loads.clear();
+    this.connection.close();
+    // A closed connection never answers: later calls (a second unload too) must fail, not wait forever.
+    this.connection.failure = new EngineError("not-loaded", "The engine was unloaded; create a new one.");
+  }
+}
+
+/** Load each of `modelIds` into `client` in turn; the first failure closes the connection and is thrown. */
+async function loaded(client, modelIds, onProgress) {
+  try {
+    for (const modelId of [modelIds].flat()) await client.load(modelId, { onProgress });
+  } catch (error) {
+    client.connection.close();
+    throw error;
+  }
+  return client;
 }
 
 /**
- * The worker side: answer messages on `scope` (the worker's global) with an engine made by
- * `loadEngine({appConfig, modelId, device, library, threads, shaders, speculative, onProgress, onFatal})`.
+ * Start the engine for `modelId` of `appConfig` ({model_list: [...]}, WebLLM's format) in a
+ * dedicated Web Worker; a list of ids loads each, for requests to name in `model`.
+ *
+ * @param {{model_list: object[]}} appConfig
+ * @param {string | string[]} modelId
+ * @param {EngineOptions & {worker?: Worker}} [options] `worker`: a worker the page started that serves the
+ *   engine (`serveEngine`, or WebLLM's `WebWorkerMLCEngineHandler`), instead of one from `workerUrl`
  */
-export function serveEngine(scope, loadEngine) {
-  let engine = null;
-  const loaded = () => {
-    if (!engine) throw new EngineError("not-loaded", "The model is not loaded.");
-    return engine;
-  };
-  // A Map, so that a message naming `constructor`, `__proto__` or `toString` finds no method.
-  const methods = new Map(Object.entries({
-    load: async ({ appConfig, modelId, device, library, threads, shaders, speculative }, emit) => {
-      engine?.dispose();
-      engine = null;
-      engine = await loadEngine({
-        appConfig, modelId, device, library: library ?? null, threads, shaders, speculative, onProgress: emit,
-        onFatal: (error) => scope.postMessage({ kind: "fatal", error: error.toJSON() }),
-      });
-      return engine.stats();
-    },
-    chatCompletion: ({ request }, emit) => loaded().chatCompletion(request, emit),
-    embeddings: ({ request }) => loaded().embeddings(request),
-    interrupt: () => loaded().interrupt(),
-    resetChat: () => loaded().resetChat(),
-    stats: () => loaded().stats(),
-    encode: ({ text }) => loaded().encode(text),
-    encodeText: ({ text }) => loaded().encodeText(text),
-    decodeText: ({ ids }) => loaded().decodeText(ids),
-    encodeChat: ({ messages }) => loaded().encodeChat(messages),
-    prefill: ({ ids, options }) => loaded().prefill(ids, options),
-    decode: ({ id, options }) => loaded().decode(id, options),
-    generate: ({ ids, request }) => loaded().generateTokens(ids, request),
-    timePrefill: ({ ids, options }) => loaded().timePrefill(ids, options),
-    timeEmbeddings: ({ request }) => loaded().timeEmbeddings(request),
-    timeDecode: ({ id, options }) => loaded().timeDecode(id, options),
-    allLogits: ({ ids, options }) => loaded().allLogits(ids, options),
-    rollback: ({ count }) => loaded().rollback(count),
-    cachedTokenIds: () => loaded().cachedTokenIds(),
-    unload: () => {
-      engine?.dispose();
-      engine = null;
-    },
-  }));
-  scope.onmessage = async ({ data: { id, method, params } }) => {
-    const emit = (event) => scope.postMessage({ id, kind: "event", data: event });
-    try {
-      const handler = methods.get(method);
-      if (!handler) throw new EngineError("bad-request", `unknown method ${JSON.stringify(method)}`);
-      const result = await handler(params, emit);
-      scope.postMessage({ id, kind: "result", data: result });
-    } catch (error) {
-      scope.postMessage({ id, kind: "error", error: asEngineError(error).toJSON() });
-    }
-  };
+export function createEngine(appConfig, modelId, options = {}) {
+  const { workerUrl, onError = () => {}, onProgress } = options;
+  const worker = options.worker ?? new Worker(workerUrl ?? new URL("./worker.js", import.meta.url), { type: "module" });
+  return loaded(new EngineClient(new WorkerConnection(worker, onError), appConfig, options), modelId, onProgress);
+}
+
+/**
+ * The engine in the site's service worker (a module that imports `kiln-web/service-worker`, registered by
+ * the page): the models stay loaded across the site's pages and tabs, so a page that asks for a model
+ * the worker holds gets it at once. `keepAliveMs` (default 10 s) pings the worker so the browser keeps it
+ * while a page is open; where the browser stopped it anyway, the next call loads the models again.
+ *
+ * @param {{model_list: object[]}} appConfig
+ * @param {string | string[]} modelId
+ * @param {EngineOptions & {keepAliveMs?: number, serviceWorker?: ServiceWorker}} [options]
+ */
+export async function createServiceWorkerEngine(appConfig, modelId, options = {}) {
+  const { keepAliveMs = 10_000, onError = () => {}, onProgress } = options;
+  const container = globalThis.navigator?.serviceWorker;
+  if (!container) throw new EngineError("bad-request", "This page has no service workers (an insecure origin, or a private window).");
+  const serviceWorker = options.serviceWorker ?? (await container.ready).active;
+  const connection = new ServiceWorkerConnection(serviceWorker, container, keepAliveMs, onError);
+  return loaded(new EngineClient(connection, appConfig, options), modelId, onProgress);
+}
+
+/**
+ * The engine in an MV3 extension's service worker (its background script imports
+ * `kiln-web/extension-service-worker`), for the extension's pages, popup and side panel.
+ *
+ * @param {{model_list: object[]}} appConfig
+ * @param {string | string[]} modelId
+ * @param {EngineOptions & {keepAliveMs?: number, portName?: string}} [options] `portName`: the name the
+ *   worker's host listens for (engine-host.js EXTENSION_PORT)
+ */
+export async function createExtensionEngine(appConfig, modelId, options = {}) {
+  const { keepAliveMs = 10_000, onError = () => {}, onProgress, portName = EXTENSION_PORT } = options;
+  const runtime = globalThis.chrome?.runtime;
+  if (!runtime?.connect) throw new EngineError("bad-request", "createExtensionEngine runs in a page of a Chrome extension.");
+  const connection = new ExtensionConnection(runtime, portName, keepAliveMs, onError);
+  return loaded(new EngineClient(connection, appConfig, options), modelId, onProgress);
 }

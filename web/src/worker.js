@@ -3,7 +3,7 @@
 import "../node_modules/@mlc-ai/web-runtime/lib/index.js";
 import "../node_modules/@mlc-ai/web-tokenizers/lib/index.js";
 import { Engine } from "./engine.js";
-import { serveEngine } from "./protocol.js";
+import { serveEngine } from "./engine-host.js";
 
 // XGrammar (1.1 MB, for response formats) is imported the first time a request asks for a format.
 // It defines `globalThis.xgrammar` too; importing it again under another URL evaluates the bundle
