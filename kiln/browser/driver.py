@@ -63,22 +63,39 @@ def playwright_driver() -> Iterator:
 
 
 @contextmanager
-def chromium(profile_dir: Path, webgpu: bool = True, driver=None, extra_args: tuple[str, ...] = ()) -> Iterator:
+def chromium(
+    profile_dir: Path,
+    webgpu: bool = True,
+    driver=None,
+    extra_args: tuple[str, ...] = (),
+    extension: Path | None = None,
+) -> Iterator:
     """A headless Chromium (a Playwright BrowserContext) with its profile in `profile_dir`.
 
     `webgpu=False` leaves WebGPU off: `navigator.gpu.requestAdapter()` then gives no adapter.
     `driver` is a running playwright_driver(); without one, a driver is started for this browser.
+    `extension`: an unpacked extension's folder, loaded (the only extension the browser runs).
     """
     if driver is None:
-        with playwright_driver() as own_driver, chromium(profile_dir, webgpu, own_driver, extra_args) as context:
+        with (
+            playwright_driver() as own_driver,
+            chromium(profile_dir, webgpu, own_driver, extra_args, extension) as context,
+        ):
             yield context
         return
     executable = find_chromium()
     if executable is None:
         raise KilnError(f"Chromium is not installed ({CHROMIUM_FIX})")
     args = OFFLINE_FLAGS + ([WEBGPU_FLAG] if webgpu else []) + list(extra_args)
+    if extension is not None:
+        args = [arg for arg in args if arg != "--disable-extensions"]
+        args += [f"--disable-extensions-except={extension}", f"--load-extension={extension}"]
     context = driver.chromium.launch_persistent_context(
-        str(profile_dir), executable_path=str(executable), headless=True, args=args
+        str(profile_dir),
+        executable_path=str(executable),
+        headless=True,
+        args=args,
+        ignore_default_args=["--disable-extensions"] if extension is not None else None,
     )
     try:
         yield context

@@ -62,6 +62,9 @@ def test_the_tarball_holds_the_engine_and_declares_what_it_needs(project):
         "./worker": "./src/bundle-worker.js",
         "./wasm-thread": "./src/wasm-thread.js",
         "./ai-sdk": "./src/ai-sdk.js",
+        "./webllm": "./src/webllm.js",
+        "./service-worker": "./src/bundle-service-worker.js",
+        "./extension-service-worker": "./src/bundle-extension-worker.js",
     }
     assert (project / "node_modules" / "kiln-web" / "src" / "wasm-thread.js").is_file()
     assert set(installed["dependencies"]) == {
