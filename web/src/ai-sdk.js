@@ -70,9 +70,8 @@ export function createKiln({ engine }) {
 const KINDS = { languageModel: "chat", embeddingModel: "embedding" }; // the engine's stats().kind
 
 /**
- * Resolves if the engine runs `modelId` as a model of `modelType`, else rejects with a NoSuchModelError.
- * The engine's stats say: an engine of several models gives the one asked for (or refuses one it does
- * not hold), an engine of one model gives its own.
+ * Resolves if the engine runs `modelId` as a model of `modelType`, else rejects with a NoSuchModelError:
+ * the engine refuses the stats of a model it does not hold (`not-loaded`), and says the kind of one it does.
  * @param {"languageModel" | "embeddingModel"} modelType
  */
 async function checkServed(engine, modelId, modelType) {
@@ -81,9 +80,6 @@ async function checkServed(engine, modelId, modelType) {
     stats = await engine.stats(modelId);
   } catch (error) {
     throw sdkError(error, modelId, {}, modelType);
-  }
-  if (stats.model_id !== modelId) {
-    throw new NoSuchModelError({ modelId, modelType, message: `The engine runs ${stats.model_id}, not ${modelId}.` });
   }
   if (stats.kind !== KINDS[modelType]) {
     const kind = stats.kind === "chat" ? "a chat" : "an embedding";
