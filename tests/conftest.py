@@ -91,6 +91,20 @@ def tiny_build(builds, tiny_source):
 
 
 @pytest.fixture(scope="session")
+def mixed_gguf(sources):
+    """A tiny Llama as a GGUF holding every block type Kiln compiles (helpers.tiny_families)."""
+    return sources.path("tiny-mixed")
+
+
+@pytest.fixture(scope="session")
+def mixed_build(builds, mixed_gguf):
+    """mixed_build(quantization, targets) → model folder of the mixed-blocks GGUF."""
+    return lambda quantization, targets=("cpu",): builds.model_dir(
+        mixed_gguf, "tiny-mixed", quantization, list(targets)
+    )
+
+
+@pytest.fixture(scope="session")
 def family_source(sources):
     """family_source(name) → a tiny model of that family (helpers.tiny_families), as a Hugging Face folder."""
     return sources.path

@@ -27,19 +27,6 @@ F16_LOGIT_TOLERANCE = 0.25
 GREEDY_TOKENS = 16
 
 
-@pytest.fixture(scope="session")
-def mixed_gguf(sources):
-    return sources.path("tiny-mixed")
-
-
-@pytest.fixture(scope="session")
-def mixed_build(builds, mixed_gguf):
-    """mixed_build(quantization, targets) → model folder of the mixed-blocks GGUF."""
-    return lambda quantization, targets=("cpu",): builds.model_dir(
-        mixed_gguf, "tiny-mixed", quantization, list(targets)
-    )
-
-
 def greedy(model: NativeModel, ids: list[int], steps: int = GREEDY_TOKENS) -> tuple[list[int], list[float]]:
     """Greedy tokens after `ids` and the top-2 logit gap of each step."""
     model.reset()

@@ -105,8 +105,8 @@ WRITTEN_FROM: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
 BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
     "tiny_source": [("tiny-llama", "tiny-llama", q) for q in ("q4f32_1", "q0f32", "q4f16_1")],
     "tiny_untied_source": [("tiny-llama-untied", "tiny-untied", "q0f32")],
-    "mixed_build": [("tiny-mixed", "tiny-mixed", q) for q in ("q0f32", "gguf_f32", "gguf_f16", "q0f16")],
-    "smollm2_source": [(SMOLLM2, SMOLLM2, q) for q in ("q0f32", "q4f16_1", "q4f32_1")],
+    "mixed_build": [("tiny-mixed", "tiny-mixed", q) for q in ("q0f32", "gguf_f32", "gguf_f16", "q0f16", "gguf_i8")],
+    "smollm2_source": [(SMOLLM2, SMOLLM2, q) for q in ("q0f32", "q4f16_1", "q4f32_1", "gguf_f32", "gguf_i8")],
     "family_source": [
         *((family, f"tiny-{family}", "q4f32_1") for family in BROWSER_FAMILIES),
         *((family, f"tiny-{family}", "q0f32") for family in sorted(TINY_FAMILIES)),

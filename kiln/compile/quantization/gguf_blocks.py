@@ -1,10 +1,11 @@
-"""`gguf_f32` and `gguf_f16`: a GGUF's weights compiled as the file stores them.
+"""`gguf_f32`, `gguf_f16` and `gguf_i8`: a GGUF's weights compiled as the file stores them.
 
 Every matrix a Linear or Embedding reads keeps its GGUF type and bytes (see ggml_blocks.py);
 the kernels that read it dequantize each weight where they use it. A fused weight whose parts
 have different types (Q4_K_M files store some `attn_v` and `ffn_down` as Q6_K) runs as one
 matmul per run of parts of one type, the outputs side by side: nothing is quantized again.
-Norms and biases are stored in the model's float dtype.
+Norms and biases are stored in the model's float dtype. `gguf_i8` is `gguf_f32` whose decode
+matmuls take 8-bit activations, for the types int8_decode.py has kernels for (x86-64 CPUs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from itertools import groupby
 import numpy as np
 from tvm import DataType, relax, te
 from tvm.relax.frontend import nn
+from tvm.target import Target
 
+from kiln.compile.quantization import int8_decode
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, BlockType
 from kiln.compile.quantization.stored import Stored
 from kiln.compile.source.gguf_source import GGUFTensorBlocks
@@ -47,14 +50,41 @@ def readable(blocks: nn.Tensor, block_type: BlockType) -> nn.Tensor:
     return nn.wrap_nested(as_units(blocks._expr, block_type, *blocks.shape), "units")
 
 
+def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows: int, cols: int) -> nn.Tensor | None:
+    """A decode step's matmul on 8-bit activations (int8_decode.py), or None where it is not one:
+    x is not one row, or the block type has no such kernel (it then runs on float activations).
+    A target without the kernels is refused: its library would round other numbers than the cpu one."""
+    target = Target.current(allow_none=True)
+    if not int8_decode.runs_on(target):
+        where = "outside a build" if target is None else f"for {target.kind.name} {target.attrs.get('mtriple', '')}"
+        raise KilnError(
+            f"gguf_i8 decodes on 8-bit activations with x86-64 AVX2 kernels only, and cannot build {where.strip()}: "
+            "build that target with gguf_f32"
+        )
+    if not (int8_decode.one_row(x.shape) and block_type.name in int8_decode.LEVEL_BYTES):
+        return None
+    units = readable(blocks, block_type)
+    return nn.op.tensor_ir_op(
+        int8_decode.gemv(block_type.name, rows, cols, units.shape[1]),
+        "int8_decode_matmul",
+        [x, units],
+        nn.Tensor.placeholder((*x.shape[:-1], rows), "float32"),
+    )
+
+
 class BlockMatrix(nn.Module):
     """Rows of a weight stored in one block type: `blocks` [rows, row words] (uint32)."""
 
-    def __init__(self, block_type: BlockType, rows: int, cols: int, dtype: str):
+    def __init__(self, block_type: BlockType, rows: int, cols: int, dtype: str, int8_activations: bool):
         self.block_type, self.rows, self.cols, self.dtype = block_type, rows, cols, dtype
+        self.int8_activations = int8_activations
         self.blocks = nn.Parameter((rows, block_type.row_words(cols)), "uint32")
 
     def matmul(self, x: nn.Tensor) -> nn.Tensor:
+        if self.int8_activations:
+            y = int8_matmul(x, self.blocks, self.block_type, self.rows, self.cols)
+            if y is not None:
+                return y
         return nn.op.tensor_expr_op(
             lambda x, w: self.block_type.matmul_te(x, w, self.rows, self.cols, self.dtype, x.dtype),
             "dequantize_matmul",
@@ -63,10 +93,10 @@ class BlockMatrix(nn.Module):
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, linear: Linear, runs: list[tuple[BlockType, int]], dtype: str):
+    def __init__(self, linear: Linear, runs: list[tuple[BlockType, int]], dtype: str, int8_activations: bool):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = nn.ModuleList(
-            [BlockMatrix(block_type, rows, linear.in_features, dtype) for block_type, rows in runs]
+            [BlockMatrix(block_type, rows, linear.in_features, dtype, int8_activations) for block_type, rows in runs]
         )
         self.bias = linear.bias
 
@@ -77,9 +107,10 @@ class GGUFLinear(nn.Module):
 
 
 class GGUFEmbedding(nn.Module):
-    def __init__(self, embedding: Embedding, block_type: BlockType, dtype: str):
+    def __init__(self, embedding: Embedding, block_type: BlockType, dtype: str, int8_activations: bool):
         self.vocab_size, self.hidden_size = embedding.vocab_size, embedding.hidden_size
         self.block_type, self.dtype = block_type, dtype
+        self.int8_activations = int8_activations
         self.blocks = nn.Parameter((self.vocab_size, block_type.row_words(self.hidden_size)), "uint32")
 
     def forward(self, token_ids: nn.Tensor) -> nn.Tensor:
@@ -90,6 +121,10 @@ class GGUFEmbedding(nn.Module):
         return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [readable(self.blocks, self.block_type), token_ids])
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
+        if self.int8_activations:
+            y = int8_matmul(x, self.blocks, self.block_type, self.vocab_size, self.hidden_size)
+            if y is not None:
+                return y
         return nn.op.tensor_expr_op(
             lambda x, w: self.block_type.matmul_te(x, w, self.vocab_size, self.hidden_size, self.dtype, "float32"),
             "dequantize_lm_head",
@@ -105,9 +140,12 @@ def runs_of_one_type(parts: list[GGUFTensorBlocks]) -> list[list[GGUFTensorBlock
 class GGUFBlocks:
     name: str
     model_dtype: str
+    int8_activations: bool = False  # decode matmuls on 8-bit activations (int8_decode.py)
 
     @property
     def describe(self) -> str:
+        if self.int8_activations:
+            return "a .gguf source's own blocks, decode matmuls on 8-bit activations (x86-64 AVX2 cpu only)"
         return f"a .gguf source's own blocks (not quantized again), {self.model_dtype} activations"
 
     def block_type(self, part: GGUFTensorBlocks, path) -> BlockType:
@@ -149,10 +187,12 @@ class GGUFBlocks:
                         (scheme.block_type(run[0], path), sum(part.rows for part in run))
                         for run in runs_of_one_type(weights.gguf_blocks(f"{name}.weight", scheme.name))
                     ]
-                    return GGUFLinear(node, runs, scheme.model_dtype)
+                    return GGUFLinear(node, runs, scheme.model_dtype, scheme.int8_activations)
                 if isinstance(node, Embedding):
                     (table,) = weights.gguf_blocks(f"{name}.weight", scheme.name)
-                    return GGUFEmbedding(node, scheme.block_type(table, path), scheme.model_dtype)
+                    return GGUFEmbedding(
+                        node, scheme.block_type(table, path), scheme.model_dtype, scheme.int8_activations
+                    )
                 return self.visit(name, node)
 
         return Rewriter().visit("", model)
@@ -168,4 +208,8 @@ class GGUFBlocks:
         return {name: Stored(weights.load(name).astype(self.model_dtype))}
 
 
-SCHEMES = (GGUFBlocks("gguf_f32", "float32"), GGUFBlocks("gguf_f16", "float16"))
+SCHEMES = (
+    GGUFBlocks("gguf_f32", "float32"),
+    GGUFBlocks("gguf_f16", "float16"),
+    GGUFBlocks("gguf_i8", "float32", int8_activations=True),
+)
