@@ -7,10 +7,11 @@ import gguf
 import numpy as np
 import pytest
 import tvm
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from helpers.failures import assert_clean_failure
 from helpers.reference import PROMPTS
+from helpers.tiny_families import tensor_blocks
 
 from kiln.compile.quantization import int8_decode
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
@@ -19,12 +20,14 @@ from kiln.runtime import NativeModel
 from kiln.targets import cpu_target
 
 # What 8-bit activations move, against float ones (the note of issue 41): a GEMV's outputs by up to
-# 2 % of the largest (measured 0.6 %); a decode step's logits by up to 10 % of the largest logit
-# (measured 2.3 % on the mixed GGUF, 5.6 % on SmolLM2 over 32 steps); and so greedy tokens may part
-# where the float path's top two logits are within 0.5 (SmolLM2's closest flips were 0.24 apart).
+# 2 % of the largest (measured 0.4–0.7 %); a decode step's logits, over 32 steps, by up to 15 % of the
+# largest logit (measured: SmolLM2 5.6 %; the tiny mixed GGUF, random weights 64 wide in every block
+# type, 14 %); and so greedy tokens may part where the float path's top two logits are within 1.0
+# (SmolLM2's closest flips were 0.24 apart, the mixed GGUF's 0.83). A wrong kernel or a wrong wiring
+# moves them by far more: each kernel is held to the exact integer dot product of its blocks.
 GEMV_TOLERANCE = 0.02
-LOGIT_TOLERANCE = 0.10
-NEAR_TIE = 0.5
+LOGIT_TOLERANCE = 0.15
+NEAR_TIE = 1.0
 STEPS = 32
 
 
@@ -38,13 +41,12 @@ def quantized_activations(x: np.ndarray) -> np.ndarray:
     return (levels.astype(np.float64) * (largest / np.float32(127))[:, None]).reshape(-1)
 
 
-@pytest.mark.parametrize("type_name", list(int8_decode.LEVEL_BYTES))
+@pytest.mark.parametrize("type_name", list(int8_decode.KERNEL_BLOCKS))
 def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name):
-    rows, cols = 24, 320
+    rows, cols = 24, 512
     rng = np.random.default_rng(0)
-    ggml_type = gguf.GGMLQuantizationType[type_name]
-    blocks = quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
-    weights = dequantize(blocks, ggml_type).astype(np.float64)
+    blocks = tensor_blocks(type_name, rows, cols, rng)
+    weights = dequantize(blocks, gguf.GGMLQuantizationType[type_name]).astype(np.float64)
     units = BLOCK_TYPES[type_name].words(blocks).view(np.uint8).reshape(rows, -1)
     x = (rng.standard_normal((1, 1, cols)) * np.repeat(rng.uniform(0.1, 5, cols // 32), 32)).astype(np.float32)
     x[0, 0, :32] = 0  # a block of zeros has the scale 0
@@ -88,8 +90,8 @@ def assert_decodes_within_tolerance(int8: NativeModel, floats: NativeModel, prom
 
 
 def test_gguf_i8_prefills_as_gguf_f32_and_decodes_within_its_tolerance(mixed_build):
-    """The mixed GGUF holds every type: Q4_0 … Q8_0 decode on 8-bit activations, the others (K-quants,
-    F16, BF16, F32) on float ones, and a prefill's matmuls (many rows) all on float ones."""
+    """The mixed GGUF holds every type: the quantized ones decode on 8-bit activations, F16, BF16 and
+    F32 on float ones, and a prefill's matmuls (many rows) all on float ones."""
     int8, floats = NativeModel(mixed_build("gguf_i8")), NativeModel(mixed_build("gguf_f32"))
     for ids in PROMPTS:
         int8.reset()

@@ -5,7 +5,7 @@ the kernels that read it dequantize each weight where they use it. A fused weigh
 have different types (Q4_K_M files store some `attn_v` and `ffn_down` as Q6_K) runs as one
 matmul per run of parts of one type, the outputs side by side: nothing is quantized again.
 Norms and biases are stored in the model's float dtype. `gguf_i8` is `gguf_f32` whose decode
-matmuls take 8-bit activations, for the types int8_decode.py has kernels for (x86-64 CPUs).
+matmuls take 8-bit activations, for the quantized types (int8_decode.py; x86-64 CPUs).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
             f"gguf_i8 decodes on 8-bit activations with x86-64 AVX2 kernels only, and cannot build {where.strip()}: "
             "build that target with gguf_f32"
         )
-    if not (int8_decode.one_row(x.shape) and block_type.name in int8_decode.LEVEL_BYTES):
+    if not (int8_decode.one_row(x.shape) and block_type.name in int8_decode.KERNEL_BLOCKS):
         return None
     units = readable(blocks, block_type)
     return nn.op.tensor_ir_op(

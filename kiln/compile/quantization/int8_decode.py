@@ -24,15 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import tirx
-from tvm.target import Target
 from tvm.script import tirx as T
+from tvm.target import Target
+
+from kiln.compile.quantization.ggml_blocks import RowBytes, k_scale_and_min
 
 ACTIVATION_BLOCK = 32
 
 
 @dataclass(frozen=True)
-class LevelBytes:
-    """Where a block type keeps its fields (byte offsets in its block) and how its 32 weights become bytes."""
+class SmallBlocks:
+    """A type of 32-weight blocks: where it keeps its fields (byte offsets in its block) and how its
+    weights become bytes."""
 
     bytes: int
     d_at: int
@@ -41,14 +44,97 @@ class LevelBytes:
     qh_at: int | None = None
     m_at: int | None = None  # a Q4_1/Q5_1 block's offset
     zero: int = 0  # a Q4_0/Q5_0 level's constant zero
+    elements: int = ACTIVATION_BLOCK
+
+    def levels_of(self, w, o, base, j):
+        if self.levels == "signed":
+            return T.reinterpret("int8x32", w[o, T.ramp(base + self.qs_at, 1, 32)])
+        nibbles = low_and_high_nibbles(w[o, T.ramp(base + self.qs_at, 1, 16)])
+        if self.levels == "nibbles":
+            return nibbles
+        # Weight j's fifth bit is bit j of the 32-bit qh: each byte of qh is spread over 8 lanes,
+        # which keep the bit of their own index.
+        qh = T.reinterpret("uint32", w[o, T.ramp(base + self.qh_at, 1, 4)])
+        spread_bytes = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
+        spread = intrinsic("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(qh, 8)), spread_bytes)
+        bit = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
+        return nibbles | T.Select((spread & bit) == bit, u8s(16), u8s(0))
+
+    def lane_scales(self, row: RowBytes, base, j):
+        return T.broadcast(row.f16(base + self.d_at), 8)
+
+    def offset(self, row: RowBytes, base, j, sx, hs, b):
+        if self.m_at is not None:
+            return row.f16(base + self.m_at) * sx[b]
+        return T.float32(-self.zero) * row.f16(base + self.d_at) * sx[b]
 
 
-LEVEL_BYTES = {
-    "Q4_0": LevelBytes(18, d_at=0, qs_at=2, levels="nibbles", zero=8),
-    "Q4_1": LevelBytes(20, d_at=0, qs_at=4, levels="nibbles", m_at=2),
-    "Q5_0": LevelBytes(22, d_at=0, qs_at=6, levels="nibbles5", qh_at=2, zero=16),
-    "Q5_1": LevelBytes(24, d_at=0, qs_at=8, levels="nibbles5", qh_at=4, m_at=2),
-    "Q8_0": LevelBytes(34, d_at=0, qs_at=2, levels="signed"),
+@dataclass(frozen=True)
+class KQuant4or5:
+    """Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, each with a 6-bit scale and min (ggml_blocks
+    k_scale_and_min); each 64 weights share 32 bytes of nibbles, and Q5_K's fifth bits are bit
+    (weight / 32) of qh[weight % 32]."""
+
+    bytes: int
+    qs_at: int
+    qh_at: int | None = None
+    elements: int = 256
+
+    def levels_of(self, w, o, base, j):
+        packed = w[o, T.ramp(base + self.qs_at + (j // 2) * 32, 1, 32)]
+        levels = (packed >> u8s(4 * (j % 2))) & u8s(15)
+        if self.qh_at is None:
+            return levels
+        return levels | (((w[o, T.ramp(base + self.qh_at, 1, 32)] >> u8s(j)) & u8s(1)) << u8s(4))
+
+    def lane_scales(self, row: RowBytes, base, j):
+        scale, _ = k_scale_and_min(row, base, j)
+        return T.broadcast(row.f16(base) * scale, 8)
+
+    def offset(self, row: RowBytes, base, j, sx, hs, b):
+        _, minimum = k_scale_and_min(row, base, j)
+        return -(row.f16(base + 2) * minimum) * sx[b]
+
+
+@dataclass(frozen=True)
+class KQuant6:
+    """Q6_K: 256 weights in 16 sub-blocks of 16 with int8 scales; each 128 weights keep 64 bytes of
+    low nibbles and 32 of 2-bit high parts (ggml_blocks q6_k_level); levels 0..63 around 32. An
+    activation block meets two sub-blocks: lanes 0–3 of its sums are the first's, 4–7 the second's."""
+
+    bytes: int = 210
+    elements: int = 256
+
+    def levels_of(self, w, o, base, j):
+        half, quarter = j // 4, j % 4
+        low = (w[o, T.ramp(base + half * 64 + (quarter % 2) * 32, 1, 32)] >> u8s(4 * (quarter // 2))) & u8s(15)
+        high = (w[o, T.ramp(base + 128 + half * 32, 1, 32)] >> u8s(2 * quarter)) & u8s(3)
+        return low | (high << u8s(4))
+
+    def lane_scales(self, row: RowBytes, base, j):
+        d = row.f16(base + 208)
+        first, second = row.i8(base + 192 + 2 * j), row.i8(base + 192 + 2 * j + 1)
+        return T.Shuffle([T.broadcast(d * first, 4), T.broadcast(d * second, 4)], list(range(8)))
+
+    def offset(self, row: RowBytes, base, j, sx, hs, b):
+        first, second = row.i8(base + 192 + 2 * j), row.i8(base + 192 + 2 * j + 1)
+        return T.float32(-32) * row.f16(base + 208) * (first * hs[2 * b] + second * hs[2 * b + 1])
+
+
+def low_and_high_nibbles(packed):
+    """16 bytes as 32 levels: their low nibbles, then their high ones (ggml's order within a block)."""
+    return T.Shuffle([packed & u8s(15, 16), packed >> u8s(4, 16)], list(range(32)))
+
+
+KERNEL_BLOCKS = {
+    "Q4_0": SmallBlocks(18, d_at=0, qs_at=2, levels="nibbles", zero=8),
+    "Q4_1": SmallBlocks(20, d_at=0, qs_at=4, levels="nibbles", m_at=2),
+    "Q5_0": SmallBlocks(22, d_at=0, qs_at=6, levels="nibbles5", qh_at=2, zero=16),
+    "Q5_1": SmallBlocks(24, d_at=0, qs_at=8, levels="nibbles5", qh_at=4, m_at=2),
+    "Q8_0": SmallBlocks(34, d_at=0, qs_at=2, levels="signed"),
+    "Q4_K": KQuant4or5(144, qs_at=16),
+    "Q5_K": KQuant4or5(176, qs_at=48, qh_at=16),
+    "Q6_K": KQuant6(),
 }
 
 
@@ -90,6 +176,12 @@ def to_eight(vector, combine):
     return vector
 
 
+def half_to_eight(vector, half):
+    """The sums of lanes 16·half … 16·half + 15 of 32, pairwise into 8."""
+    lanes = T.Shuffle([vector], list(range(16 * half, 16 * half + 16)))
+    return T.Shuffle([lanes], list(range(8))) + T.Shuffle([lanes], list(range(8, 16)))
+
+
 def eight_lanes(buffer, combine):
     total = buffer[0]
     for lane in range(1, 8):
@@ -107,46 +199,25 @@ def quantized(x, largest, b):
 # ---- the weights ----
 
 
-def half(w, o, at):
-    return T.Cast("float32", T.reinterpret("float16", T.reinterpret("uint16", w[o, T.ramp(at, 1, 2)])))
-
-
-def levels(layout: LevelBytes, w, o, base):
-    """A block's 32 weights as bytes: unsigned levels, or for `signed` the int8 ones."""
-    if layout.levels == "signed":
-        return T.reinterpret("int8x32", w[o, T.ramp(base + layout.qs_at, 1, 32)])
-    packed = w[o, T.ramp(base + layout.qs_at, 1, 16)]
-    nibbles = T.Shuffle([packed & u8s(15, 16), packed >> u8s(4, 16)], list(range(32)))
-    if layout.levels == "nibbles":
-        return nibbles
-    # Weight j's fifth bit is bit j of the 32-bit qh: each byte of qh is spread over 8 lanes, which
-    # keep the bit of their own index.
-    qh = T.reinterpret("uint32", w[o, T.ramp(base + layout.qh_at, 1, 4)])
-    spread_bytes = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
-    spread = intrinsic("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(qh, 8)), spread_bytes)
-    bit = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
-    return nibbles | T.Select((spread & bit) == bit, u8s(16), u8s(0))
-
-
-def block_dot(layout: LevelBytes, w, xq, dx, o, b):
-    """A block's 8 lane sums of weight levels times activations, scaled by both scales: float32x8."""
-    base = b * layout.bytes
-    weights, x = levels(layout, w, o, base), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
-    if layout.levels == "signed":
+def block_dot(blocks, w, xq, dx, o, s, j):
+    """Block j of stored block s (activation block b = s · per + j): its 8 lane sums of weight
+    levels times activations, scaled by the weights' and the activations' scales: float32x8."""
+    b = s * (blocks.elements // ACTIVATION_BLOCK) + j
+    base = s * blocks.bytes
+    weights, x = blocks.levels_of(w, o, base, j), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
+    if isinstance(blocks, SmallBlocks) and blocks.levels == "signed":
         magnitudes = T.reinterpret("uint8x32", intrinsic("int8x32", "psign.b", weights, weights))
         pairs = intrinsic("int16x16", "pmadd.ub.sw", magnitudes, intrinsic("int8x32", "psign.b", x, weights))
     else:
         pairs = intrinsic("int16x16", "pmadd.ub.sw", weights, x)
     quads = intrinsic("int32x8", "pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
-    return T.Cast("float32x8", quads) * T.broadcast(half(w, o, base + layout.d_at) * dx[b], 8)
+    return T.Cast("float32x8", quads) * blocks.lane_scales(RowBytes(w, o), base, j) * T.broadcast(dx[b], 8)
 
 
-def block_offset(layout: LevelBytes, w, sx, o, b):
-    """What a block's offset (or its levels' zero) adds: times the activation block's sum."""
-    base = b * layout.bytes
-    if layout.m_at is not None:
-        return half(w, o, base + layout.m_at) * sx[b]
-    return T.float32(-layout.zero) * half(w, o, base + layout.d_at) * sx[b]
+def block_offset(blocks, w, sx, hs, o, s, j):
+    """What the block's offsets (or its levels' zero) add: the weights' times the activations' sums."""
+    b = s * (blocks.elements // ACTIVATION_BLOCK) + j
+    return blocks.offset(RowBytes(w, o), s * blocks.bytes, j, sx, hs, b)
 
 
 def row_total(sums, offsets, o):
@@ -159,8 +230,8 @@ def row_total(sums, offsets, o):
 def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int) -> tirx.PrimFunc:
     """y[0, 0, o] = Σ_k x[0, 0, k] W[o, k] for one activation row x [1, 1, cols], quantized here,
     and W's blocks as [rows, row_bytes] bytes."""
-    layout = LEVEL_BYTES[block_type_name]
-    blocks = cols // ACTIVATION_BLOCK
+    blocks = KERNEL_BLOCKS[block_type_name]
+    activation_blocks, per_stored = cols // ACTIVATION_BLOCK, blocks.elements // ACTIVATION_BLOCK
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(
@@ -171,26 +242,31 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int) -> tirx.Pri
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         with T.sblock("root"):
             xq = T.alloc_buffer((cols,), "int8")
-            dx = T.alloc_buffer((blocks,), "float32")
-            sx = T.alloc_buffer((blocks,), "float32")
-            largest = T.alloc_buffer((blocks,), "float32")
+            dx = T.alloc_buffer((activation_blocks,), "float32")
+            hs = T.alloc_buffer((activation_blocks * 2,), "float32")  # dx · Σ xq over each half block
+            sx = T.alloc_buffer((activation_blocks,), "float32")  # dx · Σ xq over the block
+            largest = T.alloc_buffer((activation_blocks,), "float32")
             lanes = T.alloc_buffer((8,), "float32")
             counts = T.alloc_buffer((8,), "int32")
             sums = T.alloc_buffer((rows * 8,), "float32")
             offsets = T.alloc_buffer((rows,), "float32")
-            for b in range(blocks):
+            for b in range(activation_blocks):
                 lanes[T.ramp(0, 1, 8)] = to_eight(T.fabs(activation_block(x, b)), T.max)
                 largest[b] = eight_lanes(lanes, T.max)
                 dx[b] = largest[b] / T.float32(127)
                 xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] = quantized(x, largest, b)
-                counts[T.ramp(0, 1, 8)] = to_eight(T.Cast("int32x32", quantized(x, largest, b)), lambda a, c: a + c)
-                sx[b] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
+                counts[T.ramp(0, 1, 8)] = half_to_eight(T.Cast("int32x32", quantized(x, largest, b)), 0)
+                hs[b * 2] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
+                counts[T.ramp(0, 1, 8)] = half_to_eight(T.Cast("int32x32", quantized(x, largest, b)), 1)
+                hs[b * 2 + 1] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
+                sx[b] = hs[b * 2] + hs[b * 2 + 1]
             for o in T.parallel(rows):
                 sums[T.ramp(o * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 offsets[o] = T.float32(0)
-                for b in range(blocks):
-                    sums[T.ramp(o * 8, 1, 8)] = sums[T.ramp(o * 8, 1, 8)] + block_dot(layout, w, xq, dx, o, b)
-                    offsets[o] = offsets[o] + block_offset(layout, w, sx, o, b)
+                for s in range(cols // blocks.elements):
+                    for j in T.unroll(per_stored):
+                        sums[T.ramp(o * 8, 1, 8)] = sums[T.ramp(o * 8, 1, 8)] + block_dot(blocks, w, xq, dx, o, s, j)
+                        offsets[o] = offsets[o] + block_offset(blocks, w, sx, hs, o, s, j)
                 y[0, 0, o] = row_total(sums, offsets, o)
 
     return kernel
