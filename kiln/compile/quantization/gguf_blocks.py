@@ -54,12 +54,12 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
     """A decode step's matmul on 8-bit activations (int8_decode.py), or None where it is not one:
     x is not one row, or the block type has no such kernel (it then runs on float activations).
     A target without the kernels is refused: its library would round other numbers than the cpu one."""
-    target = Target.current(allow_none=True)
-    if not int8_decode.runs_on(target):
-        where = "outside a build" if target is None else f"for {target.kind.name} {target.attrs.get('mtriple', '')}"
+    if not int8_decode.runs_on(Target.current(allow_none=True)):
+        entry = building()
+        library = f"the {entry.name} library" if entry else "outside a target"
         raise KilnError(
-            f"gguf_i8 decodes on 8-bit activations with x86-64 AVX2 kernels only, and cannot build {where.strip()}: "
-            "build that target with gguf_f32"
+            f"gguf_i8 decodes on 8-bit activations with x86-64 AVX2 kernels only, and cannot build {library}: "
+            "build it with gguf_f32"
         )
     if not (int8_decode.one_row(x.shape) and block_type.name in int8_decode.KERNEL_BLOCKS):
         return None
