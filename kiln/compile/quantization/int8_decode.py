@@ -10,9 +10,12 @@ scale times `d`. The integer sums are exact; the result differs from the float p
 activations' rounding (the note of issue 41 states how much).
 
 One kernel does both: it quantizes x (serially: a few microseconds for the widest rows), then runs
-the rows in parallel. Weights become unsigned levels (a nibble, with its fifth bit for Q5): a type's
-constant zero, or a Q4_1/Q5_1 block's offset, is taken out with the activation block's sum.
-Q8_0's signed levels take llama.cpp's sign trick (`vpsignb`: |w| times x with w's sign). A row's
+the rows in parallel. Weights become unsigned levels (a nibble; a fifth bit for Q5_0, Q5_1 and Q5_K;
+two high bits for Q6_K): a type's constant zero, or a block's offset (Q4_1's and Q5_1's, the
+K-quants' mins), is taken out with the activations' sums, per block of 32 or, for Q6_K's 16-weight
+scales, per half block. A K-quant's 32-weight blocks are unrolled across its stored block, so
+where their bits and packed scales lie is a constant. Q8_0's signed levels take llama.cpp's sign
+trick (`vpsignb`: |w| times x with w's sign). A row's
 sums stay in registers through its blocks; rows go one at a time, which streams a matrix larger than
 the caches best (four rows at a time interleave four streams: a 30 MB Q8_0 matrix ran 3.8× slower).
 No value is bound to a name inside the loops: TVMScript would give it a buffer of its own, which
