@@ -70,10 +70,8 @@ def gemv_kernel(matrix: Matrix, quantization: str, target: tvm.target.Target):
     """A decode GEMV of `matrix`'s type and shape, scheduled as the cpu library's (for `gguf_i8`, the
     8-bit activation kernel of the types that have one)."""
     from kiln.compile.lower import cpu_schedules
-    from kiln.compile.quantization import quantization_named
-    from kiln.compile.quantization import int8_decode
+    from kiln.compile.quantization import int8_decode, quantization_named
     from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
-    from kiln.compile.quantization.int8_decode import KERNEL_BLOCKS
     from kiln.models.layers import matmul_transposed
 
     rows, cols = matrix.rows, matrix.cols
@@ -83,7 +81,8 @@ def gemv_kernel(matrix: Matrix, quantization: str, target: tvm.target.Target):
             block_type = BLOCK_TYPES[matrix.kind]
             (words,) = matrix.parameters
             units = words.nbytes // DataType(block_type.unit).itemsize // rows
-            if getattr(quantization_named(quantization), "int8_activations", False) and matrix.kind in KERNEL_BLOCKS:
+            int8 = getattr(quantization_named(quantization), "int8_activations", False)
+            if int8 and matrix.kind in int8_decode.KERNEL_BLOCKS:
                 kernel = int8_decode.gemv(matrix.kind, rows, cols, units).with_attr("global_symbol", "main")
                 return tvm.compile(tvm.IRModule({"main": kernel}), target=target)
             stored = [te.placeholder((rows, units), block_type.unit, name="blocks")]
