@@ -81,6 +81,9 @@ def run_java(java_app: Path, config: dict, *requests: str) -> list[Reply]:
     return replies
 
 
+LONGEST_REPLY = 448  # the tiny Llama's context window (512) less the question
+
+
 @pytest.fixture(scope="module")
 def model(tiny_build) -> Path:
     return tiny_build("q4f32_1", ["cpu"])
@@ -88,12 +91,14 @@ def model(tiny_build) -> Path:
 
 def test_a_java_app_streams_the_native_engines_reply_and_aborts_from_another_thread(java_app, model):
     greedy = json.dumps({"messages": QUESTION, "temperature": 0, "max_tokens": 16})
-    endless = json.dumps({"messages": QUESTION, "temperature": 0, "max_tokens": 64, "ignore_eos": True})
+    # The engine generates on a thread of its own and queues chunks for the app: the reply must outlast the
+    # app's taking of three chunks and its aborting thread (64 tiny-model tokens, ~20 ms, once did not).
+    endless = json.dumps({"messages": QUESTION, "temperature": 0, "max_tokens": LONGEST_REPLY, "ignore_eos": True})
     reply, aborted, refused = run_java(java_app, {"model": str(model)}, greedy, f"abort-after 3 {endless}", "{}")
     expected = Engine(model).generate_chat(QUESTION, GenerationConfig(max_tokens=16, temperature=0))
     assert reply.code is None and reply.content == expected.text
     assert aborted.code is None and aborted.finish_reason == "abort"
-    assert aborted.usage["completion_tokens"] < 64
+    assert aborted.usage["completion_tokens"] < LONGEST_REPLY
     assert refused.code == "bad-request" and "messages must be a non-empty list" in refused.message
 
 
