@@ -72,6 +72,29 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
     )
 
 
+def blocks_matmul(
+    x: nn.Tensor,
+    blocks: nn.Parameter,
+    block_type: BlockType,
+    rows: int,
+    cols: int,
+    dtype: str,
+    out_dtype: str,
+    name: str,
+    int8_activations: bool,
+) -> nn.Tensor:
+    """x · Wᵀ for a stored matrix: on 8-bit activations where the scheme and int8_matmul take it, else
+    a kernel `name` that dequantizes the weights it reads."""
+    y = int8_matmul(x, blocks, block_type, rows, cols) if int8_activations else None
+    if y is not None:
+        return y
+    return nn.op.tensor_expr_op(
+        lambda x, w: block_type.matmul_te(x, w, rows, cols, dtype, out_dtype),
+        name,
+        [x, readable(blocks, block_type)],
+    )
+
+
 class BlockMatrix(nn.Module):
     """Rows of a weight stored in one block type: `blocks` [rows, row words] (uint32)."""
 
@@ -81,14 +104,16 @@ class BlockMatrix(nn.Module):
         self.blocks = nn.Parameter((rows, block_type.row_words(cols)), "uint32")
 
     def matmul(self, x: nn.Tensor) -> nn.Tensor:
-        if self.int8_activations:
-            y = int8_matmul(x, self.blocks, self.block_type, self.rows, self.cols)
-            if y is not None:
-                return y
-        return nn.op.tensor_expr_op(
-            lambda x, w: self.block_type.matmul_te(x, w, self.rows, self.cols, self.dtype, x.dtype),
+        return blocks_matmul(
+            x,
+            self.blocks,
+            self.block_type,
+            self.rows,
+            self.cols,
+            self.dtype,
+            x.dtype,
             "dequantize_matmul",
-            [x, readable(self.blocks, self.block_type)],
+            self.int8_activations,
         )
 
 
@@ -121,14 +146,16 @@ class GGUFEmbedding(nn.Module):
         return nn.op.tensor_expr_op(gather_rows, "dequantize_take", [readable(self.blocks, self.block_type), token_ids])
 
     def project(self, x: nn.Tensor) -> nn.Tensor:
-        if self.int8_activations:
-            y = int8_matmul(x, self.blocks, self.block_type, self.vocab_size, self.hidden_size)
-            if y is not None:
-                return y
-        return nn.op.tensor_expr_op(
-            lambda x, w: self.block_type.matmul_te(x, w, self.vocab_size, self.hidden_size, self.dtype, "float32"),
+        return blocks_matmul(
+            x,
+            self.blocks,
+            self.block_type,
+            self.vocab_size,
+            self.hidden_size,
+            self.dtype,
+            "float32",
             "dequantize_lm_head",
-            [x, readable(self.blocks, self.block_type)],
+            self.int8_activations,
         )
 
 

@@ -49,8 +49,12 @@ class SmallBlocks:
     zero: int = 0  # a Q4_0/Q5_0 level's constant zero
     elements: int = ACTIVATION_BLOCK
 
+    @property
+    def signed_levels(self) -> bool:
+        return self.levels == "signed"
+
     def levels_of(self, w, o, base, j):
-        if self.levels == "signed":
+        if self.signed_levels:
             return T.reinterpret("int8x32", w[o, T.ramp(base + self.qs_at, 1, 32)])
         nibbles = low_and_high_nibbles(w[o, T.ramp(base + self.qs_at, 1, 16)])
         if self.levels == "nibbles":
@@ -82,6 +86,7 @@ class KQuant4or5:
     qs_at: int
     qh_at: int | None = None
     elements: int = 256
+    signed_levels = False
 
     def levels_of(self, w, o, base, j):
         packed = w[o, T.ramp(base + self.qs_at + (j // 2) * 32, 1, 32)]
@@ -107,6 +112,7 @@ class KQuant6:
 
     bytes: int = 210
     elements: int = 256
+    signed_levels = False
 
     def levels_of(self, w, o, base, j):
         half, quarter = j // 4, j % 4
@@ -202,13 +208,17 @@ def quantized(x, largest, b):
 # ---- the weights ----
 
 
+def activation_block_of(blocks, s, j):
+    """The activation block that block j of stored block s meets."""
+    return s * (blocks.elements // ACTIVATION_BLOCK) + j
+
+
 def block_dot(blocks, w, xq, dx, o, s, j):
-    """Block j of stored block s (activation block b = s · per + j): its 8 lane sums of weight
-    levels times activations, scaled by the weights' and the activations' scales: float32x8."""
-    b = s * (blocks.elements // ACTIVATION_BLOCK) + j
-    base = s * blocks.bytes
+    """Block j of stored block s: its 8 lane sums of weight levels times activations, scaled by the
+    weights' and the activations' scales: float32x8."""
+    b, base = activation_block_of(blocks, s, j), s * blocks.bytes
     weights, x = blocks.levels_of(w, o, base, j), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
-    if isinstance(blocks, SmallBlocks) and blocks.levels == "signed":
+    if blocks.signed_levels:
         magnitudes = T.reinterpret("uint8x32", intrinsic("int8x32", "psign.b", weights, weights))
         pairs = intrinsic("int16x16", "pmadd.ub.sw", magnitudes, intrinsic("int8x32", "psign.b", x, weights))
     else:
@@ -219,8 +229,7 @@ def block_dot(blocks, w, xq, dx, o, s, j):
 
 def block_offset(blocks, w, sx, hs, o, s, j):
     """What the block's offsets (or its levels' zero) add: the weights' times the activations' sums."""
-    b = s * (blocks.elements // ACTIVATION_BLOCK) + j
-    return blocks.offset(RowBytes(w, o), s * blocks.bytes, j, sx, hs, b)
+    return blocks.offset(RowBytes(w, o), s * blocks.bytes, j, sx, hs, activation_block_of(blocks, s, j))
 
 
 def row_total(sums, offsets, o):
