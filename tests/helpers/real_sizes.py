@@ -67,7 +67,7 @@ def make_real_sized(name: str, folder: Path) -> Path:
     write_tokenizer(folder)
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
-    model.save_pretrained(folder, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)  # as the published checkpoints are
     return folder
 
 
