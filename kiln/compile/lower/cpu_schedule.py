@@ -145,6 +145,14 @@ class RowParallelMatmul(dl.ScheduleRule):
         if rows is not None:
             sch.reorder(out_outer, rows, out_inner)
         step = ACCUMULATORS * VECTOR_LANES
+        if sch.get(reduce).extent.value % step:
+            # Too narrow for whole vectors of partial sums (Gemma 4's 8-wide per-layer inputs in the
+            # tests): rfactor would leave the lanes past the width unset. One plain sum per output.
+            sch.parallel(out_outer)
+            for name in block_names(sch):
+                if name not in (sch.get(block).name_hint, *GROUP_STAGES):
+                    sch.reverse_compute_at(sch.get_sblock(name), out_outer)
+            return out_outer
         steps = ALIGNED_WEIGHTS // step if sch.get(reduce).extent.value % ALIGNED_WEIGHTS == 0 else 1
         *_, lanes = sch.split(reduce, [None, steps, step])
         partial = sch.rfactor(lanes, factor_axis=lanes_axis)
