@@ -22,7 +22,7 @@ def reference_model(source: Path, quantization: str | None = None) -> torch.nn.M
         fmt = QUANTIZATIONS[quantization].group_format
         with torch.no_grad():
             for module in model.modules():
-                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and fmt.fits(module.weight.shape[1]):
                     weight = module.weight.numpy()
                     module.weight.copy_(torch.from_numpy(dequantize_group(*quantize_group(weight, fmt), fmt)))
     return model

@@ -19,7 +19,6 @@ from tvm.relax.frontend import nn
 from kiln.compile.quantization import factored_decode
 from kiln.compile.quantization.stored import Stored
 from kiln.compile.source.source_weights import SourceWeights
-from kiln.errors import KilnError
 from kiln.models.layers import Embedding, Linear, add_bias, matmul_transposed
 from kiln.models.stage_names import DEQUANTIZE, GATHERED_ROW_SCALES, GATHERED_ROWS
 
@@ -37,6 +36,12 @@ class GroupFormat:
     @property
     def max_q(self) -> int:
         return 2 ** (self.bits - 1) - 1
+
+    def fits(self, width: int) -> bool:
+        """Whether rows of `width` weights are whole groups. A matrix whose rows are not keeps its
+        float weights, as llama.cpp keeps such tensors (Gemma 4's per-layer projections in the
+        tests, 8 wide; real models have none)."""
+        return width % self.group_size == 0 and width % self.values_per_word == 0
 
     def packed_parameters(self, rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:
         """`q_weight` and `q_scale` for a float [rows, cols] weight."""
@@ -133,11 +138,9 @@ class GroupQuantization:
         class Rewriter(nn.Mutator):
             def visit_module(self, name: str, node: nn.Module):
                 if isinstance(node, Linear):
-                    check_divisible(name, node.in_features, fmt)
-                    return GroupQuantLinear(node, fmt)
+                    return GroupQuantLinear(node, fmt) if fmt.fits(node.in_features) else node
                 if isinstance(node, Embedding):
-                    check_divisible(name, node.hidden_size, fmt)
-                    return GroupQuantEmbedding(node, fmt)
+                    return GroupQuantEmbedding(node, fmt) if fmt.fits(node.hidden_size) else node
                 return self.visit(name, node)
 
         return Rewriter().visit("", model)
@@ -148,13 +151,6 @@ class GroupQuantization:
             return {name: Stored(weights.load(name).astype(self.model_dtype))}
         q_weight, q_scale = quantize_group(weights.load(name), self.group_format)
         return {f"{module}.q_weight": Stored(q_weight), f"{module}.q_scale": Stored(q_scale)}
-
-
-def check_divisible(module: str, width: int, fmt: GroupFormat) -> None:
-    if width % fmt.group_size or width % fmt.values_per_word:
-        raise KilnError(
-            f"cannot quantize {module}: its input width {width} is not a multiple of the group size {fmt.group_size}"
-        )
 
 
 # Where a scale candidate puts the group's largest-magnitude weight, in levels past the end of the
