@@ -61,8 +61,9 @@ def kv_cache_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
     """(the KV cache's bytes, one layer's: TVM allocates a buffer per layer)."""
     pages = -(-model_config["context_window_size"] // PAGE_SIZE) + 1 + 2 * bool(model_config.get("sliding_window_size"))
     layer = pages * 2 * model_config["num_key_value_heads"] * PAGE_SIZE * model_config["head_dim"] * element_bytes
-    layers = model_config["num_hidden_layers"]
-    all_windowed = len(model_config.get("windowed_layers") or []) == layers
+    shared = set(model_config.get("kv_shared_layers") or [])
+    layers = model_config["num_hidden_layers"] - len(shared)
+    all_windowed = len(set(model_config.get("windowed_layers") or []) - shared) == layers
     return (layers + all_windowed) * layer, layer
 
 

@@ -28,6 +28,7 @@ from .kv_cache.cache_kernels import declare_cache_kernels_noalias, leave_out_unu
 from .kv_cache.cpu_decode_attention import replace_decode_attention_kernel
 from .kv_cache.gpu_decode_attention import narrow_webgpu_decode_kernels
 from .kv_cache.gpu_merge_state import replace_gpu_merge_state_kernel
+from .kv_cache.gpu_wide_heads import wide_head_prefill_tiles
 from .kv_cache.kernel_memo import kernels_made_once
 from .gguf import GGUFMapping
 from .kv_cache.cpu_prefill_attention import replace_prefill_attention_kernels
@@ -64,6 +65,9 @@ class DecoderConfig:
     attention_logit_softcap: float | None = None
     # Every token attends to the tokens after it too (EmbeddingGemma): an embedding model only.
     bidirectional: bool = False
+    # Layers that store no K/V and attend over an earlier layer's (Gemma 4's last layers): the KV
+    # cache holds the other layers only, in their order (`cache_layer_ids`).
+    kv_shared_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,6 +123,10 @@ class DecoderModel(nn.Module):
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens(input_ids)
 
+    def embed_width(self) -> int:
+        """The width of what `embed` gives a token, which prefill and decode take."""
+        return self.config.hidden_size
+
     def prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
         hidden = self.hidden_states(input_embed, paged_kv_cache)
         return self.logits(last_position(hidden)), paged_kv_cache
@@ -154,7 +162,7 @@ class DecoderModel(nn.Module):
         c = self.config
         rope_scaling = {} if rope_in_model(c) else c.rope_scaling or {}  # for the cache's kernels
         layer_kinds = cache_layer_kinds(c)
-        with kernels_made_once():
+        with kernels_made_once(), wide_head_prefill_tiles():
             cache = TIRPagedKVCache(
                 attn_kind=layer_kinds,
                 max_batch_size=max_batch_size,
@@ -206,8 +214,14 @@ def cache_layer_kinds(config: DecoderConfig) -> list[str]:
     an "mha" layer beside them (it allocates the buffers a "mha_sliding" layer's fused QKV is split
     into only when one exists, and fails on the first step without), so a model whose layers all
     have a window gets one more layer in its cache, which no layer of the model uses."""
-    kinds = ["mha_sliding" if i in config.windowed_layers else "mha" for i in range(config.num_hidden_layers)]
+    kinds = ["mha_sliding" if i in config.windowed_layers else "mha" for i in cache_layer_ids(config)]
     return kinds if "mha" in kinds else [*kinds, "mha"]
+
+
+def cache_layer_ids(config: DecoderConfig) -> dict[int, int]:
+    """Each layer that stores K/V, and the index of its layer in the KV cache."""
+    owners = [i for i in range(config.num_hidden_layers) if i not in config.kv_shared_layers]
+    return {layer: index for index, layer in enumerate(owners)}
 
 
 def rope_in_model(config: DecoderConfig) -> bool:
@@ -298,13 +312,20 @@ def apply_rope(qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig) ->
 
 
 def rotate_qkv(
-    qkv: nn.Tensor, kv_cache: PagedKVCache, config: DecoderConfig, inv_freq: np.ndarray, attention_factor: float = 1.0
+    qkv: nn.Tensor,
+    kv_cache: PagedKVCache,
+    config: DecoderConfig,
+    inv_freq: np.ndarray,
+    attention_factor: float = 1.0,
+    rotated_heads: int | None = None,
 ) -> nn.Tensor:
     """RoPE ("rotate half") of frequencies `inv_freq` on the q and k heads of a fused qkv (batch, seq,
-    heads, head_dim), at the positions the KV cache gives this step."""
+    heads, head_dim), at the positions the KV cache gives this step; `rotated_heads`: how many heads
+    come before the values (default: the config's query and KV heads)."""
     batch, seq_len, _, _ = qkv.shape
     positions = kv_cache.get_query_positions(batch * seq_len)
-    rotated_heads = config.num_attention_heads + config.num_key_value_heads
+    if rotated_heads is None:
+        rotated_heads = config.num_attention_heads + config.num_key_value_heads
     half = len(inv_freq)
 
     def rotate(x: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
@@ -321,7 +342,7 @@ def rotate_qkv(
 
 def export_spec(model: DecoderModel) -> dict[str, dict]:
     """The signatures of the exported functions (the same for every decoder family)."""
-    hidden, dtype = model.config.hidden_size, model.dtype
+    hidden, dtype = model.embed_width(), model.dtype
     kv_cache = nn.spec.Object(object_type=PagedKVCache)
     with_params = {"param_mode": "packed", "effect_mode": "none"}
     return {

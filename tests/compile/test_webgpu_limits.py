@@ -43,3 +43,24 @@ def test_kernels_within_the_limits_pass_and_are_measured():
 def test_a_kernel_over_a_limit_is_a_build_error_naming_it(source, message):
     with pytest.raises(KilnError, match=message):
         check_webgpu_limits(kernel(name="fine") + source)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_prefill_attention_is_tiled_within_webgpus_workgroup_memory_for_every_head_size(head_dim, dtype):
+    """TVM's own tiling where its schedule takes it; a narrower one for Gemma 4's 512-wide heads,
+    where TVM's is refused. Either fits WebGPU's workgroup memory."""
+    import tvm
+    from tvm.relax.frontend.nn.llm._kernel_common import _is_prefill_kernel_config_legal
+
+    from kiln.compile.lower.webgpu_limits import MAX_WORKGROUP_STORAGE_BYTES
+    from kiln.models.kv_cache.gpu_wide_heads import TVM_CONFIG, wide_head_config, workgroup_bytes
+    from kiln.targets import webgpu_target
+
+    target = tvm.target.Target(webgpu_target())
+    config = wide_head_config(1, 8, head_dim, dtype, target)
+    _, load_vec, _, threads, groups, rows, _, keys = config
+    assert _is_prefill_kernel_config_legal(rows, head_dim, keys, head_dim, load_vec, threads, groups, False)
+    assert workgroup_bytes(rows, keys, head_dim, dtype) <= MAX_WORKGROUP_STORAGE_BYTES
+    if head_dim < 512:
+        assert config == TVM_CONFIG(1, 8, head_dim, dtype, target)

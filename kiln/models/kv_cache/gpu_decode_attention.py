@@ -55,6 +55,6 @@ def workgroup_threads(group_size: int, head_dim: int) -> int:
         heads = group_size
         while lanes * heads > threads and heads > 1:
             heads //= 2
-        if group_size % heads == 0:
+        if group_size % heads == 0 and lanes * heads <= threads:  # a head wider than the threads: more of them
             return threads
     raise KilnError(f"TVM's WebGPU decode attention cannot run {group_size} query heads per KV head of {head_dim}")
