@@ -63,6 +63,9 @@ class GGUFMapping:
     # (HF name, values) → values as Hugging Face stores them, for the tensors read as floats (norm
     # weights; never a quantized weight): llama.cpp stores Gemma's norm weights plus one.
     restore_values: Callable[[str, np.ndarray], np.ndarray] | None = None
+    # Hugging Face parts named without ".weight" (Gemma 4's "layer_scalar"), to which llama.cpp's
+    # converter added one.
+    unsuffixed_parts: tuple[str, ...] = ()
 
 
 def decoder_hparams(

@@ -253,6 +253,67 @@ def add_gemma2_softcaps(config, writer: gguf.GGUFWriter) -> None:
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
+GEMMA4_WINDOW = 8
+GEMMA4_HEAD_DIMS = (16, 32)  # local, global
+GEMMA4_KV_HEADS = (2, 1)  # local, global
+
+
+def gemma4():
+    """Gemma 4 with every feature on: 5 layers, local heads of 16 and global ones of 32 with fewer KV
+    heads whose keys are the values, the K/V of the last 2 layers shared (with double-wide MLPs),
+    per-layer embeddings 8 wide, a window of 8, proportional RoPE on the global layers, a final
+    soft-cap."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 5, "intermediate_size": 96, "num_key_value_heads": GEMMA4_KV_HEADS[0]},
+        head_dim=GEMMA4_HEAD_DIMS[0],
+        global_head_dim=GEMMA4_HEAD_DIMS[1],
+        num_global_key_value_heads=GEMMA4_KV_HEADS[1],
+        attention_k_eq_v=True,
+        sliding_window=GEMMA4_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=COMMON["vocab_size"],
+        final_logit_softcapping=15.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        },
+    )
+    return config, Gemma4ForCausalLM
+
+
+def write_gemma4_hyperparameters(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's Gemma4Model converter: the global head size as the key length and the local one's
+    apart, KV heads and feed-forward widths per layer, the shared layers, the per-layer embedding
+    width, the windows, both RoPE bases and the proportional RoPE as `rope_freqs` factors."""
+    local = [kind == "sliding_attention" for kind in config.layer_types]
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    width = config.intermediate_size
+    local_head_dim, global_head_dim = GEMMA4_HEAD_DIMS
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(local_head_dim)
+    writer.add_value_length_swa(local_head_dim)
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(local_head_dim)
+    writer.add_head_count_kv([GEMMA4_KV_HEADS[0] if is_local else GEMMA4_KV_HEADS[1] for is_local in local])
+    writer.add_feed_forward_length([width if i < first_shared else 2 * width for i in range(config.num_hidden_layers)])
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern(local)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    turning = int(global_head_dim * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * turning + [1e30] * (global_head_dim // 2 - turning)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, np.float32))
+
+
 def granite():
     """Granite's four scalars, seeded random and each far from its default of 1 (the attention scale
     from 1/sqrt(head_dim) too), with tied embeddings as Granite 3.x has them."""
@@ -377,6 +438,13 @@ GEMMA2_PARTS = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMA3_PARTS = {**GEMMA2_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+GEMMA4_PARTS = {
+    **GEMMA3_PARTS,
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+    "layer_scalar": "layer_output_scale",
+}
 
 
 TINY_FAMILIES: dict[str, TinyFamily] = {
@@ -390,6 +458,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     ),
     "gemma2": TinyFamily(gemma2, "gemma2", GEMMA2_PARTS, extra_gguf=add_gemma2_softcaps, norm_shift=1.0),
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
+    "gemma4": TinyFamily(gemma4, "gemma4", GEMMA4_PARTS, extra_gguf=write_gemma4_hyperparameters),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
     # llama.cpp converts SmolLM3 as a Llama (Q and K permuted) under its own name, the NoPE layers unwritten.
@@ -410,6 +479,7 @@ BROWSER_FAMILIES = (
     "mistral",
     "gemma2",
     "gemma3",
+    "gemma4",
     "granite",
     "smollm3",
     "olmo2",
@@ -522,6 +592,9 @@ def randomize_biases_and_norms(model, seed: int) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
             elif "norm" in name:
                 parameter.copy_(1 + torch.randn(parameter.shape, generator=generator) * 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer scale, saved with the weights
+                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=generator))
 
 
 MADE_FAMILIES: dict[str, TinyFamily] = {**TINY_FAMILIES, **ALL_LOCAL_FAMILIES, **YARN_FAMILIES}
@@ -541,6 +614,16 @@ def make_tiny_family(name: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+GLOBAL_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
 def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dict[str, np.ndarray] = {}) -> Path:
     """The Hugging Face folder's weights as a float32 GGUF in llama.cpp's names and layout, with
     the folder's tokenizer as llama.cpp stores a byte-level BPE vocabulary (and `extra_tensors`)."""
@@ -549,6 +632,8 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
 
     family = TINY_FAMILIES[name]
     config = AutoConfig.from_pretrained(hf_folder)
+    # Gemma 4's head size varies by layer: read the config's own (local) one, as llama.cpp's converter does.
+    config.allow_global_per_layer_attribute_access = True
     tensors = load_file(hf_folder / "model.safetensors")
     writer = gguf.GGUFWriter(path, family.gguf_architecture)
     add_hyperparameters(writer, config)
@@ -562,18 +647,14 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
             values = values + family.norm_shift
         if hf_name.startswith("model.layers."):
             _, _, layer, rest = hf_name.split(".", 3)
-            part, kind = rest.rsplit(".", 1)
+            # llama.cpp's converter gives a name without a kind (Gemma 4's layer_scalar) ".weight"
+            part, kind = rest.rsplit(".", 1) if rest.endswith((".weight", ".bias")) else (rest, "weight")
             gguf_part = family.layer_tensors[part]
             if family.permute_qk and gguf_part in heads:
                 values = permute_for_llama_cpp(values, heads[gguf_part])
             writer.add_tensor(f"blk.{layer}.{gguf_part}.{kind}", values)
         else:
-            global_names = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }
-            writer.add_tensor(global_names[hf_name], values)
+            writer.add_tensor(GLOBAL_GGUF_NAMES[hf_name], values)
     for extra_name, values in extra_tensors.items():
         writer.add_tensor(extra_name, values)
     writer.write_header_to_file()

@@ -202,7 +202,7 @@ FLOAT16_LOGIT_TOLERANCE = 0.1  # measured: up to 0.091 on the tiny gemma3, 0.044
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4"])
 def test_gemma_in_float16_computes_what_float32_does(family, family_build, family_source):
     float16_matches_float32_arithmetic(family_build(family, "q4f16_1"), family_source(family))
 
@@ -227,7 +227,7 @@ def test_gemma3_in_float16_keeps_a_residual_stream_beyond_float16s_range(builds,
     )
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "olmo3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "gemma4", "olmo3"])
 def test_a_chat_past_the_window_matches_transformers(family, family_build, family_source):
     """Decoding past the window, then rolling back into it (a new turn) and going on."""
     from kiln.engine import Engine, GenerationConfig

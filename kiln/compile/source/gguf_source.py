@@ -173,7 +173,10 @@ class GGUFModel:
         if match := LAYER_TENSOR.fullmatch(gguf_name):
             layer, part, kind = match.groups()
             if part in self._architecture.layer_tensors:
-                return f"model.layers.{layer}.{self._architecture.layer_tensors[part]}.{kind}"
+                hf_part = self._architecture.layer_tensors[part]
+                if hf_part in self._architecture.unsuffixed_parts:
+                    return f"model.layers.{layer}.{hf_part}"
+                return f"model.layers.{layer}.{hf_part}.{kind}"
         elif match := GLOBAL_TENSOR.fullmatch(gguf_name):
             part, kind = match.groups()
             if part in self._architecture.global_tensors:

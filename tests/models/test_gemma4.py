@@ -1,0 +1,124 @@
+"""Gemma 4 beyond what every family's tests hold of its tiny model (tests/models/test_families.py: every
+feature on, against transformers at q0f32, q4f32_1 and in float16, as a GGUF, past its window, and
+in the browser): the multimodal checkpoints' text decoder, the kinds Kiln refuses, the KV cache the
+shared layers leave out, and E2B's head sizes (256 and 512) natively and in the browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.failures import assert_clean_failure
+from helpers.parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
+from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
+from helpers.tiny_families import GEMMA4_HEAD_DIMS, GEMMA4_KV_HEADS
+
+from kiln.app_config import model_needs, read_compiled_model
+from kiln.model_memory import kv_cache_bytes
+from kiln.runtime import NativeModel
+
+
+@pytest.mark.slow
+def test_the_text_decoder_of_a_multimodal_gemma4_checkpoint_builds_as_its_gemma4_text(
+    builds, family_build, family_source, tmp_path
+):
+    """A `gemma4` checkpoint (E2B, E4B) made with transformers' own classes, with tiny vision and audio
+    towers around the tiny Gemma 4: the decoder builds, the towers and their projections are left out."""
+    from transformers import AutoConfig, Gemma4Config, Gemma4ForConditionalGeneration
+
+    text_source = family_source("gemma4")
+    text = reference_model(text_source)
+    config = Gemma4Config(
+        text_config=AutoConfig.from_pretrained(text_source),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2),
+    )
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    folder = tmp_path / "gemma4-multimodal"
+    shutil.copytree(text_source, folder)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder, safe_serialization=True)
+
+    multimodal = NativeModel(builds.model_dir(folder, "tiny-gemma4-multimodal", "q0f32", ["cpu"]))
+    decoder = NativeModel(family_build("gemma4", "q0f32"))
+    for ids in PROMPTS:
+        multimodal.reset()
+        decoder.reset()
+        assert np.array_equal(multimodal.all_logits(ids), decoder.all_logits(ids))
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified", "gemma4_unified_assistant"])
+def test_the_gemma4_kinds_kiln_does_not_build_are_refused_saying_what_they_are(
+    model_type, family_source, tmp_path, run_compile
+):
+    folder = tmp_path / model_type
+    shutil.copytree(family_source("gemma4"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    result = run_compile(folder, tmp_path / "out")
+    assert_clean_failure(result, tmp_path / "out", "config.json", model_type, "Gemma 4")
+
+
+def test_the_kv_cache_holds_the_layers_with_their_own_kv_at_the_largest_head(family_build):
+    """The last 2 of 5 layers read earlier layers' K/V: the cache holds 3 layers, each sized for the
+    global layers' 32-wide heads and the local layers' 2 KV heads (the padding the family's
+    docstring explains)."""
+    model = read_compiled_model(family_build("gemma4", "q0f32"))
+    config = model.chat_config["model_config"]
+    assert config["kv_shared_layers"] == [3, 4]
+    assert (config["head_dim"], config["num_key_value_heads"]) == (GEMMA4_HEAD_DIMS[1], GEMMA4_KV_HEADS[0])
+    cache, layer = kv_cache_bytes(config, 4)
+    assert cache == 3 * layer
+    assert model_needs(model).kv_cache == cache
+
+
+def e2b_heads(source, folder):
+    """The tiny Gemma 4 with E2B's attention: 8 query heads and 1 KV head, 256 wide on the local
+    layers and 512 on the global ones (the rest stays tiny)."""
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    heads = dict(num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512)
+    fields = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
+    config = type(config)(**{**fields, **heads, "num_global_key_value_heads": 1})
+    torch.manual_seed(0)
+    shutil.copytree(source, folder)
+    (folder / "model.safetensors").unlink()
+    Gemma4ForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def e2b_heads_build(builds, family_source, tmp_path_factory):
+    source = e2b_heads(family_source("gemma4"), tmp_path_factory.mktemp("gemma4-e2b-heads") / "source")
+    return source, builds.model_dir(source, "tiny-gemma4-e2b-heads", "q4f32_1", ["cpu", "webgpu", "wasm"])
+
+
+@pytest.mark.slow
+def test_e2bs_heads_of_256_and_512_match_transformers(e2b_heads_build):
+    source, model_dir = e2b_heads_build
+    native = NativeModel(model_dir)
+    reference = reference_model(source, "q4f32_1")
+    for ids in PROMPTS:
+        native.reset()
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(native.all_logits(ids) - expected).max() <= LOGIT_TOLERANCE
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("backend", ["webgpu", "wasm"])
+def test_e2bs_heads_of_256_and_512_run_in_the_browser_as_natively(backend, e2b_heads_build):
+    """On WebGPU, TVM's prefill attention tiled to fit its workgroup memory (kv_cache/gpu_wide_heads.py)
+    and its decode attention with enough threads for a 512-wide head; the build checks every kernel
+    against WebGPU's limits (kiln/compile/lower/webgpu_limits.py)."""
+    _, model_dir = e2b_heads_build
+    code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)
+    assert_contract_holds(code, report, prompts=9, max_tokens=16)
+    assert max(report["max_logit_abs_diff"], report["forced_max_logit_abs_diff"]) < 1e-3, report
