@@ -120,13 +120,21 @@ def layer_kinds(read: ConfigReader, num_layers: int, global_every: int) -> list[
     return kinds
 
 
-def parse_multimodal_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Gemma3Config:
-    """A `gemma3` checkpoint (Gemma 3 4B, 12B, 27B): its text tower's config, `text_config`."""
+def text_tower_config(hf_config: dict, path: Path, text_type: str) -> dict:
+    """A multimodal Gemma checkpoint's text tower config (`text_config`), as a `text_type` config with
+    the checkpoint's tied head."""
     text = hf_config.get("text_config")
     if not isinstance(text, dict):
-        raise KilnError("config.json of a gemma3 checkpoint should hold its text tower's text_config", path)
+        raise KilnError(
+            f"config.json of a {hf_config.get('model_type')} checkpoint should hold its text tower's text_config", path
+        )
     tied = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    return parse_text_config({**text, "model_type": "gemma3_text", "tie_word_embeddings": tied}, path, overrides)
+    return {**text, "model_type": text_type, "tie_word_embeddings": tied}
+
+
+def parse_multimodal_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Gemma3Config:
+    """A `gemma3` checkpoint (Gemma 3 4B, 12B, 27B): its text tower's config, `text_config`."""
+    return parse_text_config(text_tower_config(hf_config, path, "gemma3_text"), path, overrides)
 
 
 def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Gemma3Config:

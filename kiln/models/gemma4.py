@@ -37,8 +37,15 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from kiln.errors import KilnError
 
 from .config_reader import ConfigReader
-from .decoder import Architecture, DecoderConfig, DecoderModel, cache_layer_ids, rotate_qkv
-from .gemma3 import GEMMA_LAYER_TENSORS, LAYER_KINDS, layer_kinds, swa_layers
+from .decoder import Architecture, DecoderConfig, cache_layer_ids, rotate_qkv
+from .gemma3 import (
+    GEMMA_LAYER_TENSORS,
+    LAYER_KINDS,
+    Gemma3ForCausalLM,
+    layer_kinds,
+    swa_layers,
+    text_tower_config,
+)
 from .gguf import GLOBAL_TENSORS, GGUFMapping, GGUFTensors, Metadata, decoder_hparams
 from .layers import Embedding, Linear
 
@@ -160,11 +167,7 @@ def kv_sources(kinds: list[str], shared: int, path: Path) -> tuple[int, ...]:
 
 def parse_multimodal_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Gemma4Config:
     """A `gemma4` checkpoint (Gemma 4 E2B, E4B): its text decoder's config, `text_config`."""
-    text = hf_config.get("text_config")
-    if not isinstance(text, dict):
-        raise KilnError("config.json of a gemma4 checkpoint should hold its text decoder's text_config", path)
-    tied = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    return parse_text_config({**text, "model_type": "gemma4_text", "tie_word_embeddings": tied}, path, overrides)
+    return parse_text_config(text_tower_config(hf_config, path, "gemma4_text"), path, overrides)
 
 
 def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Gemma4Config:
@@ -370,7 +373,9 @@ def scale_in(dtype: str, value: float) -> float:
     return float(np.array(value, dtype=dtype))
 
 
-class Gemma4ForCausalLM(DecoderModel):
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 3's output head and final soft-cap (`logits`); the rest its own."""
+
     def __init__(self, config: Gemma4Config, dtype: str):
         self.config = config
         self.dtype = dtype
@@ -407,14 +412,6 @@ class Gemma4ForCausalLM(DecoderModel):
         for layer_id, layer in enumerate(self.model.layers):
             residual = layer(residual, per_layer[layer_id], kv_cache, layer_id, shared_kv)
         return self.model.norm(residual)
-
-    def logits(self, hidden: nn.Tensor) -> nn.Tensor:
-        if self.config.tie_word_embeddings:
-            logits = self.model.embed_tokens.project(hidden)
-        else:
-            logits = nn.op.astype(self.lm_head(hidden), "float32")
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else nn.op.tanh(logits / cap) * cap
 
 
 def fused_sources(config: Gemma4Config) -> dict[str, list[str]]:
