@@ -90,6 +90,14 @@ def android_target() -> dict:
     }
 
 
+# What real WebGPU adapters grant a kernel (kiln/compile/lower/webgpu_limits.py checks every WebGPU
+# build's kernels against them; kiln/models/kv_cache/gpu_wide_heads.py tiles attention within them).
+MAX_INVOCATIONS_PER_WORKGROUP = 256
+MAX_WORKGROUP_STORAGE_BYTES = 32 << 10
+# WebGPU's default is 8; tvmjs requests 10, which desktop and mobile adapters grant.
+MAX_STORAGE_BUFFERS_PER_STAGE = 10
+
+
 @dataclass(frozen=True)
 class MemoryLimit:
     """The most a target's library can hold (`bytes`), and what sets that limit."""

@@ -53,7 +53,7 @@ def test_prefill_attention_is_tiled_within_webgpus_workgroup_memory_for_every_he
     import tvm
     from tvm.relax.frontend.nn.llm._kernel_common import _is_prefill_kernel_config_legal
 
-    from kiln.compile.lower.webgpu_limits import MAX_WORKGROUP_STORAGE_BYTES
+    from kiln.targets import MAX_WORKGROUP_STORAGE_BYTES
     from kiln.models.kv_cache.gpu_wide_heads import TVM_CONFIG, wide_head_config, workgroup_bytes
     from kiln.targets import webgpu_target
 

@@ -10,11 +10,7 @@ import re
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
-
-MAX_INVOCATIONS_PER_WORKGROUP = 256
-MAX_WORKGROUP_STORAGE_BYTES = 32 << 10
-# WebGPU's default is 8; tvmjs requests 10, which desktop and mobile adapters grant.
-MAX_STORAGE_BUFFERS_PER_STAGE = 10
+from kiln.targets import MAX_INVOCATIONS_PER_WORKGROUP, MAX_STORAGE_BUFFERS_PER_STAGE, MAX_WORKGROUP_STORAGE_BYTES
 
 KERNEL_HEADER = re.compile(r"^// Function: (\S+)\n//-+\n", re.MULTILINE)
 WORKGROUP_SIZE = re.compile(r"@workgroup_size\((\d+)(?:,\s*(\d+))?(?:,\s*(\d+))?\)")

@@ -20,7 +20,7 @@ from tvm.relax.frontend.nn.llm import _prefill_kernels
 from tvm.relax.frontend.nn.llm._kernel_common import _is_prefill_kernel_config_legal
 from tvm.runtime import DataType
 
-from kiln.compile.lower.webgpu_limits import MAX_WORKGROUP_STORAGE_BYTES
+from kiln.targets import MAX_WORKGROUP_STORAGE_BYTES
 from kiln.errors import KilnError
 
 TVM_CONFIG = _prefill_kernels._get_prefill_kernel_config
