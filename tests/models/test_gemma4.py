@@ -1,7 +1,7 @@
 """Gemma 4 beyond what every family's tests hold of its tiny model (tests/models/test_families.py: every
 feature on, against transformers at q0f32, q4f32_1 and in float16, as a GGUF, past its window, and
 in the browser): the multimodal checkpoints' text decoder, the kinds Kiln refuses, the KV cache the
-shared layers leave out, and E2B's head sizes (256 and 512) natively and in the browser."""
+shared layers leave out, E2B's head sizes (256 and 512) natively and in the browser, and WebLLM."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from helpers.failures import assert_clean_failure
 from helpers.parity import PROMPTS as PARITY_PROMPTS, assert_contract_holds, parity
 from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
 from helpers.tiny_families import GEMMA4_HEAD_DIMS, GEMMA4_KV_HEADS
+from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
 
 from kiln.app_config import model_needs, read_compiled_model
 from kiln.model_memory import kv_cache_bytes
@@ -78,20 +79,32 @@ def test_the_kv_cache_holds_the_layers_with_their_own_kv_at_the_largest_head(fam
     assert model_needs(model).kv_cache == cache
 
 
-def e2b_heads(source, folder):
-    """The tiny Gemma 4 with E2B's attention: 8 query heads and 1 KV head, 256 wide on the local
-    layers and 512 on the global ones (the rest stays tiny)."""
+def gemma4_variant(source, folder, **changes):
+    """The tiny Gemma 4 with `changes` to its config, and new random weights made by transformers."""
     from transformers import AutoConfig, Gemma4ForCausalLM
 
     config = AutoConfig.from_pretrained(source)
-    heads = dict(num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512)
-    fields = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
-    config = type(config)(**{**fields, **heads, "num_global_key_value_heads": 1})
+    fields = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}  # made again from the heads
+    fields |= {"global_head_dim": GEMMA4_HEAD_DIMS[1], "num_global_key_value_heads": GEMMA4_KV_HEADS[1]}
     torch.manual_seed(0)
     shutil.copytree(source, folder)
     (folder / "model.safetensors").unlink()
-    Gemma4ForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+    Gemma4ForCausalLM(type(config)(**{**fields, **changes})).eval().save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def e2b_heads(source, folder):
+    """The tiny Gemma 4 with E2B's attention: 8 query heads and 1 KV head, 256 wide on the local
+    layers and 512 on the global ones (the rest stays tiny)."""
+    return gemma4_variant(
+        source,
+        folder,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_key_value_heads=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +135,74 @@ def test_e2bs_heads_of_256_and_512_run_in_the_browser_as_natively(backend, e2b_h
     code, report = parity(model_dir, "--prompts", str(PARITY_PROMPTS), "--max-tokens", "16", "--target", backend)
     assert_contract_holds(code, report, prompts=9, max_tokens=16)
     assert max(report["max_logit_abs_diff"], report["forced_max_logit_abs_diff"]) < 1e-3, report
+
+
+@pytest.mark.browser
+def test_webllm_generates_what_kiln_generates_on_gemma4(driver, builds, family_source, tmp_path):
+    """WebLLM 0.2.86 runs a Kiln Gemma 4 library as it is: it takes a token's row width from what
+    `embed` returns (the embedding and the per-layer inputs beside it), and the library's runtime
+    reads the shared layers' K/V. Within its context (the window, 64 here), as for Gemma 3; with
+    per-layer inputs 32 wide (real models' are 256): with the 8-wide ones of the tiny model, whose
+    projections stay float, SwiftShader lost WebLLM's device while it compiled the shaders (Kiln's
+    engine runs that library)."""
+    source = gemma4_variant(
+        family_source("gemma4"), tmp_path / "gemma4-webllm", sliding_window=64, hidden_size_per_layer_input=32
+    )
+    model_dir = builds.model_dir(source, "tiny-gemma4-webllm", "q4f32_1", ["cpu", "webgpu"])
+    conversations = [[{"role": "user", "content": "Hi"}]]
+    replies = webllm_replies(driver, tmp_path / "profile", model_dir, conversations)
+    assert 32 < replies[0]["usage"]["prompt_tokens"] < 64 - 8
+    assert_kiln_replies_the_same(model_dir, conversations, replies)
+
+
+# google/gemma-4-E2B-it's text_config as released (the fields it gives; transformers' defaults for the rest).
+E2B_TEXT_CONFIG = dict(
+    hidden_size=1536,
+    num_hidden_layers=35,
+    num_attention_heads=8,
+    num_key_value_heads=1,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=None,
+    attention_k_eq_v=False,
+    sliding_window=512,
+    vocab_size=262144,
+    vocab_size_per_layer_input=262144,
+    hidden_size_per_layer_input=256,
+    num_kv_shared_layers=20,
+    use_double_wide_mlp=True,
+    intermediate_size=6144,
+    max_position_embeddings=131072,
+    final_logit_softcapping=30.0,
+    layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+)
+
+
+def test_e2bs_config_as_released_reads_as_transformers_reads_it(tmp_path):
+    """Each layer's head size, KV heads, K/V source and MLP width, and the RoPE frequencies of both
+    kinds, as transformers' Gemma4TextConfig and its rotary embedding give them."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from kiln.models import MODELS
+    from kiln.models.gemma4 import proportional_inv_freq
+
+    path = tmp_path / "config.json"
+    config = MODELS["gemma4"].parse_config(
+        {"model_type": "gemma4", "text_config": E2B_TEXT_CONFIG, "tie_word_embeddings": True}, path, {}
+    )
+    reference = Gemma4TextConfig(**E2B_TEXT_CONFIG)
+    layers = range(reference.num_hidden_layers)
+    assert config.layer_head_dims == tuple(reference.per_layer_config[i].head_dim for i in layers)
+    assert config.layer_kv_heads == tuple(reference.per_layer_config[i].num_key_value_heads for i in layers)
+    first_shared = reference.num_hidden_layers - reference.num_kv_shared_layers
+    modes, kinds = reference.kv_sharing_modes, reference.layer_types
+    stores = {kinds[i]: i for i, mode in enumerate(modes) if mode == "store"}  # each kind's K/V for the shared layers
+    assert config.kv_sources == tuple(stores[kinds[i]] if mode == "reuse" else i for i, mode in enumerate(modes))
+    assert config.layer_intermediate_sizes == tuple(6144 * (2 if i >= first_shared else 1) for i in layers)
+    assert (config.per_layer_input_size, config.head_dim, config.num_key_value_heads) == (256, 512, 1)
+    rotary = Gemma4TextRotaryEmbedding(reference)
+    for kind, layer in (("sliding_attention", 0), ("full_attention", 4)):
+        expected = getattr(rotary, f"{kind}_inv_freq").numpy()
+        ours = proportional_inv_freq(config.layer_ropes[layer], config.layer_head_dims[layer])
+        assert np.allclose(ours, expected, rtol=1e-6, atol=0), kind
