@@ -452,12 +452,28 @@ def test_a_model_id_that_is_not_a_plain_folder_name_is_refused(tiny_source, tmp_
     assert not (tmp_path / "escape").exists()
 
 
-def test_widths_that_cannot_be_grouped_are_refused(tmp_path, run_compile):
+def test_a_matrix_whose_rows_are_not_whole_groups_keeps_its_float_weights(tmp_path, run_compile):
+    """A down projection 100 wide (3 groups of 32 and 4 more): the build goes on, as llama.cpp keeps
+    such a tensor in a float type, with that matrix in float and the others quantized, and gives
+    transformers' logits on the same weights."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
     source = make_tiny_llama(tmp_path / "odd-width", num_layers=1)
-    config = json.loads((source / "config.json").read_text())
-    config["intermediate_size"] = 100
-    (source / "config.json").write_text(json.dumps(config))
-    assert_clean_failure(run_compile(source, tmp_path / "out"), tmp_path / "out", "group size")
+    config = AutoConfig.from_pretrained(source)
+    config.intermediate_size = 100
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(source, safe_serialization=True)
+    result = run_compile(source, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    model_dir = tmp_path / "out" / "broken"
+    records = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
+    stored = {record["name"]: record["dtype"] for shard in records for record in shard["records"]}
+    assert stored["model.layers.0.mlp.down_proj.weight"] == "float32"
+    assert "model.layers.0.mlp.gate_up_proj.q_weight" in stored
+    native, reference = NativeModel(model_dir), reference_model(source, "q4f32_1")
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+    assert np.abs(native.all_logits(PROMPTS[0]) - expected).max() <= LOGIT_TOLERANCE
 
 
 # ---- WebLLM's sampling functions, run natively ------------------------------------------------
