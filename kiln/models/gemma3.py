@@ -226,9 +226,9 @@ class Gemma3Attention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config: Gemma3Config, dtype: str):
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = nn.op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -242,7 +242,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, dtype, layer_id)
         self.post_attention_layernorm = GemmaRMSNorm(width, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(width, eps, dtype)
-        self.mlp = GemmaMLP(config, dtype)
+        self.mlp = GemmaMLP(width, config.intermediate_size, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(width, eps, dtype)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer_id: int) -> nn.Tensor:

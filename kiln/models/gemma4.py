@@ -42,6 +42,7 @@ from .gemma3 import (
     GEMMA_LAYER_TENSORS,
     LAYER_KINDS,
     Gemma3ForCausalLM,
+    GemmaMLP,
     layer_kinds,
     swa_layers,
     text_tower_config,
@@ -274,6 +275,7 @@ class Gemma4Attention(nn.Module):
         self.inv_freq = proportional_inv_freq(config.layer_ropes[layer_id], self.head_dim)
         self.source = config.kv_sources[layer_id]
         self.owns_kv = self.source == layer_id
+        self.cache_layer = cache_layer_ids(config)[self.source]  # where the K/V it reads are: its own or its source's
         self.keys_are_values = config.keys_are_values[layer_id]
         kv_projections = (1 if self.keys_are_values else 2) * self.num_kv_heads if self.owns_kv else 0
         self.qkv_proj = Linear(config.hidden_size, (self.num_heads + kv_projections) * self.head_dim, dtype)
@@ -291,7 +293,6 @@ class Gemma4Attention(nn.Module):
         c = self.config
         batch, seq_len, _ = x.shape
         projected = nn.op.reshape(self.qkv_proj(x), (batch, seq_len, -1, self.head_dim))
-        cache_layers = cache_layer_ids(c)
         if self.owns_kv:
             if self.keys_are_values:
                 q, k = nn.op.split(projected, [self.num_heads], axis=2)
@@ -306,24 +307,14 @@ class Gemma4Attention(nn.Module):
             v = padded_heads(self.v_norm(v), c.num_key_value_heads, c.head_dim)
             shared_kv[layer_id] = k, v
             qkv = nn.op.concat([padded_heads(q, self.num_heads, c.head_dim), k, v], dim=2)
-            attended = kv_cache.attention_with_fused_qkv(cache_layers[layer_id], qkv, self.num_heads, sm_scale=1.0)
+            attended = kv_cache.attention_with_fused_qkv(self.cache_layer, qkv, self.num_heads, sm_scale=1.0)
         else:
             q = padded_heads(self.rotate(self.q_norm(projected), kv_cache, self.num_heads), self.num_heads, c.head_dim)
             k, v = shared_kv[self.source]
-            attended = kv_cache.attention_with_shared_kv(cache_layers[self.source], q, k, v, sm_scale=1.0)
+            attended = kv_cache.attention_with_shared_kv(self.cache_layer, q, k, v, sm_scale=1.0)
         if self.head_dim != c.head_dim:
             attended = nn.op.split(attended, [self.head_dim], axis=3)[0]
         return self.o_proj(nn.op.reshape(attended, (batch, seq_len, self.num_heads * self.head_dim)))
-
-
-class Gemma4MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
-
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        gate, up = nn.op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(nn.op.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -334,7 +325,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(config, dtype, layer_id)
         self.post_attention_layernorm = Gemma4RMSNorm(width, eps, dtype)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(width, eps, dtype)
-        self.mlp = Gemma4MLP(width, config.layer_intermediate_sizes[layer_id], dtype)
+        self.mlp = GemmaMLP(width, config.layer_intermediate_sizes[layer_id], dtype)
         self.post_feedforward_layernorm = Gemma4RMSNorm(width, eps, dtype)
         if config.per_layer_input_size:
             self.per_layer_input_gate = Linear(width, config.per_layer_input_size, dtype)
