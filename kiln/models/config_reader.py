@@ -24,6 +24,8 @@ SIZE_LIMITS = {
     "num_attention_heads": 1 << 10,
     "num_key_value_heads": 1 << 10,
     "head_dim": 1 << 12,
+    "global_head_dim": 1 << 12,  # Gemma 4's global layers
+    "num_global_key_value_heads": 1 << 10,
     "vocab_size": 1 << 22,
     "max_position_embeddings": 1 << 27,
     "original_max_position_embeddings": 1 << 27,

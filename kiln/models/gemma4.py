@@ -121,31 +121,30 @@ def proportional_inv_freq(rope: tuple[float, float, float], head_dim: int) -> np
     return np.concatenate([inv_freq, np.zeros(head_dim // 2 - turning, np.float32)]) / np.float32(factor)
 
 
-def per_layer_overrides(hf_config: dict, kinds: list[str], path: Path) -> dict[int, dict]:
+def per_layer_overrides(read: ConfigReader, kinds: list[str]) -> dict[int, dict]:
     """The head size and KV heads of layers that differ: `per_layer_config` as transformers saves it
     (null: none differ), else its defaults (`global_head_dim` for the global layers, and
-    `num_global_key_value_heads` when their keys are their values)."""
-    if "per_layer_config" not in hf_config:
-        overrides = {"head_dim": hf_config.get("global_head_dim") or GLOBAL_HEAD_DIM}
-        if hf_config.get("attention_k_eq_v") and hf_config.get("num_global_key_value_heads"):
-            overrides["num_key_value_heads"] = hf_config["num_global_key_value_heads"]
+    `num_global_key_value_heads` when their keys are their values). Each value is checked as the
+    config's own fields are."""
+    if "per_layer_config" not in read.hf_config:
+        overrides = {"head_dim": read.get("global_head_dim", int, GLOBAL_HEAD_DIM)}
+        global_kv_heads = read.get("num_global_key_value_heads", int, None)
+        if read.get("attention_k_eq_v", bool, False) and global_kv_heads:
+            overrides["num_key_value_heads"] = global_kv_heads
         return {i: overrides for i, kind in enumerate(kinds) if kind == "full_attention"}
-    given = hf_config["per_layer_config"]
-    if given is None:
-        return {}
-    if not isinstance(given, dict):
-        raise KilnError("config.json per_layer_config should be an object of layer indices", path)
+    given = read.get("per_layer_config", dict, None)
     layers = {}
-    for key, fields in given.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < len(kinds)) or not isinstance(fields, dict):
-            raise KilnError(f"config.json per_layer_config names no layer of {len(kinds)}: {key!r}", path)
+    for key, fields in (given or {}).items():
+        if not (key.isdigit() and int(key) < len(kinds)) or not isinstance(fields, dict):
+            raise KilnError(f"config.json per_layer_config names no layer of {len(kinds)}: {key!r}", read.path)
         if not set(fields) <= set(PER_LAYER_FIELDS):
             raise KilnError(
                 f"config.json per_layer_config[{key}] sets {sorted(set(fields) - set(PER_LAYER_FIELDS))}; "
                 f"Kiln's Gemma 4 reads {' and '.join(PER_LAYER_FIELDS)} per layer",
-                path,
+                read.path,
             )
-        layers[int(key)] = fields
+        layer = ConfigReader(fields, read.path)
+        layers[int(key)] = {field: layer.get(field, int) for field in fields}
     return layers
 
 
@@ -187,8 +186,7 @@ def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) ->
         raise KilnError(
             f"config.json rope_parameters should hold the RoPE of each kind of layer ({', '.join(LAYER_KINDS)})", path
         )
-    by_layer = per_layer_overrides(hf_config, kinds, path)
-    read.used |= {"global_head_dim", "num_global_key_value_heads", "per_layer_config"}
+    by_layer = per_layer_overrides(read, kinds)
     head_dims = [by_layer.get(i, {}).get("head_dim", read.get("head_dim", int)) for i in range(layers)]
     kv_heads = [
         by_layer.get(i, {}).get("num_key_value_heads", read.get("num_key_value_heads", int)) for i in range(layers)

@@ -215,3 +215,22 @@ def test_e2bs_config_as_released_reads_as_transformers_reads_it(tmp_path):
         expected = getattr(rotary, f"{kind}_inv_freq").numpy()
         ours = proportional_inv_freq(config.layer_ropes[layer], config.layer_head_dims[layer])
         assert np.allclose(ours, expected, rtol=1e-6, atol=0), kind
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"per_layer_config": {"2": {"head_dim": "wide"}}}, "head_dim"),
+        ({"per_layer_config": {"2": {"num_key_value_heads": -1}}}, "num_key_value_heads"),
+        ({"per_layer_config": {"9": {"head_dim": 32}}}, "per_layer_config"),
+        ({"global_head_dim": 1 << 20}, "global_head_dim"),
+    ],
+)
+def test_a_bad_per_layer_head_is_refused_naming_the_field(changes, named, family_source, tmp_path, run_compile):
+    folder = tmp_path / "bad-heads"
+    shutil.copytree(family_source("gemma4"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    if "global_head_dim" in changes:
+        del config["per_layer_config"]
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    assert_clean_failure(run_compile(folder, tmp_path / "out"), tmp_path / "out", "config.json", named)
