@@ -391,6 +391,54 @@ def tekken(tmp_path_factory):
     return reference, Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
+GEMMA4_CHAT = "<|turn>system\nBe brief.<turn|>\n<|turn>user\nWeather in Köln?<turn|>\n<|turn>model\n"
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Köln<|"|>}<tool_call|>'
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(exclude_categories=["Cs", "Cn"])))
+def test_a_gemma4_gguf_tokenizer_gives_transformers_ids(gemma4_tokenizers, text):
+    """Gemma 4's real vocabulary (tokenizer.ggml.model "gemma4": 262,144 tokens, 514,906 merges) against
+    transformers' GemmaTokenizer over the same tokens and merges; the GGUF asks for the BOS."""
+    reference, ours = gemma4_tokenizers
+    assert ours.encode(text).ids == [2, *reference(text, add_special_tokens=False).input_ids], text
+
+
+@pytest.mark.slow
+def test_a_gemma4_gguf_tokenizer_reads_its_chat_and_tool_tokens_whole(gemma4_tokenizers):
+    reference, ours = gemma4_tokenizers
+    for text in [*VARIED_TEXT, GEMMA4_CHAT, GEMMA4_CALL, "<|channel>thought\n<channel|>The answer"]:
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == reference(text, add_special_tokens=False).input_ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.encode(GEMMA4_CALL, add_special_tokens=False).tokens[:3] == ["<|tool_call>", "call", ":"]
+
+
+@pytest.fixture(scope="module")
+def gemma4_tokenizers(tmp_path_factory):
+    from transformers import GemmaTokenizer
+
+    from kiln.compile.source.gguf_file import read_gguf
+    from kiln.compile.source.gguf_source import GGUFMetadata, GGUFVocabulary, write_tokenizer_files
+
+    path = llama_cpp_vocabulary("gemma-4")
+    metadata = GGUFMetadata(read_gguf(path).metadata, path)
+    vocabulary = GGUFVocabulary.read(metadata)
+    reference = GemmaTokenizer(
+        vocab={token: i for i, token in enumerate(vocabulary.tokens)},
+        merges=[tuple(merge.split(" ", 1)) for merge in vocabulary.merges],
+    )
+    # The released tokenizer.json lists the turn, tool and channel tokens as added tokens.
+    types = vocabulary.token_types.tolist()
+    reference.add_tokens(
+        [t for t, kind in zip(vocabulary.tokens, types) if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)]
+    )
+    folder = tmp_path_factory.mktemp("gemma4-vocabulary")
+    write_tokenizer_files(metadata, folder)
+    return reference, Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
 # ---- SmolLM2 against transformers' own GGUF loader -------------------------------------------
 
 

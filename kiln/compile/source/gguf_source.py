@@ -289,8 +289,8 @@ class GGUFVocabulary:
                 ("pad_token", "padding_token_id"),
             )
         }
-        # llama.cpp's defaults when the file does not say: SentencePiece vocabularies and some BPE
-        # ones (Llama 3's, tekken) add BOS, and SentencePiece puts a space before the text.
+        # llama.cpp's defaults when the file does not say: SentencePiece vocabularies (Gemma 4's too)
+        # and some BPE ones (Llama 3's, tekken) add BOS, and SentencePiece puts a space before the text.
         bpe_adds_bos = pre in BYTE_PRE_TOKENIZERS and BYTE_PRE_TOKENIZERS[pre].adds_bos
         return cls(
             model=model,
@@ -300,7 +300,7 @@ class GGUFVocabulary:
             scores=scores,
             merges=merges,
             special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
-            add_bos=metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or bpe_adds_bos, bool),
+            add_bos=metadata.get("tokenizer.ggml.add_bos_token", model in ("llama", "gemma4") or bpe_adds_bos, bool),
             add_eos=metadata.get("tokenizer.ggml.add_eos_token", False, bool),
             add_space_prefix=metadata.get("tokenizer.ggml.add_space_prefix", model == "llama", bool),
             chat_template=metadata.get("tokenizer.chat_template", kind=str),
@@ -358,6 +358,10 @@ def bpe_model(path: Path, **options: Any) -> models.BPE:
         raise KilnError(f"cannot build a tokenizer from the GGUF vocabulary ({error})", path) from error
 
 
+def file_merges(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:
+    return [tuple(merge.split(" ", 1)) for merge in vocabulary.merges]
+
+
 def byte_level_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
     """GPT-2-style BPE over bytes spelled as printable characters (tokenizer.ggml.model "gpt2")."""
     if vocabulary.pre not in BYTE_PRE_TOKENIZERS:
@@ -370,7 +374,7 @@ def byte_level_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
         bpe_model(
             path,
             vocab={token: index for index, token in enumerate(vocabulary.tokens)},
-            merges=[tuple(merge.split(" ", 1)) for merge in vocabulary.merges],
+            merges=file_merges(vocabulary),
             ignore_merges=pre.ignore_merges,
         )
     )
@@ -402,15 +406,13 @@ def sentencepiece_merges(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:
     return [(left, right) for *_, left, right in ranked]
 
 
-def sentencepiece_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
-    """SentencePiece-style BPE with byte fallback (tokenizer.ggml.model "llama"), as llama.cpp runs it."""
-    if vocabulary.scores is None:
-        raise KilnError("GGUF metadata has no tokenizer.ggml.scores for its SentencePiece tokenizer", path)
+def sentencepiece_bpe(vocabulary: GGUFVocabulary, path: Path, merges: list[tuple[str, str]]) -> Tokenizer:
+    """SentencePiece-style BPE: merges over characters, "▁" for a space, <0xXX> byte fallback."""
     tokenizer = Tokenizer(
         bpe_model(
             path,
             vocab={token: index for index, token in enumerate(vocabulary.tokens)},
-            merges=sentencepiece_merges(vocabulary),
+            merges=merges,
             unk_token=vocabulary.special_token("unk_token"),
             byte_fallback=True,
             fuse_unk=True,
@@ -428,9 +430,26 @@ def sentencepiece_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
     return tokenizer
 
 
+def scored_sentencepiece_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
+    """tokenizer.ggml.model "llama": the merges follow from the pieces' scores, as llama.cpp runs it."""
+    if vocabulary.scores is None:
+        raise KilnError("GGUF metadata has no tokenizer.ggml.scores for its SentencePiece tokenizer", path)
+    return sentencepiece_bpe(vocabulary, path, sentencepiece_merges(vocabulary))
+
+
+def gemma4_bpe(vocabulary: GGUFVocabulary, path: Path) -> Tokenizer:
+    """tokenizer.ggml.model "gemma4": the file's ranked merges, no space prefix (transformers'
+    GemmaTokenizer). llama.cpp also cuts the text at runs of newlines; no merge of Gemma 4's joins a
+    newline to anything else, so that cut changes nothing and is left out."""
+    if vocabulary.merges is None:
+        raise KilnError("GGUF metadata has no tokenizer.ggml.merges for its Gemma 4 tokenizer", path)
+    return sentencepiece_bpe(vocabulary, path, file_merges(vocabulary))
+
+
 TOKENIZER_BUILDERS: dict[str, Callable[[GGUFVocabulary, Path], Tokenizer]] = {
     "gpt2": byte_level_bpe,
-    "llama": sentencepiece_bpe,
+    "llama": scored_sentencepiece_bpe,
+    "gemma4": gemma4_bpe,
 }
 
 
