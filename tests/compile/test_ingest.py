@@ -430,10 +430,8 @@ def gemma4_tokenizers(tmp_path_factory):
         merges=[tuple(merge.split(" ", 1)) for merge in vocabulary.merges],
     )
     # The released tokenizer.json lists the turn, tool and channel tokens as added tokens.
-    types = vocabulary.token_types.tolist()
-    reference.add_tokens(
-        [t for t, kind in zip(vocabulary.tokens, types) if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)]
-    )
+    added = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    reference.add_tokens([t for t, kind in zip(vocabulary.tokens, vocabulary.token_types.tolist()) if kind in added])
     folder = tmp_path_factory.mktemp("gemma4-vocabulary")
     write_tokenizer_files(metadata, folder)
     return reference, Tokenizer.from_file(str(folder / "tokenizer.json"))
