@@ -179,7 +179,10 @@ class Engine:
         conv = self.chat_config.get("conv_template") or {}
         self.eos_token_ids = set(self.chat_config.get("eos_token_id") or []) | set(conv.get("stop_token_ids") or [])
         self.chat_stop_strings = list(conv.get("stop_str") or [])
-        self.grammars = GrammarCompiler(self.tokenizer, self.chat_config, self.model.vocab_size, self.eos_token_ids)
+        marks = self.tool_call_format.marks if self.tool_call_format else ()
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.chat_config, self.model.vocab_size, self.eos_token_ids, marks
+        )
         self.busy_timeout_s = busy_timeout_s
         self.speculation = speculation
         self.draft = self._load_draft(target) if speculation else None

@@ -48,7 +48,7 @@ class ResponseFormatError(KilnError):
 class ResponseFormat:
     """What a reply must be: "json_object" (any object), "json_schema" (`text` is the schema as
     JSON), "grammar" (`text` is EBNF in XGrammar's dialect, root rule `root`) or "structural_tag"
-    (`text` is {"tags", "triggers"} as JSON; see `from_structural_tag`)."""
+    (`text` is XGrammar's structural tag as JSON; see `from_structural_tag`)."""
 
     kind: str
     text: str = ""
@@ -103,9 +103,12 @@ class ResponseFormat:
 
     @classmethod
     def from_structural_tag(cls, tags: list[dict], triggers: list[str]) -> ResponseFormat:
-        """Free text in which each tag, once its trigger appears, runs from its `begin` through text
-        fitting its `schema` to its `end` (XGrammar's structural tag; how tool calls are held)."""
-        text = json.dumps({"tags": tags, "triggers": triggers}, ensure_ascii=False)
+        """Free text in which each tag ({begin, content, end}), once its trigger appears, runs from its
+        `begin` through text fitting its `content` (a JSON schema or a grammar, in XGrammar's structural
+        tag format) to its `end` (how tool calls are held)."""
+        tagged = [{"type": "tag", **tag} for tag in tags]
+        spec = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tagged}}
+        text = json.dumps(spec, ensure_ascii=False)
         if len(text) > MAX_FORMAT_CHARS:
             raise ResponseFormatError(f"the structural tag is longer than {MAX_FORMAT_CHARS} characters")
         return cls("structural_tag", text)
@@ -195,10 +198,12 @@ class TokenTable:
     UTF-8 automaton's state after the token, -1 if it would break a character (XGrammar 0.1.27 lets
     a byte-level token split a character wrongly, and the text gets U+FFFD). `has_control`: tokens
     with a byte below 0x20, which a compact JSON reply never holds raw (XGrammar 0.1.27 lets one into
-    a string with a length bound)."""
+    a string with a length bound). `marks`: special tokens kept as their text, those a tool call is
+    written with (Gemma 4's <|tool_call> and <|"|>)."""
 
-    def __init__(self, tokenizer, vocab_type: str, vocab_size: int):
-        special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    def __init__(self, tokenizer, vocab_type: str, vocab_size: int, marks: tuple[str, ...] = ()):
+        added = tokenizer.get_added_tokens_decoder().items()
+        special = {i for i, token in added if token.special and token.content not in marks}
         self.strings = [
             "" if i in special else tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())
         ]
@@ -219,8 +224,8 @@ class GrammarCompiler:
     How to read the tokens (byte-level BPE, SentencePiece byte fallback or raw; whether encoding
     prepends a space) comes from `tokenizer_info` in mlc-chat-config.json, as WebLLM reads it."""
 
-    def __init__(self, tokenizer, chat_config: dict, vocab_size: int, stop_token_ids):
-        self.tokenizer, self.chat_config = tokenizer, chat_config
+    def __init__(self, tokenizer, chat_config: dict, vocab_size: int, stop_token_ids, marks: tuple[str, ...] = ()):
+        self.tokenizer, self.chat_config, self.marks = tokenizer, chat_config, marks
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
         self.table: TokenTable | None = None
         self._compiler = None
@@ -236,7 +241,7 @@ class GrammarCompiler:
                         "mlc-chat-config.json has no usable tokenizer_info; rebuild the model with kiln compile"
                     )
                 vocab_type = info["token_postproc_method"]
-                self.table = TokenTable(self.tokenizer, vocab_type, self.vocab_size)
+                self.table = TokenTable(self.tokenizer, vocab_type, self.vocab_size, self.marks)
                 tokenizer_info = xgr.TokenizerInfo(
                     self.table.strings,
                     vocab_type=xgr.VocabType[VOCAB_TYPES[vocab_type]],
@@ -255,10 +260,7 @@ class GrammarCompiler:
             if response_format.kind == "json_schema":
                 return compiler.compile_json_schema(response_format.text, **SCHEMA_OPTIONS)
             if response_format.kind == "structural_tag":
-                spec = json.loads(response_format.text)
-                item = xgrammar_module().StructuralTagItem
-                tags = [item(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"]) for t in spec["tags"]]
-                return compiler.compile_structural_tag(tags, spec["triggers"])
+                return compiler.compile_structural_tag(response_format.text)
             return compiler.compile_grammar(response_format.text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ResponseFormatError(

@@ -23,6 +23,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from kiln import gemma4_calls
 from kiln.errors import KilnError
 from kiln.structured import MAX_FORMAT_CHARS, ResponseFormat, ResponseFormatError
 
@@ -42,27 +43,28 @@ class ToolRequestError(KilnError):
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """How a family's model writes one call: `opening` + {"name": …, `arguments_key`: {…}} + `closing`."""
+    """How a family's model writes one call: `opening`, the call, `closing`."""
 
     name: str
     template_marker: str  # text only a template of this format holds
     opening: str
     closing: str
-    arguments_key: str
-
-    def call_prefix(self, function: str) -> str:
-        return f'{self.opening}{{"name": {json.dumps(function)}, "{self.arguments_key}": '
 
     @property
     def trigger(self) -> str:
         """What the model writes first when it starts a call."""
-        return self.opening or '{"name": '
+        return self.opening
+
+    @property
+    def marks(self) -> tuple[str, ...]:
+        """Tokens a call is written with that the grammar must let the model write, special or not."""
+        return ()
 
     def calls_in(self, text: str) -> tuple[str, list[tuple[str, Any]]]:
         """The text outside calls, and the (name, arguments) of each complete call in it."""
         calls, outside, position = [], [], 0
         while (start := text.find(self.trigger, position)) >= 0:
-            # A reply may end right after a call's JSON, without the closing.
+            # A reply may end right after a call, without the closing.
             end = text.find(self.closing, start + len(self.opening)) if self.closing else -1
             end = len(text) if end < 0 else end
             call = self.parsed(text[start + len(self.opening) : end])
@@ -75,6 +77,29 @@ class ToolCallFormat:
         return "".join(outside).strip(), calls
 
     def parsed(self, body: str) -> tuple[str, Any] | None:
+        """(name, arguments) of a call's text between its opening and closing, None if it is not one."""
+        raise NotImplementedError
+
+    def tag(self, function: str, parameters: dict) -> dict:
+        """The structural tag that holds a call of `function` once the model starts it."""
+        raise NotImplementedError
+
+    def forced(self, functions: dict[str, dict]) -> ResponseFormat:
+        """What holds a reply that must be one call (after the opening written for it) of one of `functions`."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class JSONCallFormat(ToolCallFormat):
+    """A call as JSON: `opening` + {"name": …, `arguments_key`: {…}} + `closing`."""
+
+    arguments_key: str = "arguments"
+
+    @property
+    def trigger(self) -> str:
+        return self.opening or '{"name": '
+
+    def parsed(self, body: str) -> tuple[str, Any] | None:
         try:
             call = json.loads(body)
         except ValueError:
@@ -83,24 +108,48 @@ class ToolCallFormat:
             return None
         return call["name"], call[self.arguments_key]
 
+    def tag(self, function: str, parameters: dict) -> dict:
+        begin = f'{self.opening}{{"name": {json.dumps(function)}, "{self.arguments_key}": '
+        content = {"type": "json_schema", "json_schema": parameters}
+        return {"begin": begin, "content": content, "end": "}" + self.closing}
+
+    def forced(self, functions: dict[str, dict]) -> ResponseFormat:
+        key = self.arguments_key
+        calls = [
+            {"type": "object", "properties": {"name": {"const": name}, key: schema}, "required": ["name", key]}
+            for name, schema in functions.items()
+        ]
+        return ResponseFormat.from_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
+
+
+@dataclass(frozen=True)
+class Gemma4CallFormat(ToolCallFormat):
+    """Gemma 4's `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>` (kiln/gemma4_calls.py)."""
+
+    @property
+    def marks(self) -> tuple[str, ...]:
+        return (self.opening, self.closing, gemma4_calls.QUOTE)
+
+    def parsed(self, body: str) -> tuple[str, Any] | None:
+        return gemma4_calls.parse_call(body)
+
+    def tag(self, function: str, parameters: dict) -> dict:
+        grammar = gemma4_calls.arguments_grammar(parameters)
+        begin = f"{self.opening}call:{function}{{"
+        return {"begin": begin, "content": {"type": "grammar", "grammar": grammar}, "end": "}" + self.closing}
+
+    def forced(self, functions: dict[str, dict]) -> ResponseFormat:
+        return ResponseFormat.from_grammar(gemma4_calls.calls_grammar(functions))
+
 
 TOOL_CALL_FORMATS = (
     # Qwen2.5, Qwen3, Hermes: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-    ToolCallFormat(
-        "hermes",
-        template_marker="<tool_call>",
-        opening="<tool_call>\n",
-        closing="\n</tool_call>",
-        arguments_key="arguments",
-    ),
+    JSONCallFormat("hermes", "<tool_call>", opening="<tool_call>\n", closing="\n</tool_call>"),
     # Llama 3.1 and later: the reply is the call's JSON.
-    ToolCallFormat(
-        "llama3_json",
-        template_marker='"parameters": dictionary of argument name',
-        opening="",
-        closing="",
-        arguments_key="parameters",
+    JSONCallFormat(
+        "llama3_json", '"parameters": dictionary of argument name', opening="", closing="", arguments_key="parameters"
     ),
+    Gemma4CallFormat("gemma4", "<|tool_call>call:", opening="<|tool_call>", closing="<tool_call|>"),
 )
 
 
@@ -175,22 +224,10 @@ class ToolRequest:
         if self.choice == "none":
             return None
         if self.choice == "auto":
-            tags = [
-                {"begin": call_format.call_prefix(name), "schema": schema, "end": "}" + call_format.closing}
-                for name, schema in self.functions.items()
-            ]
+            tags = [call_format.tag(name, schema) for name, schema in self.functions.items()]
             return ResponseFormat.from_structural_tag(tags, [call_format.trigger])
         names = list(self.functions) if self.choice == "required" else [self.choice]
-        key = call_format.arguments_key
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, key: self.functions[name]},
-                "required": ["name", key],
-            }
-            for name in names
-        ]
-        return ResponseFormat.from_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        return call_format.forced({name: self.functions[name] for name in names})
 
     def reply_opening(self, call_format: ToolCallFormat) -> str:
         """Text written into the prompt after the generation prompt: a forced call's opening."""

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, processors
 from helpers.tiny_llama import (
     CHAT_TEMPLATES,
     CHATML_TOKENS,
+    GEMMA_4_TOKENS,
     GEMMA_TOKENS,
     GRANITE_TOKENS,
     LLAMA_2_TOKENS,
@@ -115,6 +116,8 @@ CASES = [
     # Gemma 3 shows no system block for an empty system message but the blank line after it.
     Case("google-gemma-3-4b-it", GEMMA_TOKENS, "gemma", frozenset({"an empty system message"})),
     Case("google-gemma-2-2b-it", GEMMA_TOKENS, "gemma"),
+    # Gemma 4, like Qwen3, shows a system block for an empty system message and none without one.
+    Case("google-gemma-4-31B-it", GEMMA_4_TOKENS, "gemma-4", frozenset({"an empty system message"})),
     # Granite 3.0, like Qwen3, shows a system block for an empty system message and none without one.
     Case("ibm-granite-granite-3.0-8b-instruct", GRANITE_TOKENS, "granite", frozenset({"an empty system message"})),
     # SmolLM3 shows its default instructions for an empty system message as for none; a conv_template, an empty block.

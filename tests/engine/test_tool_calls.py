@@ -17,7 +17,7 @@ from helpers.tools import PARAMETERS, QUESTION, TOOLS, WEATHER
 from kiln.engine import Engine
 from kiln.tools import TOOL_CALL_FORMATS, ContentBeforeCalls, ToolRequest, ToolRequestError
 
-HERMES, LLAMA3_JSON = TOOL_CALL_FORMATS
+HERMES, LLAMA3_JSON, GEMMA4 = TOOL_CALL_FORMATS
 
 
 def client(base):
@@ -93,7 +93,7 @@ def test_a_tool_result_goes_back_through_the_template(tool_models, family):
     assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
     rendered = Engine(dist / model).render_chat(conversation, tools=TOOLS)
     assert "temperature" in rendered and call.function.name in rendered
-    assert json.loads(call.function.arguments)["city"] in rendered
+    assert all(str(value) in rendered for value in json.loads(call.function.arguments).values())
 
 
 def test_a_model_whose_template_has_no_tools_is_a_400(tool_models):
@@ -172,6 +172,13 @@ def test_calls_are_read_out_of_free_text():
     llama = ContentBeforeCalls(LLAMA3_JSON, functions)
     assert llama.feed('{"name": "get_time", "parameters": {"zone": -3}}') == ""
     assert [c.name for c in llama.finish()[1]] == ["get_time"]
+    gemma = ContentBeforeCalls(GEMMA4, functions)
+    gemma_reply = 'Checking.<|tool_call>call:get_weather{city:<|"|>Paris, "TX"<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
+    assert "".join(gemma.feed(gemma_reply[i : i + 4]) for i in range(0, len(gemma_reply), 4)) == "Checking."
+    rest, calls = gemma.finish()
+    assert rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Paris, "TX"', "unit": "celsius"})
+    ]
 
 
 def test_text_that_only_looks_like_a_call_stays_text():
@@ -183,6 +190,16 @@ def test_text_that_only_looks_like_a_call_stays_text():
         '<tool_call>\n{"name": "get_time"\n</tool_call>',
     ]:
         reader = ContentBeforeCalls(HERMES, functions)
+        streamed = reader.feed(reply)
+        rest, calls = reader.finish()
+        assert calls == [] and streamed + rest == reply
+    for reply in [
+        "Gemma writes <|tool_call> marks.",
+        "<|tool_call>call:launch{}<tool_call|>",
+        "<|tool_call>call:get_time{zone:}<tool_call|>",
+        '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>',
+    ]:
+        reader = ContentBeforeCalls(GEMMA4, functions)
         streamed = reader.feed(reply)
         rest, calls = reader.finish()
         assert calls == [] and streamed + rest == reply

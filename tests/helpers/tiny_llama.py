@@ -32,6 +32,9 @@ class ChatTokens:
     eos_token: str
     sentencepiece: bool = False  # SentencePiece-style (Llama 2, Mistral, Phi-3, Gemma), else byte-level BPE
     space_prefix: bool = True  # SentencePiece puts "▁" before each text (all but Gemma's)
+    # Every printable ASCII character a token, as a real vocabulary has (Gemma 4's calls are
+    # written with "{", ":" and "[", which the bundled text lacks).
+    ascii_alphabet: bool = False
 
     def id(self, token: str | None) -> int | None:
         return self.special_tokens.index(token) if token in self.special_tokens else None
@@ -84,6 +87,33 @@ GEMMA_TOKENS = ChatTokens(
     sentencepiece=True,
     space_prefix=False,
 )
+# Gemma 4: its turn, tool and thought-channel marks are special tokens, as in its released tokenizer.json.
+GEMMA_4_TOKENS = ChatTokens(
+    (
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<mask>",
+        "<|turn>",
+        "<turn|>",
+        "<|channel>",
+        "<channel|>",
+        "<|tool>",
+        "<tool|>",
+        "<|tool_call>",
+        "<tool_call|>",
+        "<|tool_response>",
+        "<tool_response|>",
+        '<|"|>',
+        "<|think|>",
+    ),
+    "<bos>",
+    "<eos>",
+    sentencepiece=True,
+    space_prefix=False,
+    ascii_alphabet=True,
+)
 # Granite 3.x: one token is the BOS, the EOS and the end of each turn; its tokenizer adds no BOS.
 GRANITE_TOKENS = ChatTokens(
     ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>", "<|end_of_text|>"
@@ -98,6 +128,7 @@ CHAT_TEMPLATES = TESTS_DATA / "chat_templates"
 TOOL_FAMILIES = {
     "qwen": (QWEN_TOKENS, "Qwen-Qwen2.5-7B-Instruct.jinja"),
     "llama3": (LLAMA_3_TOKENS, "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+    "gemma4": (GEMMA_4_TOKENS, "google-gemma-4-31B-it.jinja"),
 }
 # Texts for raw completion (a model without a chat template), to encode with the tiny tokenizers.
 RAW_TEXTS = ["The capital of France is", "  two spaces\nand a line", "ünïcödé 🎮 12345", "x"]
@@ -119,7 +150,10 @@ def trained_tokenizer(tokens: ChatTokens, vocab_size: int):
             tokenizer.normalizer = replace_spaces
             tokenizer.decoder = decoders.Sequence([to_spaces, decoders.Fuse()])
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=list(tokens.special_tokens), show_progress=False
+            vocab_size=vocab_size,
+            special_tokens=list(tokens.special_tokens),
+            initial_alphabet=[chr(c) for c in range(0x21, 0x7F)] if tokens.ascii_alphabet else [],
+            show_progress=False,
         )
     else:
         tokenizer = Tokenizer(models.BPE())

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from helpers.host_cpp import host_program
 from helpers.tiny_llama import (
     CHAT_TEMPLATES,
+    GEMMA_4_TOKENS,
     GEMMA_TOKENS,
     GRANITE_TOKENS,
     OLMO_2_TOKENS,
@@ -46,6 +47,7 @@ REAL_TEMPLATES = {
     "mistralai-Mistral-Small-3.2-24B-Instruct-2506": TEKKEN_V7_TOKENS,
     "mistralai-Ministral-3-14B-Reasoning-2512": TEKKEN_V7_TOKENS,
     "google-gemma-3-4b-it": GEMMA_TOKENS,
+    "google-gemma-4-31B-it": GEMMA_4_TOKENS,
     "ibm-granite-granite-3.0-8b-instruct": GRANITE_TOKENS,
     "HuggingFaceTB-SmolLM3-3B": SMOLLM3_TOKENS,
     "allenai-OLMo-2-1124-7B-Instruct": OLMO_2_TOKENS,

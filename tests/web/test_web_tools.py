@@ -46,10 +46,10 @@ def test_a_tool_conversation_renders_as_natively(tool_models, family):
     model_dir = dist / f"tools-{family}-q4f32_1"
     browser = run_node_module(
         """
-        import { Template } from "./node_modules/@huggingface/jinja/dist/index.js";
+        import * as jinja from "./node_modules/@huggingface/jinja/dist/index.js";
         import { ChatTemplate } from "./src/chat-template.js";
         import { templateMessages } from "./src/tools.js";
-        const template = ChatTemplate.fromTokenizerConfig(readFileSync(input.tokenizerConfig), Template);
+        const template = ChatTemplate.fromTokenizerConfig(readFileSync(input.tokenizerConfig), jinja);
         console.log(JSON.stringify(template.render(templateMessages(input.messages), input.tools)));
     """,
         {"tokenizerConfig": str(model_dir / "tokenizer_config.json"), "messages": CONVERSATION, "tools": TOOLS},
@@ -82,12 +82,12 @@ def test_templates_are_found_and_their_failures_reported():
     refuses the messages or makes too much text is a bad request, one that cannot be read a bad model."""
     browser = run_node_module(
         """
-        import { Template } from "./node_modules/@huggingface/jinja/dist/index.js";
+        import * as jinja from "./node_modules/@huggingface/jinja/dist/index.js";
         import { ChatTemplate } from "./src/chat-template.js";
         console.log(JSON.stringify(input.configs.map((config) => {
           try {
             const bytes = new TextEncoder().encode(JSON.stringify(config));
-            const template = ChatTemplate.fromTokenizerConfig(bytes, Template);
+            const template = ChatTemplate.fromTokenizerConfig(bytes, jinja);
             return template && template.render([{ role: "user", content: "é<&" }]);
           } catch (error) {
             return `${error.code}: ${error.message}`;
@@ -119,6 +119,11 @@ MALFORMED = [
 CHOICES = ["auto", "required", NAMED, "none"]
 
 
+def parsed(held):
+    """A format's JSON parsed (an EBNF grammar as it is)."""
+    return held.text if held.kind == "grammar" else json.loads(held.text)
+
+
 def test_tools_and_tool_choice_are_read_as_natively():
     """The same errors, and the same formats holding the reply (the browser's JSON is compact: compared parsed)."""
     native_errors = []
@@ -133,7 +138,7 @@ def test_tools_and_tool_choice_are_read_as_natively():
             held = request.response_format(call_format)
             native_formats.append(
                 {
-                    "format": held and {"kind": held.kind, "text": json.loads(held.text)},
+                    "format": held and {"kind": held.kind, "text": parsed(held)},
                     "opening": request.reply_opening(call_format),
                 }
             )
@@ -152,7 +157,8 @@ def test_tools_and_tool_choice_are_read_as_natively():
           const request = toolRequestFrom(input.tools, choice);
           const held = request.responseFormat(callFormat);
           const opening = request.replyOpening(callFormat);
-          return { format: held && { kind: held.kind, text: JSON.parse(held.text) }, opening };
+          return { format: held && { kind: held.kind, text: held.kind === "grammar" ? held.text : JSON.parse(held.text) },
+                   opening };
         }));
         console.log(JSON.stringify({ errors, formats }));
     """,
@@ -171,6 +177,14 @@ REPLIES = [
     '<tool_call>\n{"name": "get_time"\n</tool_call>',
     '{"name": "get_time", "parameters": {"zone": -3}}',
     'Plain {"name" text  ',
+    'Checking.<|tool_call>call:get_weather{city:<|"|>Paris, "TX" {x:1}<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
+    "<|tool_call>call:get_time{zone:-3}<tool_call|>",
+    '<|tool_call>call:get_time{zone: 2.5e3, extra: [1, {a: null}, true], <|"|>quoted<|"|>: <|"|><|"|>}',
+    "Gemma writes <|tool_call> marks.",
+    "<|tool_call>call:launch{}<tool_call|>",
+    "<|tool_call>call:get_time{zone:}<tool_call|>",
+    '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>',
+    "<|tool_call>call:get_time{zone:1} and more<tool_call|>",
 ]
 
 

@@ -37,6 +37,24 @@ function templateSource(config) {
   return source || null;
 }
 
+// Python's jinja2 (the native renderer) gives these filters an undefined value as an empty string
+// (Gemma 4's template writes `value['type'] | upper` for a property without a type);
+// @huggingface/jinja throws. `alignUndefined` makes it do as jinja2 does.
+const STRING_FILTERS = new Set(["upper", "lower", "trim", "title", "capitalize", "string"]);
+const aligned = new WeakSet();
+
+function alignUndefined({ Interpreter, Environment, parse, tokenize }) {
+  if (aligned.has(Interpreter)) return;
+  const empty = new Interpreter(new Environment()).run(parse(tokenize(""))); // @huggingface/jinja's ""
+  const applyFilter = Interpreter.prototype.applyFilter;
+  Interpreter.prototype.applyFilter = function (operand, filterNode, environment) {
+    const name = filterNode.type === "Identifier" ? filterNode.value : filterNode.callee?.value;
+    const asEmpty = operand?.type === "UndefinedValue" && STRING_FILTERS.has(name);
+    return applyFilter.call(this, asEmpty ? empty : operand, filterNode, environment);
+  };
+  aligned.add(Interpreter);
+}
+
 /** A special token as text: a string, or an added token's {content}. */
 function specialTokenText(key, value) {
   const text = typeof value === "object" && value !== null ? value.content : value;
@@ -47,9 +65,9 @@ function specialTokenText(key, value) {
 export class ChatTemplate {
   /**
    * The template of a tokenizer_config.json (its bytes), or null when it has none (a base model).
-   * `Template` is @huggingface/jinja's.
+   * `jinja` is the @huggingface/jinja module.
    */
-  static fromTokenizerConfig(bytes, Template) {
+  static fromTokenizerConfig(bytes, jinja) {
     let config;
     try {
       config = JSON.parse(new TextDecoder().decode(bytes));
@@ -59,9 +77,10 @@ export class ChatTemplate {
     if (typeof config !== "object" || config === null || Array.isArray(config)) throw badModel("not a JSON object");
     const source = templateSource(config);
     if (source === null) return null;
+    alignUndefined(jinja);
     let template;
     try {
-      template = new Template(source);
+      template = new jinja.Template(source);
     } catch (error) {
       throw badModel(`the chat_template does not parse: ${error.message}`);
     }

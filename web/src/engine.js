@@ -551,7 +551,7 @@ export class Engine {
     this.tokenizerJSON = tokenizerName === "tokenizer.json" ? tokenizerBytes : null;
     this.grammars = new Grammars({
       loadXgrammar, tokenizer: this.tokenizer, chatConfig: this.chatConfig, stopTokenIds: this.stopTokenIds,
-      tokenizerJSON: this.tokenizerJSON,
+      tokenizerJSON: this.tokenizerJSON, marks: async () => (await this.toolCallFormat())?.marks ?? [],
     });
   }
 
@@ -782,11 +782,16 @@ export class Engine {
   /** The model's jinja chat template, or null (a base model); read and parsed on first use. */
   async jinjaChatTemplate() {
     if (this.chatTemplate === undefined) {
-      const { Template } = await this.loadJinja();
       const bytes = await this.files.bytes(this.files.url(TOKENIZER_CONFIG));
-      this.chatTemplate = ChatTemplate.fromTokenizerConfig(bytes, Template);
+      this.chatTemplate = ChatTemplate.fromTokenizerConfig(bytes, await this.loadJinja());
     }
     return this.chatTemplate;
+  }
+
+  /** How this model writes a tool call (null: its template renders no tools, or it has none). */
+  async toolCallFormat() {
+    const template = await this.jinjaChatTemplate();
+    return template === null ? null : toolCallFormat(template.source);
   }
 
   /**
@@ -805,7 +810,7 @@ export class Engine {
     if (tools.choice === "none") {
       return { prompt: rendered(template.render(templateMessages(messages))), responseFormat: requestedFormat, calls: null };
     }
-    const callFormat = toolCallFormat(template.source);
+    const callFormat = await this.toolCallFormat();
     if (callFormat === null) {
       throw new EngineError("no-tool-support", `${this.record.model_id} cannot call tools: its chat template does not ` +
         "render them (or writes calls in a way Kiln does not read).");

@@ -75,17 +75,18 @@ export function fromSchema(schema) {
 }
 
 /**
- * Free text in which each tag, once its trigger appears, runs from its `begin` through text fitting
- * its `schema` to its `end` (XGrammar's structural tag; how tools.js holds tool calls), bounded as
- * natively.
+ * Free text in which each tag ({begin, content, end}), once its trigger appears, runs from its
+ * `begin` through text fitting its `content` (a JSON schema or a grammar, in XGrammar's structural
+ * tag format) to its `end` (how tools.js holds tool calls), bounded as natively.
  */
 export function structuralTagFrom(tags, triggers) {
-  const text = JSON.stringify({ tags, triggers });
+  const tagged = tags.map((tag) => ({ type: "tag", ...tag }));
+  const text = JSON.stringify({ type: "structural_tag", format: { type: "triggered_tags", triggers, tags: tagged } });
   if (text.length > MAX_FORMAT_CHARS) throw problem(`the structural tag is longer than ${MAX_FORMAT_CHARS} characters`);
   return { kind: "structural_tag", text };
 }
 
-function fromGrammar(grammar) {
+export function fromGrammar(grammar) {
   if (typeof grammar !== "string" || !grammar.trim()) throw problem("the grammar must be a non-empty EBNF string");
   if (grammar.length > MAX_FORMAT_CHARS) throw problem(`the grammar is longer than ${MAX_FORMAT_CHARS} characters`);
   return { kind: "grammar", text: grammar };
@@ -138,11 +139,14 @@ function utf8After(state, bytes) {
   return state;
 }
 
-/** Ids of the special added tokens of a tokenizer.json (its bytes); none for a tokenizer.model. */
-export function specialTokenIds(tokenizerJSON) {
+/**
+ * Ids of the special added tokens of a tokenizer.json (its bytes), but for `marks` (the tokens a
+ * tool call is written with: Gemma 4's <|tool_call> and <|"|>); none for a tokenizer.model.
+ */
+export function specialTokenIds(tokenizerJSON, marks = []) {
   if (!tokenizerJSON) return new Set();
   const { added_tokens: added = [] } = JSON.parse(new TextDecoder().decode(tokenizerJSON));
-  return new Set(added.filter((token) => token.special).map((token) => token.id));
+  return new Set(added.filter((token) => token.special && !marks.includes(token.content)).map((token) => token.id));
 }
 
 /**
@@ -193,8 +197,9 @@ function listenToConsoleErrors() {
  * @mlc-ai/web-xgrammar module (a new wasm instance of it with `fresh`).
  */
 export class Grammars {
-  constructor({ loadXgrammar, tokenizer, tokenizerJSON, chatConfig, stopTokenIds }) {
+  constructor({ loadXgrammar, tokenizer, tokenizerJSON, chatConfig, stopTokenIds, marks = async () => [] }) {
     this.loadXgrammar = loadXgrammar;
+    this.marks = marks; // async () → the special tokens the model's tool calls are written with
     this.tokenizer = tokenizer;
     this.tokenizerJSON = tokenizerJSON;
     this.chatConfig = chatConfig;
@@ -214,7 +219,8 @@ export class Grammars {
     listenToConsoleErrors();
     this.xgrammar = await this.loadXgrammar({ fresh });
     const vocabType = info.token_postproc_method;
-    this.table ??= new TokenTable(this.tokenizer, specialTokenIds(this.tokenizerJSON), vocabType, this.vocabSize);
+    this.table ??= new TokenTable(this.tokenizer, specialTokenIds(this.tokenizerJSON, await this.marks()), vocabType,
+      this.vocabSize);
     const tokenizerInfo = await this.xgrammar.TokenizerInfo.createTokenizerInfo(this.table.strings, vocabType,
       Boolean(info.prepend_space_in_encode), this.vocabSize, this.stopTokenIds);
     this.compiler = await this.xgrammar.GrammarCompiler.createGrammarCompiler(tokenizerInfo);
@@ -235,7 +241,7 @@ export class Grammars {
         : format.kind === "json_schema"
           ? await compiler.compileJSONSchema(format.text, false, ONE_LINE, undefined, true)
           : format.kind === "structural_tag"
-            ? await compiler.compileStructuralTag(...this.structuralTag(format.text))
+            ? await compiler.compileStructuralTag(format.text)
             : await compiler.compileGrammar(format.text);
       this.compiled.set(key, compiled);
       return compiled;
@@ -247,12 +253,6 @@ export class Grammars {
     } finally {
       printed = null;
     }
-  }
-
-  /** XGrammar's arguments for a structural tag's text ({tags, triggers}), each tag's schema as JSON text as natively. */
-  structuralTag(text) {
-    const { tags, triggers } = JSON.parse(text);
-    return [tags.map((tag) => new this.xgrammar.StructuralTagItem(tag.begin, JSON.stringify(tag.schema), tag.end)), triggers];
   }
 
   /** A new reply's TokenConstraint for `format`. */

@@ -5,7 +5,8 @@
 // they make, whichever call format the model has.
 import { messageText } from "./chat-format.js";
 import { EngineError } from "./errors.js";
-import { fromSchema, MAX_FORMAT_CHARS, structuralTagFrom } from "./structured.js";
+import * as gemma4Calls from "./gemma4-calls.js";
+import { fromGrammar, fromSchema, MAX_FORMAT_CHARS, structuralTagFrom } from "./structured.js";
 
 const FUNCTION_NAME = /^[A-Za-z0-9_-]{1,64}$/;
 const TOOL_CHOICES = ["none", "auto", "required"];
@@ -16,19 +17,20 @@ const ROLES = new Set(["system", "user", "assistant", "tool"]);
 const badRequest = (message) => new EngineError("bad-request", message);
 const isObject = (value) => typeof value === "object" && value !== null && !Array.isArray(value);
 
-/** How a family's model writes one call: `opening` + {"name": …, `argumentsKey`: {…}} + `closing`. */
+/** How a family's model writes one call: `opening`, the call, `closing` (ToolCallFormat natively). */
 class ToolCallFormat {
-  constructor(name, { templateMarker, opening, closing, argumentsKey }) {
-    Object.assign(this, { name, templateMarker, opening, closing, argumentsKey });
-  }
-
-  callPrefix(functionName) {
-    return `${this.opening}{"name": ${JSON.stringify(functionName)}, "${this.argumentsKey}": `;
+  constructor(name, { templateMarker, opening, closing }) {
+    Object.assign(this, { name, templateMarker, opening, closing });
   }
 
   /** What the model writes first when it starts a call. */
   get trigger() {
-    return this.opening || '{"name": ';
+    return this.opening;
+  }
+
+  /** Tokens a call is written with that the grammar must let the model write, special or not. */
+  get marks() {
+    return [];
   }
 
   /** {outside: the text outside calls, calls: [{name, arguments}] of each complete call in it}. */
@@ -37,7 +39,7 @@ class ToolCallFormat {
     const outside = [];
     let position = 0;
     for (let start = text.indexOf(this.trigger); start >= 0; start = text.indexOf(this.trigger, position)) {
-      // A reply may end right after a call's JSON, without the closing.
+      // A reply may end right after a call, without the closing.
       let end = this.closing ? text.indexOf(this.closing, start + this.opening.length) : -1;
       if (end < 0) end = text.length;
       const call = this.parsed(text.slice(start + this.opening.length, end));
@@ -48,6 +50,18 @@ class ToolCallFormat {
     }
     outside.push(text.slice(position));
     return { outside: outside.join("").trim(), calls };
+  }
+}
+
+/** A call as JSON: `opening` + {"name": …, `argumentsKey`: {…}} + `closing`. */
+class JSONCallFormat extends ToolCallFormat {
+  constructor(name, { argumentsKey = "arguments", ...format }) {
+    super(name, format);
+    this.argumentsKey = argumentsKey;
+  }
+
+  get trigger() {
+    return this.opening || '{"name": ';
   }
 
   parsed(body) {
@@ -60,15 +74,49 @@ class ToolCallFormat {
     if (!isObject(call) || typeof call.name !== "string" || !(this.argumentsKey in call)) return null;
     return { name: call.name, arguments: call[this.argumentsKey] };
   }
+
+  /** The structural tag that holds a call of `name` once the model starts it. */
+  tag(name, parameters) {
+    const begin = `${this.opening}{"name": ${JSON.stringify(name)}, "${this.argumentsKey}": `;
+    return { begin, content: { type: "json_schema", json_schema: parameters }, end: `}${this.closing}` };
+  }
+
+  /** What holds a reply that must be one call (after the opening written for it) of one of `functions`. */
+  forced(functions) {
+    const key = this.argumentsKey;
+    const calls = [...functions].map(([name, schema]) =>
+      ({ type: "object", properties: { name: { const: name }, [key]: schema }, required: ["name", key] }));
+    return fromSchema(calls.length === 1 ? calls[0] : { anyOf: calls });
+  }
+}
+
+/** Gemma 4's `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>` (gemma4-calls.js). */
+class Gemma4CallFormat extends ToolCallFormat {
+  get marks() {
+    return [this.opening, this.closing, gemma4Calls.QUOTE];
+  }
+
+  parsed(body) {
+    return gemma4Calls.parseCall(body);
+  }
+
+  tag(name, parameters) {
+    const content = { type: "grammar", grammar: gemma4Calls.argumentsGrammar(parameters) };
+    return { begin: `${this.opening}call:${name}{`, content, end: `}${this.closing}` };
+  }
+
+  forced(functions) {
+    return fromGrammar(gemma4Calls.callsGrammar(functions));
+  }
 }
 
 export const TOOL_CALL_FORMATS = [
   // Qwen2.5, Qwen3, Hermes: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-  new ToolCallFormat("hermes", { templateMarker: "<tool_call>", opening: "<tool_call>\n", closing: "\n</tool_call>",
-    argumentsKey: "arguments" }),
+  new JSONCallFormat("hermes", { templateMarker: "<tool_call>", opening: "<tool_call>\n", closing: "\n</tool_call>" }),
   // Llama 3.1 and later: the reply is the call's JSON.
-  new ToolCallFormat("llama3_json", { templateMarker: '"parameters": dictionary of argument name', opening: "",
+  new JSONCallFormat("llama3_json", { templateMarker: '"parameters": dictionary of argument name', opening: "",
     closing: "", argumentsKey: "parameters" }),
+  new Gemma4CallFormat("gemma4", { templateMarker: "<|tool_call>call:", opening: "<|tool_call>", closing: "<tool_call|>" }),
 ];
 
 export function toolCallFormat(templateSource) {
@@ -146,16 +194,11 @@ class ToolRequest {
   responseFormat(callFormat) {
     if (this.choice === "none") return null;
     if (this.choice === "auto") {
-      const tags = [...this.functions].map(([name, schema]) =>
-        ({ begin: callFormat.callPrefix(name), schema, end: `}${callFormat.closing}` }));
+      const tags = [...this.functions].map(([name, schema]) => callFormat.tag(name, schema));
       return structuralTagFrom(tags, [callFormat.trigger]);
     }
     const names = this.choice === "required" ? [...this.functions.keys()] : [this.choice];
-    const calls = names.map((name) => ({
-      type: "object", properties: { name: { const: name }, [callFormat.argumentsKey]: this.functions.get(name) },
-      required: ["name", callFormat.argumentsKey],
-    }));
-    return fromSchema(calls.length === 1 ? calls[0] : { anyOf: calls });
+    return callFormat.forced(new Map(names.map((name) => [name, this.functions.get(name)])));
   }
 
   /** Text written into the prompt after the generation prompt: a forced call's opening. */

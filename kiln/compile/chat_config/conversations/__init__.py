@@ -3,7 +3,7 @@ one file a family, as MLC keeps its conversation templates. The registry's order
 are tried in."""
 
 from kiln.compile.chat_config.conversations.chatml import CHATML
-from kiln.compile.chat_config.conversations.gemma import GEMMA
+from kiln.compile.chat_config.conversations.gemma import GEMMA, GEMMA_4
 from kiln.compile.chat_config.conversations.granite import GRANITE
 from kiln.compile.chat_config.conversations.llama import LLAMA_2, LLAMA_3
 from kiln.compile.chat_config.conversations.mistral import MISTRAL_V1, MISTRAL_V3, MISTRAL_V3_TEKKEN, MISTRAL_V7_TEKKEN
@@ -21,6 +21,7 @@ CONV_FAMILIES = (
     MISTRAL_V1,
     MISTRAL_V3,
     GEMMA,
+    GEMMA_4,
     MISTRAL_V3_TEKKEN,
     MISTRAL_V7_TEKKEN,
     GRANITE,

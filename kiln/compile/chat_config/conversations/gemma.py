@@ -1,4 +1,4 @@
-"""Gemma: `<start_of_turn>user` / `<start_of_turn>model`."""
+"""Gemma 2 and 3: `<start_of_turn>user` / `<start_of_turn>model`; Gemma 4: `<|turn>user` / `<|turn>model`."""
 
 from kiln.compile.chat_config.conv_family import ConvFamily
 
@@ -14,4 +14,17 @@ GEMMA = ConvFamily(
     "\n",
     ("<end_of_turn>",),
     add_role_after_system_message=False,
+)
+
+# Gemma 4: `<|turn>user` / `<|turn>model`, a system role of its own; the generation prompt closes an
+# empty thought channel (thinking off, the template's default).
+GEMMA_4 = ConvFamily(
+    "gemma-4",
+    ("<|turn>",),
+    "<|turn>system\n{system_message}<turn|>\n",
+    {"user": "<|turn>user", "assistant": "<|turn>model"},
+    ("<turn|>\n",),
+    "\n",
+    "\n<|channel>thought\n<channel|>",
+    ("<turn|>",),
 )
