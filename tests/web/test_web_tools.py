@@ -157,8 +157,8 @@ def test_tools_and_tool_choice_are_read_as_natively():
           const request = toolRequestFrom(input.tools, choice);
           const held = request.responseFormat(callFormat);
           const opening = request.replyOpening(callFormat);
-          return { format: held && { kind: held.kind, text: held.kind === "grammar" ? held.text : JSON.parse(held.text) },
-                   opening };
+          const text = held && (held.kind === "grammar" ? held.text : JSON.parse(held.text));
+          return { format: held && { kind: held.kind, text }, opening };
         }));
         console.log(JSON.stringify({ errors, formats }));
     """,
