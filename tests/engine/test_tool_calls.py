@@ -181,28 +181,24 @@ def test_calls_are_read_out_of_free_text():
     ]
 
 
-def test_text_that_only_looks_like_a_call_stays_text():
-    functions = ToolRequest.from_openai(TOOLS, "auto").functions
-    for reply in [
-        "Use <tool_call> tags.",
-        '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>',
-        "A < B and <tool",
-        '<tool_call>\n{"name": "get_time"\n</tool_call>',
-    ]:
-        reader = ContentBeforeCalls(HERMES, functions)
-        streamed = reader.feed(reply)
-        rest, calls = reader.finish()
-        assert calls == [] and streamed + rest == reply
-    for reply in [
-        "Gemma writes <|tool_call> marks.",
-        "<|tool_call>call:launch{}<tool_call|>",
-        "<|tool_call>call:get_time{zone:}<tool_call|>",
-        '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>',
-    ]:
-        reader = ContentBeforeCalls(GEMMA4, functions)
-        streamed = reader.feed(reply)
-        rest, calls = reader.finish()
-        assert calls == [] and streamed + rest == reply
+LOOK_ALIKES = [
+    (HERMES, "Use <tool_call> tags."),
+    (HERMES, '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'),
+    (HERMES, "A < B and <tool"),
+    (HERMES, '<tool_call>\n{"name": "get_time"\n</tool_call>'),
+    (GEMMA4, "Gemma writes <|tool_call> marks."),
+    (GEMMA4, "<|tool_call>call:launch{}<tool_call|>"),
+    (GEMMA4, "<|tool_call>call:get_time{zone:}<tool_call|>"),
+    (GEMMA4, '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>'),
+]
+
+
+@pytest.mark.parametrize("call_format, reply", LOOK_ALIKES)
+def test_text_that_only_looks_like_a_call_stays_text(call_format, reply):
+    reader = ContentBeforeCalls(call_format, ToolRequest.from_openai(TOOLS, "auto").functions)
+    streamed = reader.feed(reply)
+    rest, calls = reader.finish()
+    assert calls == [] and streamed + rest == reply
 
 
 def test_tool_choice_shapes():
