@@ -211,15 +211,29 @@ class SafetensorsTensors:
         tensor = self._tensors[name]
         count = math.prod(tensor.shape)
         if tensor.dtype == "BF16":
-            # bfloat16 is the upper half of a float32
-            upper = np.fromfile(tensor.file, dtype="<u2", count=count, offset=tensor.offset)
-            values = (upper.astype(np.uint32) << 16).view(np.float32)
+            values = read_bfloat16(tensor.file, tensor.offset, count)
         elif tensor.dtype in SAFETENSORS_FLOATS:
             raw = np.fromfile(tensor.file, dtype=SAFETENSORS_FLOATS[tensor.dtype], count=count, offset=tensor.offset)
             values = raw.astype(np.float32)
         else:
             raise KilnError(f"tensor {name} has dtype {tensor.dtype}; Kiln reads F64, F32, F16 and BF16", tensor.file)
         return values.reshape(tensor.shape)
+
+
+BFLOAT16_CHUNK = 1 << 24  # values read at a time
+
+
+def read_bfloat16(path: Path, offset: int, count: int) -> np.ndarray:
+    """`count` bfloat16 values at `offset` as float32 (bfloat16 is the upper half of a float32), read
+    in chunks into the result: the whole tensor is never held twice (a 4.7 GB table would take 14 GB)."""
+    values = np.empty(count, np.float32)
+    bits = values.view(np.uint32)
+    with open(path, "rb") as file:
+        for start in range(0, count, BFLOAT16_CHUNK):
+            file.seek(offset + 2 * start)
+            upper = np.fromfile(file, dtype="<u2", count=min(BFLOAT16_CHUNK, count - start))
+            np.left_shift(upper, 16, out=bits[start : start + len(upper)], dtype=np.uint32)
+    return values
 
 
 # ---- PyTorch checkpoints ---------------------------------------------------------------------
