@@ -384,11 +384,13 @@ def compiles_side_by_side(
 
 @contextmanager
 def cancelled_on_failure(futures):
+    """A failing build cancels its side-by-side compiles; one already running ends with its process."""
     try:
         yield
     except BaseException:
-        for future in futures:
-            future.cancel()
+        running = [future for future in futures if not future.cancel() and not future.done()]
+        if running:
+            side_by_side.stop()
         raise
 
 

@@ -48,6 +48,18 @@ def submit(jobs: int, function: Callable, *args) -> Future:
         return submit(jobs, function, *args)
 
 
+def stop() -> None:
+    """End the compile processes now, with the compiles they run (a running future cannot be
+    cancelled, and the interpreter would wait for it at exit: minutes after a build failed)."""
+    global _pool, _pool_size
+    if _pool is None:
+        return
+    for process in list(_pool._processes.values()):  # the executor has no public way to end its workers
+        process.kill()
+    _pool.shutdown(wait=False, cancel_futures=True)
+    _pool, _pool_size = None, 0
+
+
 @contextmanager
 def main_script_left_out() -> Iterator[None]:
     """Spawn the compile processes without the program's own script, which they do not need: spawning

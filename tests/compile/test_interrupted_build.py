@@ -1,5 +1,6 @@
 """A build killed with `kill -9` leaves no model folder, the next build into the same output
-removes what it left, and a live build's staging folder is never touched. Also: the `cpu`
+removes what it left, a live build's staging folder is never touched, and a failing build ends the
+compiles it started. Also: the `cpu`
 library's instruction set (portable by default) and the build record's public fields."""
 
 from __future__ import annotations
@@ -64,6 +65,27 @@ def test_a_killed_build_takes_its_compile_processes_with_it(tiny_source, tmp_pat
     children = compile_until(tiny_source, tmp_path / "dist", "configure", targets="cpu,wasm")
     assert children, "the build compiles its two targets in processes of their own"
     _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
+
+
+@pytest.mark.slow
+def test_a_build_that_fails_ends_the_compiles_running_beside_it(tiny_source, tmp_path, monkeypatch):
+    """A running compile cannot be cancelled: left alone, the program would wait for it at exit (a
+    real model's wasm compile: minutes after its error line)."""
+    from kiln.compile import pipeline
+
+    workers = []
+
+    def failing_convert(*args):
+        children = psutil.Process().children(recursive=True)
+        workers.extend(p for p in children if "multiprocessing.spawn" in " ".join(p.cmdline()))  # not the resource tracker
+        raise KilnError("no space left on device")
+
+    monkeypatch.setattr(pipeline, "convert_weights", failing_convert)
+    with pytest.raises(KilnError, match="no space left"):
+        build(BuildRequest(str(tiny_source), "q0f32", ["cpu", "wasm"], tmp_path / "dist", "failing", jobs=2))
+    assert workers, "the build compiles its two targets in processes of their own"
+    _, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive
 
 
