@@ -78,7 +78,8 @@ def test_a_build_that_fails_ends_the_compiles_running_beside_it(tiny_source, tmp
 
     def failing_convert(*args):
         children = psutil.Process().children(recursive=True)
-        workers.extend(p for p in children if "multiprocessing.spawn" in " ".join(p.cmdline()))  # not the resource tracker
+        # The compile processes, not multiprocessing's resource tracker.
+        workers.extend(p for p in children if "multiprocessing.spawn" in " ".join(p.cmdline()))
         raise KilnError("no space left on device")
 
     monkeypatch.setattr(pipeline, "convert_weights", failing_convert)
