@@ -220,7 +220,7 @@ class SafetensorsTensors:
         return values.reshape(tensor.shape)
 
 
-BFLOAT16_CHUNK = 1 << 24  # values read at a time
+BFLOAT16_CHUNK = 1 << 22  # values read at a time (8 MB)
 
 
 def read_bfloat16(path: Path, offset: int, count: int) -> np.ndarray:
@@ -232,7 +232,9 @@ def read_bfloat16(path: Path, offset: int, count: int) -> np.ndarray:
         for start in range(0, count, BFLOAT16_CHUNK):
             file.seek(offset + 2 * start)
             upper = np.fromfile(file, dtype="<u2", count=min(BFLOAT16_CHUNK, count - start))
-            np.left_shift(upper, 16, out=bits[start : start + len(upper)], dtype=np.uint32)
+            chunk = bits[start : start + len(upper)]
+            chunk[:] = upper
+            chunk <<= 16
     return values
 
 
