@@ -40,9 +40,13 @@ class Matrix:
 
 
 def read_whole_by_decode(record: TensorRecord, tied: bool) -> bool:
-    """Whether a decode step reads all of a stored parameter: all but an untied embedding table,
-    of which it gathers one row (a tied one is also the output projection)."""
-    return tied or "embed_tokens" not in record.name
+    """Whether a decode step reads all of a stored parameter: all but the embedding tables, of which
+    it gathers one row each, unless the embedding is tied (it is also the output projection; Gemma
+    4's per-layer table never is)."""
+    parts = record.name.split(".")  # "model.embed_tokens.q_weight", "model.embed_tokens_per_layer.q_scale"
+    if "embed_tokens" in parts:
+        return tied
+    return not any(part.startswith("embed_tokens") for part in parts)
 
 
 def decode_matrices(model_dir: Path, tied: bool, quantization: str) -> list[Matrix]:

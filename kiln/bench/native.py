@@ -57,13 +57,8 @@ def decode_bytes_per_token(engine: Engine, context_tokens: float) -> float:
     tied = model_config.get("tie_word_embeddings", False)
     weights = sum(r.nbytes for r in records(engine.model_dir) if read_whole_by_decode(r, tied))
     kv_itemsize = float_bytes(engine.chat_config["quantization"])
-    kv_per_token = (
-        2
-        * model_config["num_hidden_layers"]
-        * model_config["num_key_value_heads"]
-        * model_config["head_dim"]
-        * kv_itemsize
-    )
+    cache_layers = model_config["num_hidden_layers"] - len(model_config.get("kv_shared_layers") or [])
+    kv_per_token = 2 * cache_layers * model_config["num_key_value_heads"] * model_config["head_dim"] * kv_itemsize
     return weights + kv_per_token * context_tokens
 
 

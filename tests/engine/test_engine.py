@@ -487,6 +487,24 @@ def test_bench_native_reports_the_numbers(tiny_dir):
     assert report["matrix_kernels_as_built"]  # built in this session, by this code
 
 
+@pytest.mark.parametrize(
+    "name, tied, read_whole",
+    [
+        ("model.embed_tokens.q_weight", False, False),
+        ("model.embed_tokens.q_weight", True, True),  # also the output projection
+        ("model.embed_tokens_per_layer.q_weight", True, False),  # Gemma 4's per-layer table: one row a token
+        ("model.embed_tokens_per_layer.q_scale", False, False),
+        ("model.layers.0.self_attn.qkv_proj.q_weight", False, True),
+        ("lm_head.q_weight", False, True),
+    ],
+)
+def test_a_decode_step_reads_all_but_the_embedding_tables_it_gathers_from(name, tied, read_whole):
+    from kiln.bench.matrices import read_whole_by_decode
+    from kiln.tensor_cache import TensorRecord
+
+    assert read_whole_by_decode(TensorRecord(name, (8, 8), "uint32", Path("shard"), 0, 256, {}), tied) == read_whole
+
+
 def test_the_cpu_library_runs_on_the_physical_cores_or_as_asked(tiny_dir):
     from kiln.runtime import default_cpu_threads
 
