@@ -72,14 +72,13 @@ def test_a_killed_build_takes_its_compile_processes_with_it(tiny_source, tmp_pat
 def test_a_build_that_fails_ends_the_compiles_running_beside_it(tiny_source, tmp_path, monkeypatch):
     """A running compile cannot be cancelled: left alone, the program would wait for it at exit (a
     real model's wasm compile: minutes after its error line)."""
-    from kiln.compile import pipeline
+    from kiln.compile import pipeline, side_by_side
 
     workers = []
 
     def failing_convert(*args):
-        children = psutil.Process().children(recursive=True)
-        # The compile processes, not multiprocessing's resource tracker.
-        workers.extend(p for p in children if "multiprocessing.spawn" in " ".join(p.cmdline()))
+        # The build's compile processes (the test session has other processes of its own).
+        workers.extend(psutil.Process(process.pid) for process in side_by_side._pool._processes.values())
         raise KilnError("no space left on device")
 
     monkeypatch.setattr(pipeline, "convert_weights", failing_convert)
