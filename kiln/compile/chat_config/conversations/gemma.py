@@ -26,5 +26,7 @@ GEMMA_4 = ConvFamily(
     ("<turn|>\n",),
     "\n",
     "\n<|channel>thought\n<channel|>",
-    ("<turn|>",),
+    # A reply that calls a tool ends with `<|tool_response>` (an eos id in generation_config.json;
+    # a GGUF names only `<eos>`).
+    ("<turn|>", "<|tool_response>"),
 )
