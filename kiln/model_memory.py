@@ -61,10 +61,16 @@ def kv_cache_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
     """(the KV cache's bytes, one layer's: TVM allocates a buffer per layer)."""
     pages = -(-model_config["context_window_size"] // PAGE_SIZE) + 1 + 2 * bool(model_config.get("sliding_window_size"))
     layer = pages * 2 * model_config["num_key_value_heads"] * PAGE_SIZE * model_config["head_dim"] * element_bytes
-    shared = set(model_config.get("kv_shared_layers") or [])
-    layers = model_config["num_hidden_layers"] - len(shared)
-    all_windowed = len(set(model_config.get("windowed_layers") or []) - shared) == layers
-    return (layers + all_windowed) * layer, layer
+    owners = cache_layers(model_config)
+    all_windowed = set(model_config.get("windowed_layers") or []) >= owners
+    return (len(owners) + all_windowed) * layer, layer
+
+
+def cache_layers(model_config: dict) -> set[int]:
+    """The layers that keep K/V in the cache: not those that read another's (Gemma 4's shared layers),
+    nor those that keep a recurrent state instead (a hybrid model's)."""
+    stateless = {*(model_config.get("kv_shared_layers") or []), *(model_config.get("recurrent_layers") or [])}
+    return set(range(model_config["num_hidden_layers"])) - stateless
 
 
 def cache_scratch_bytes(model_config: dict, chunk: int, element_bytes: int) -> int:

@@ -28,6 +28,10 @@ from kiln.targets import NATIVE_TARGETS, TARGETS
 from kiln.tensor_cache import records, verify_shards
 
 SEQUENCE_ID = 0
+# A hybrid model's recurrent state keeps this many steps: the last RECURRENT_HISTORY - 1 single-token
+# steps can be undone (a stop string's tokens, a reply's last token before the next turn); a step of
+# more tokens cannot be, and undoing past it starts the sequence over.
+RECURRENT_HISTORY = 8
 # LLVM's CPU features that are instructions (x86 and ARM); the rest ("slow-lea", "prefer-256-bit",
 # …) only tune code generation and are no requirement.
 INSTRUCTION_SET = re.compile(
@@ -185,7 +189,8 @@ class CompiledLibrary:
 
 
 class NativeModel(CompiledLibrary):
-    """One compiled model with one KV cache sequence."""
+    """One compiled model with one sequence in its KV cache (and, a hybrid model's, in its recurrent
+    state: `states` are what the step functions take after the embeddings)."""
 
     def __init__(self, model_dir: Path, target: str = "cpu"):
         super().__init__(model_dir, target)
@@ -213,33 +218,47 @@ class NativeModel(CompiledLibrary):
             ShapeTuple([PAGE_SIZE]),
             ShapeTuple([int(self.sliding_window_size > 0)]),
         )
+        self.states = [self.kv_cache]
+        self.recurrent = self.metadata["kv_state_kind"] == "hybrid"
+        if self.recurrent:
+            self.states.append(self.vm["create_rnn_state"](ShapeTuple([1]), ShapeTuple([RECURRENT_HISTORY])))
         self._add_sequence()
 
     def _add_sequence(self) -> None:
-        self._kv_builtin["kv_state_add_sequence"](self.kv_cache, SEQUENCE_ID)
+        for state in self.states:
+            self._kv_builtin["kv_state_add_sequence"](state, SEQUENCE_ID)
         if self.sliding_window_size > 0:
             tvm.get_global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(
                 self.kv_cache, SEQUENCE_ID, self.sliding_window_size, 0
             )
         self.cached_tokens = 0
+        self.undoable_steps = 0  # the recurrent state's
 
     def reset(self) -> None:
-        self._kv_builtin["kv_state_remove_sequence"](self.kv_cache, SEQUENCE_ID)
+        for state in self.states:
+            self._kv_builtin["kv_state_remove_sequence"](state, SEQUENCE_ID)
         self._add_sequence()
 
     def rollback(self, count: int) -> int:
         """Forget the last `count` cached tokens; returns how many stay cached. Once a sliding
-        window has dropped tokens, the ones before it cannot come back: then it forgets them all."""
-        if count and self.sliding_window_size > 0 and self.cached_tokens > self.sliding_window_size:
+        window has dropped tokens, the ones before it cannot come back, nor a recurrent state's
+        before its last step of several tokens or its kept history: then it forgets them all."""
+        lost = self.sliding_window_size > 0 and self.cached_tokens > self.sliding_window_size
+        if count and (lost or self.recurrent and count > self.undoable_steps):
             self.reset()
         elif count:
-            self._kv_builtin["kv_state_popn"](self.kv_cache, SEQUENCE_ID, count)
+            for state in self.states:
+                self._kv_builtin["kv_state_popn"](state, SEQUENCE_ID, count)
             self.cached_tokens -= count
+            self.undoable_steps -= count
         return self.cached_tokens
 
     def speculation_room(self) -> int:
         """How many tokens may go into the cache now and still be rolled back: the context window's
-        room, and under a sliding window only until it drops a token."""
+        room, and under a sliding window only until it drops a token; none for a recurrent state,
+        which cannot undo a step of several tokens."""
+        if self.recurrent:
+            return 0
         room = self.context_window_size - self.cached_tokens
         if self.sliding_window_size > 0:
             room = min(room, self.sliding_window_size - self.cached_tokens)
@@ -273,16 +292,19 @@ class NativeModel(CompiledLibrary):
         try:
             embeds = self.vm["embed"](ids, self.params)
             embeds = embeds._create_view((1, len(token_ids), embeds.shape[-1]))
-            self._kv_builtin["kv_state_begin_forward"](
-                self.kv_cache, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)])
-            )
-            logits, self.kv_cache = self.vm[function](embeds, self.kv_cache, self.params)
-            self._kv_builtin["kv_state_end_forward"](self.kv_cache)
+            for state in self.states:
+                self._kv_builtin["kv_state_begin_forward"](
+                    state, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)])
+                )
+            logits, *self.states = self.vm[function](embeds, *self.states, self.params)
+            for state in self.states:
+                self._kv_builtin["kv_state_end_forward"](state)
         except Exception as e:  # a check that failed in TVM's runtime (its errors are Python's builtin types)
             raise KilnError(
                 f"the model's {function} step failed in TVM: {one_line(e) or type(e).__name__}", self.model_dir
             ) from e
         self.cached_tokens += len(token_ids)
+        self.undoable_steps = min(self.undoable_steps + 1, RECURRENT_HISTORY - 1) if len(token_ids) == 1 else 0
         return logits.numpy()[0]
 
     def _check_room(self, count: int) -> None:

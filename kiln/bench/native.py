@@ -19,7 +19,7 @@ import numpy as np
 from kiln.app_config import model_needs, read_compiled_model
 from kiln.bench.matrices import kernels_as_built, read_whole_by_decode, time_matrix_types
 from kiln.engine import Engine, GenerationConfig
-from kiln.model_memory import float_bytes
+from kiln.model_memory import cache_layers, float_bytes
 from kiln.runtime import set_cpu_threads
 from kiln.tensor_cache import records
 
@@ -57,8 +57,8 @@ def decode_bytes_per_token(engine: Engine, context_tokens: float) -> float:
     tied = model_config.get("tie_word_embeddings", False)
     weights = sum(r.nbytes for r in records(engine.model_dir) if read_whole_by_decode(r, tied))
     kv_itemsize = float_bytes(engine.chat_config["quantization"])
-    cache_layers = model_config["num_hidden_layers"] - len(model_config.get("kv_shared_layers") or [])
-    kv_per_token = 2 * cache_layers * model_config["num_key_value_heads"] * model_config["head_dim"] * kv_itemsize
+    layers = len(cache_layers(model_config))
+    kv_per_token = 2 * layers * model_config["num_key_value_heads"] * model_config["head_dim"] * kv_itemsize
     return weights + kv_per_token * context_tokens
 
 

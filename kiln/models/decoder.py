@@ -4,7 +4,9 @@ A family subclasses `DecoderModel` and provides `embed_tokens`, `hidden_states` 
 and final norm over the paged KV cache) and `logits`; the functions WebLLM and Kiln's engines
 call — embed, prefill, decode, prefill_all_logits and create_tir_paged_kv_cache — are defined once
 here, with batch_prefill and batch_decode, which MLC-LLM's C++ engine (its Android and iOS apps)
-runs instead of prefill and decode.
+runs instead of prefill and decode. A hybrid family (`recurrent_states`) also gets
+create_rnn_state, and its step functions take and return the recurrent state after the KV cache,
+as WebLLM calls a model whose `kv_state_kind` is "hybrid"; its hidden_states takes the state too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .gguf import GGUFMapping
 from .kv_cache.cpu_prefill_attention import replace_prefill_attention_kernels
 from .kv_cache.paged_prefill_fix import fix_paged_prefill_kernels
 from .layers import gather_positions, last_position
+from .recurrent_state import RecurrentState, StateSpec
 
 
 @dataclass
@@ -68,6 +71,9 @@ class DecoderConfig:
     # Layers that store no K/V and attend over an earlier layer's (Gemma 4's last layers): the KV
     # cache holds the other layers only, in their order (`cache_layer_ids`).
     kv_shared_layers: tuple[int, ...] = ()
+    # Layers that keep a recurrent state instead of K/V (LFM2's short convolutions): a hybrid model,
+    # whose functions take the state beside the KV cache (kiln/models/recurrent_state.py).
+    recurrent_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -120,6 +126,10 @@ class DecoderModel(nn.Module):
     def logits(self, hidden: nn.Tensor) -> nn.Tensor:
         raise NotImplementedError
 
+    def recurrent_states(self) -> list[StateSpec]:
+        """The states each of a hybrid model's recurrent layers keeps per sequence; none for others."""
+        return []
+
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens(input_ids)
 
@@ -127,29 +137,52 @@ class DecoderModel(nn.Module):
         """The width of what `embed` gives a token, which prefill and decode take."""
         return self.config.hidden_size
 
-    def prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
-        hidden = self.hidden_states(input_embed, paged_kv_cache)
-        return self.logits(last_position(hidden)), paged_kv_cache
+    def prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState | None = None):
+        hidden = self.layers(input_embed, paged_kv_cache, rnn_state)
+        return states_after(self.logits(last_position(hidden)), paged_kv_cache, rnn_state)
 
-    def decode(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
-        return self.logits(self.hidden_states(input_embed, paged_kv_cache)), paged_kv_cache
+    def decode(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState | None = None):
+        logits = self.logits(self.layers(input_embed, paged_kv_cache, rnn_state))
+        return states_after(logits, paged_kv_cache, rnn_state)
 
-    def batch_prefill(self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
-        hidden = self.hidden_states(input_embeds, paged_kv_cache)
-        return self.logits(gather_positions(hidden, logit_positions)), paged_kv_cache
+    def batch_prefill(
+        self,
+        input_embeds: nn.Tensor,
+        logit_positions: nn.Tensor,
+        paged_kv_cache: PagedKVCache,
+        rnn_state: RecurrentState | None = None,
+    ):
+        hidden = self.layers(input_embeds, paged_kv_cache, rnn_state)
+        return states_after(self.logits(gather_positions(hidden, logit_positions)), paged_kv_cache, rnn_state)
 
-    def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache):
+    def batch_decode(
+        self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState | None = None
+    ):
         """The batch's tokens laid out as one row, as prefill lays out a prompt's: the layers then
         run prefill's kernels (TVM gives operators of one shape one kernel), not copies for a
-        (batch, 1) shape that every library would compile and WebGPU would make pipelines of."""
+        (batch, 1) shape that every library would compile and WebGPU would make pipelines of. A
+        hybrid model's recurrent layers read one sequence's state: its batch is one sequence (the
+        engines' and WebLLM's)."""
         batch_size, _, hidden_size = input_embeds.shape
         tokens = nn.op.reshape(input_embeds, (1, batch_size, hidden_size))
-        logits = self.logits(self.hidden_states(tokens, paged_kv_cache))
-        return nn.op.reshape(logits, (batch_size, 1, logits.shape[-1])), paged_kv_cache
+        logits = self.logits(self.layers(tokens, paged_kv_cache, rnn_state))
+        return states_after(nn.op.reshape(logits, (batch_size, 1, logits.shape[-1])), paged_kv_cache, rnn_state)
 
-    def prefill_all_logits(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+    def prefill_all_logits(
+        self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState | None = None
+    ):
         """Logits of every position: forced decoding in one pass (parity checks; WebLLM ignores it)."""
-        return self.logits(self.hidden_states(input_embed, paged_kv_cache)), paged_kv_cache
+        logits = self.logits(self.layers(input_embed, paged_kv_cache, rnn_state))
+        return states_after(logits, paged_kv_cache, rnn_state)
+
+    def layers(self, embeds: nn.Tensor, kv_cache: PagedKVCache, rnn_state: RecurrentState | None) -> nn.Tensor:
+        if rnn_state is None:
+            return self.hidden_states(embeds, kv_cache)
+        return self.hidden_states(embeds, kv_cache, rnn_state)
+
+    def create_rnn_state(self, max_batch_size: tvm.tirx.Var, max_history: tvm.tirx.Var) -> RecurrentState:
+        layers = len(self.config.recurrent_layers)
+        return RecurrentState.create(max_batch_size, max_history, layers, self.recurrent_states())
 
     def create_tir_paged_kv_cache(
         self,
@@ -218,10 +251,21 @@ def cache_layer_kinds(config: DecoderConfig) -> list[str]:
     return kinds if "mha" in kinds else [*kinds, "mha"]
 
 
+def states_after(result: nn.Tensor, kv_cache: PagedKVCache, rnn_state: RecurrentState | None) -> tuple:
+    """A step function's outputs: its result, then the states it carries on."""
+    return (result, kv_cache) if rnn_state is None else (result, kv_cache, rnn_state)
+
+
 def cache_layer_ids(config: DecoderConfig) -> dict[int, int]:
     """Each layer that stores K/V, and the index of its layer in the KV cache."""
-    owners = [i for i in range(config.num_hidden_layers) if i not in config.kv_shared_layers]
+    stateless = {*config.kv_shared_layers, *config.recurrent_layers}
+    owners = [i for i in range(config.num_hidden_layers) if i not in stateless]
     return {layer: index for index, layer in enumerate(owners)}
+
+
+def recurrent_layer_ids(config: DecoderConfig) -> dict[int, int]:
+    """Each recurrent layer, and the index of its layer in the recurrent state."""
+    return {layer: index for index, layer in enumerate(config.recurrent_layers)}
 
 
 def rope_in_model(config: DecoderConfig) -> bool:
@@ -345,7 +389,7 @@ def export_spec(model: DecoderModel) -> dict[str, dict]:
     hidden, dtype = model.embed_width(), model.dtype
     kv_cache = nn.spec.Object(object_type=PagedKVCache)
     with_params = {"param_mode": "packed", "effect_mode": "none"}
-    return {
+    spec = {
         "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": with_params},
         "prefill": {
             "input_embed": nn.spec.Tensor([1, "seq_len", hidden], dtype),
@@ -382,3 +426,11 @@ def export_spec(model: DecoderModel) -> dict[str, dict]:
             "$": {"param_mode": "none", "effect_mode": "none"},
         },
     }
+    if not model.recurrent_states():
+        return spec
+    rnn_state = nn.spec.Object(object_type=RecurrentState)
+    steps = {
+        name: {**function, "rnn_state": rnn_state} for name, function in spec.items() if "paged_kv_cache" in function
+    }
+    create = {"max_batch_size": int, "max_history": int, "$": {"param_mode": "none", "effect_mode": "none"}}
+    return {**spec, **steps, "create_rnn_state": create}

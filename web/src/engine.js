@@ -20,6 +20,8 @@ import { availableThreads, instantiateLibrary } from "./wasm-threads.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
+// A hybrid model's recurrent state keeps this many steps (kiln/runtime.py RECURRENT_HISTORY).
+const RECURRENT_HISTORY = 8;
 const REPLACEMENT_CHARACTER = "\uFFFD";
 const KV_BUILTINS = ["kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
   "kv_state_end_forward", "kv_state_popn"];
@@ -59,7 +61,8 @@ function yieldToEventLoop() {
 }
 
 /**
- * The compiled model on one device: parameters, KV cache and the token-level steps.
+ * The compiled model on one device: parameters, KV cache (and a hybrid model's recurrent state: the
+ * `states` the step functions take after the embeddings) and the token-level steps.
  * Tracks the token ids held in the KV cache so chats can reuse a cached prefix.
  */
 export class ModelSession extends LibrarySession {
@@ -85,11 +88,18 @@ export class ModelSession extends LibrarySession {
     this.layerWindowSize = this.metadata.layer_sliding_window_size ?? -1;
     this.layerWindowChunkedPrefill = this.metadata.layer_window_chunked_prefill ?? false;
 
+    this.recurrent = this.metadata.kv_state_kind === "hybrid";
+
     tvm.beginScope();
     const shape = (value) => tvm.makeShapeTuple([value]);
     this.kvCache = tvm.detachFromCurrentScope(this.functions.create_tir_paged_kv_cache(
       shape(1), shape(this.contextWindowSize), shape(this.prefillChunkSize), shape(PAGE_SIZE),
       shape(this.slidingWindowSize > 0 ? 1 : 0)));
+    this.states = [this.kvCache];
+    if (this.recurrent) {
+      const create = this.vm.getFunction("create_rnn_state");
+      this.states.push(tvm.detachFromCurrentScope(create(shape(1), shape(RECURRENT_HISTORY))));
+    }
     tvm.endScope();
     this.addSequence();
   }
@@ -97,34 +107,41 @@ export class ModelSession extends LibrarySession {
   addSequence() {
     const tvm = this.tvm;
     tvm.withNewScope(() => {
-      this.kvBuiltins.kv_state_add_sequence(this.kvCache, tvm.scalar(SEQUENCE_ID, "int64"));
+      for (const state of this.states) this.kvBuiltins.kv_state_add_sequence(state, tvm.scalar(SEQUENCE_ID, "int64"));
       if (this.slidingWindowSize > 0) {
         tvm.getGlobalFunc("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(this.kvCache,
           tvm.scalar(SEQUENCE_ID, "int64"), tvm.scalar(this.slidingWindowSize, "int32"), tvm.scalar(0, "int32"));
       }
     });
     this.cachedIds = [];
+    this.undoableSteps = 0; // the recurrent state's
   }
 
   reset() {
     this.tvm.withNewScope(() => {
-      this.kvBuiltins.kv_state_remove_sequence(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"));
+      for (const state of this.states) this.kvBuiltins.kv_state_remove_sequence(state, this.tvm.scalar(SEQUENCE_ID, "int64"));
     });
     this.addSequence();
   }
 
   /**
    * Forget the last `count` cached tokens; returns how many stay cached. Once a sliding window has
-   * dropped tokens, the ones before it cannot come back: then it forgets them all.
+   * dropped tokens, the ones before it cannot come back, nor a recurrent state's before its last step
+   * of several tokens or its kept history: then it forgets them all.
    */
   rollback(count) {
-    if (count > 0 && this.slidingWindowSize > 0 && this.cachedIds.length > this.slidingWindowSize) {
+    const lost = this.slidingWindowSize > 0 && this.cachedIds.length > this.slidingWindowSize;
+    if (count > 0 && (lost || (this.recurrent && count > this.undoableSteps))) {
       this.reset();
     } else if (count > 0) {
-      this.tvm.withNewScope(() => {
-        this.kvBuiltins.kv_state_popn(this.kvCache, this.tvm.scalar(SEQUENCE_ID, "int64"), this.tvm.scalar(count, "int32"));
+      const tvm = this.tvm;
+      tvm.withNewScope(() => {
+        for (const state of this.states) {
+          this.kvBuiltins.kv_state_popn(state, tvm.scalar(SEQUENCE_ID, "int64"), tvm.scalar(count, "int32"));
+        }
       });
       this.cachedIds.length -= count;
+      this.undoableSteps -= count;
     }
     return this.cachedIds.length;
   }
@@ -171,14 +188,17 @@ export class ModelSession extends LibrarySession {
       const idsTensor = tvm.empty([ids.length], "int32", this.device).copyFrom(Int32Array.from(ids));
       const embeds = this.functions.embed(idsTensor, this.params);
       const batch = embeds.view([1, ids.length, embeds.shape[embeds.shape.length - 1]]);
-      this.kvBuiltins.kv_state_begin_forward(this.kvCache, tvm.makeShapeTuple([SEQUENCE_ID]), tvm.makeShapeTuple([ids.length]));
-      const result = this.functions[functionName](batch, this.kvCache, this.params);
-      this.kvBuiltins.kv_state_end_forward(this.kvCache);
+      for (const state of this.states) {
+        this.kvBuiltins.kv_state_begin_forward(state, tvm.makeShapeTuple([SEQUENCE_ID]), tvm.makeShapeTuple([ids.length]));
+      }
+      const result = this.functions[functionName](batch, ...this.states, this.params);
+      for (const state of this.states) this.kvBuiltins.kv_state_end_forward(state);
       this.logits = this.onHost(result.get(0));
     } finally {
       tvm.endScope();
     }
     this.cachedIds.push(...ids);
+    this.undoableSteps = ids.length === 1 ? Math.min(this.undoableSteps + 1, RECURRENT_HISTORY - 1) : 0;
     this.lastStepIssueMs = performance.now() - started; // the VM and tvmjs encoding the step, before the GPU runs it
     await this.device.sync();
     const { shape } = this.logits;
@@ -190,9 +210,11 @@ export class ModelSession extends LibrarySession {
 
   /**
    * How many tokens may go into the cache now and still be rolled back: the context window's room,
-   * and under a sliding window only until it drops a token (kiln/runtime.py speculation_room).
+   * and under a sliding window only until it drops a token; none for a recurrent state, which cannot
+   * undo a step of several tokens (kiln/runtime.py speculation_room).
    */
   speculationRoom() {
+    if (this.recurrent) return 0;
     const room = this.contextWindowSize - this.cachedIds.length;
     return this.slidingWindowSize > 0 ? Math.min(room, this.slidingWindowSize - this.cachedIds.length) : room;
   }
@@ -238,7 +260,7 @@ export class ModelSession extends LibrarySession {
   }
 
   dispose() {
-    for (const object of [this.logits, this.kvCache, ...Object.values(this.kvBuiltins ?? {})]) object?.dispose();
+    for (const object of [this.logits, ...(this.states ?? []), ...Object.values(this.kvBuiltins ?? {})]) object?.dispose();
     super.dispose();
   }
 }

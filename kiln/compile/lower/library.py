@@ -151,7 +151,8 @@ def decoder_metadata(model: DecoderModel, quantization: str, params: list[ParamS
         # Kiln's: the window of the layers that have one (Gemma's local layers); -1 for none.
         "layer_sliding_window_size": config.layer_window_size or -1,
         "tensor_parallel_shards": 1,
-        "kv_state_kind": "kv_cache",
+        # "hybrid": the step functions take a recurrent state after the KV cache (create_rnn_state).
+        "kv_state_kind": "hybrid" if model.recurrent_states() else "kv_cache",
         "params": params_metadata(params),
     }
 

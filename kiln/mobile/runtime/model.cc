@@ -21,6 +21,8 @@ namespace ffi = tvm::ffi;
 using tvm::runtime::Tensor;
 
 constexpr int64_t kSequenceId = 0;
+// A hybrid model's recurrent state keeps this many steps (kiln/runtime.py's RECURRENT_HISTORY).
+constexpr int kRecurrentHistory = 8;
 constexpr int64_t kPageSize = 16;  // kiln/model_memory.py's PAGE_SIZE: the libraries' KV-cache kernels assume it
 constexpr int kPooledAllocator = 2;
 constexpr const char* kSystemLibScheme = "system://";
@@ -190,6 +192,12 @@ Model::Model(const std::string& folder, const std::string& model_lib)
   kv_cache_ = RequiredFunction(vm_, "create_tir_paged_kv_cache")(
       ffi::Shape({1}), ffi::Shape({context_window_size_}), ffi::Shape({prefill_chunk_size_}), ffi::Shape({kPageSize}),
       ffi::Shape({sliding_window_size_ > 0 ? 1 : 0}));
+  states_ = {kv_cache_};
+  recurrent_ = Optional<ffi::String>(metadata, "kv_state_kind", "kv_cache") == "hybrid";
+  if (recurrent_) {
+    states_.push_back(
+        RequiredFunction(vm_, "create_rnn_state")(ffi::Shape({1}), ffi::Shape({kRecurrentHistory})).cast<ffi::Any>());
+  }
   AddSequence();
 }
 
@@ -260,26 +268,30 @@ void Model::LoadParams(const json::Array& param_specs) {
 }
 
 void Model::AddSequence() {
-  add_sequence_(kv_cache_, kSequenceId);
+  for (const ffi::Any& state : states_) add_sequence_(state, kSequenceId);
   if (sliding_window_size_ > 0) {
     GlobalFunction("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(kv_cache_, kSequenceId,
                                                                                   sliding_window_size_, 0);
   }
   cached_ids_.clear();
+  undoable_steps_ = 0;
 }
 
 void Model::Reset() {
-  remove_sequence_(kv_cache_, kSequenceId);
+  for (const ffi::Any& state : states_) remove_sequence_(state, kSequenceId);
   AddSequence();
 }
 
-// Once a sliding window has dropped tokens, the ones before it cannot come back: then it forgets them all.
+// Once a sliding window has dropped tokens, the ones before it cannot come back, nor a recurrent state's
+// before its last step of several tokens or its kept history: then it forgets them all.
 int Model::Rollback(int count) {
-  if (count > 0 && sliding_window_size_ > 0 && static_cast<int>(cached_ids_.size()) > sliding_window_size_) {
+  bool lost = sliding_window_size_ > 0 && static_cast<int>(cached_ids_.size()) > sliding_window_size_;
+  if (count > 0 && (lost || (recurrent_ && count > undoable_steps_))) {
     Reset();
   } else if (count > 0) {
-    popn_(kv_cache_, kSequenceId, count);
+    for (const ffi::Any& state : states_) popn_(state, kSequenceId, count);
     cached_ids_.resize(cached_ids_.size() - count);
+    undoable_steps_ -= count;
   }
   return static_cast<int>(cached_ids_.size());
 }
@@ -297,6 +309,7 @@ int Model::ChunkSize(int longest) const {
 }
 
 int Model::SpeculationRoom() const {
+  if (recurrent_) return 0;  // a recurrent state cannot undo a step of several tokens
   int cached = static_cast<int>(cached_ids_.size());
   int room = context_window_size_ - cached;
   return sliding_window_size_ > 0 ? std::min(room, sliding_window_size_ - cached) : room;
@@ -344,10 +357,12 @@ Tensor Model::Step(const ffi::Function& step, const std::vector<int32_t>& ids) {
   ids_tensor.CopyFromBytes(ids.data(), ids.size() * sizeof(int32_t));
   Tensor embeds = embed_(ids_tensor, params_).cast<Tensor>();
   Tensor batch = embeds.CreateView(ffi::Shape({1, count, embeds->shape[embeds->ndim - 1]}), embeds->dtype);
-  begin_forward_(kv_cache_, ffi::Shape({kSequenceId}), ffi::Shape({count}));
-  ffi::Array<ffi::Any> outputs = step(batch, kv_cache_, params_).cast<ffi::Array<ffi::Any>>();
-  end_forward_(kv_cache_);
+  for (const ffi::Any& state : states_) begin_forward_(state, ffi::Shape({kSequenceId}), ffi::Shape({count}));
+  ffi::Any result = recurrent_ ? step(batch, states_[0], states_[1], params_) : step(batch, states_[0], params_);
+  ffi::Array<ffi::Any> outputs = result.cast<ffi::Array<ffi::Any>>();
+  for (const ffi::Any& state : states_) end_forward_(state);
   cached_ids_.insert(cached_ids_.end(), ids.begin(), ids.end());
+  undoable_steps_ = count == 1 ? std::min(undoable_steps_ + 1, kRecurrentHistory - 1) : 0;
   return outputs[0].cast<Tensor>();
 }
 

@@ -65,6 +65,10 @@ class Model {
   tvm::ffi::Function add_sequence_, remove_sequence_, begin_forward_, end_forward_, popn_;
   tvm::ffi::Array<tvm::runtime::Tensor> params_;
   tvm::ffi::Any kv_cache_;
+  // What the step functions take after the embeddings: the KV cache, and a hybrid model's recurrent state.
+  std::vector<tvm::ffi::Any> states_;
+  bool recurrent_ = false;
+  int undoable_steps_ = 0;  // single-token steps the recurrent state can undo
   int context_window_size_ = 0;
   int prefill_chunk_size_ = 0;
   int all_logits_chunk_size_ = 0;
