@@ -12,6 +12,7 @@ from . import (
     gemma3,
     gemma4,
     granite,
+    lfm2,
     llama,
     ministral3,
     mistral,
@@ -46,6 +47,7 @@ MODELS: dict[str, Architecture] = {
         olmo3.ARCHITECTURE,
         ministral3.ARCHITECTURE,
         ministral3.MULTIMODAL_ARCHITECTURE,
+        lfm2.ARCHITECTURE,
         bert.ARCHITECTURE,
     )
 }

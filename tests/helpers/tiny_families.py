@@ -431,6 +431,38 @@ def add_ministral3_rope(config, writer: gguf.GGUFWriter) -> None:
     writer.add_attn_temperature_scale(scaling["llama_4_scaling_beta"])
 
 
+LFM2_LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
+
+
+def lfm2():
+    """LFM2 with both kinds of layer (conv, attention, two convs, attention), biased convolutions of 3
+    taps, and an MLP width derived from `block_ff_dim` (2/3 of 128 rounded up to 32: 96)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(
+        **{k: v for k, v in COMMON.items() if k not in ("rms_norm_eps", "rope_theta", "num_hidden_layers")},
+        num_hidden_layers=len(LFM2_LAYER_TYPES),
+        norm_eps=1e-5,
+        layer_types=LFM2_LAYER_TYPES,
+        conv_L_cache=3,
+        conv_bias=True,
+        block_multiple_of=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    return config, Lfm2ForCausalLM
+
+
+def write_lfm2_hyperparameters(config, writer: gguf.GGUFWriter) -> None:
+    """llama.cpp's LFM2Model converter: KV heads 0 on the conv layers, the derived MLP width, the
+    conv's taps."""
+    writer.add_head_count_kv(
+        [config.num_key_value_heads if kind == "full_attention" else 0 for kind in config.layer_types]
+    )
+    writer.add_feed_forward_length(LFM2_MLP_WIDTH)
+    writer.add_shortconv_l_cache(config.conv_L_cache)
+
+
+LFM2_MLP_WIDTH = 96
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -438,6 +470,22 @@ GEMMA2_PARTS = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMA3_PARTS = {**GEMMA2_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+LFM2_PARTS = {
+    "operator_norm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_output",
+    "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm",
+    "conv.conv": "shortconv.conv",
+    "conv.in_proj": "shortconv.in_proj",
+    "conv.out_proj": "shortconv.out_proj",
+    "ffn_norm": "ffn_norm",
+    "feed_forward.w1": "ffn_gate",
+    "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down",
+}
 GEMMA4_PARTS = {
     **GEMMA3_PARTS,
     "per_layer_input_gate": "inp_gate",
@@ -459,6 +507,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma2": TinyFamily(gemma2, "gemma2", GEMMA2_PARTS, extra_gguf=add_gemma2_softcaps, norm_shift=1.0),
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     "gemma4": TinyFamily(gemma4, "gemma4", GEMMA4_PARTS, extra_gguf=write_gemma4_hyperparameters),
+    "lfm2": TinyFamily(lfm2, "lfm2", LFM2_PARTS, extra_gguf=write_lfm2_hyperparameters),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
     # llama.cpp converts SmolLM3 as a Llama (Q and K permuted) under its own name, the NoPE layers unwritten.
@@ -485,6 +534,7 @@ BROWSER_FAMILIES = (
     "olmo2",
     "olmo3",
     "ministral3",
+    "lfm2",
 )
 
 
@@ -621,6 +671,7 @@ GLOBAL_GGUF_NAMES = {
     "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
     "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+    "model.embedding_norm.weight": "token_embd_norm.weight",  # LFM2's final norm
 }
 
 
@@ -652,6 +703,10 @@ def write_family_gguf(name: str, hf_folder: Path, path: Path, extra_tensors: dic
             gguf_part = family.layer_tensors[part]
             if family.permute_qk and gguf_part in heads:
                 values = permute_for_llama_cpp(values, heads[gguf_part])
+            if (
+                gguf_part == "shortconv.conv" and kind == "weight"
+            ):  # LFM2's conv taps, [channels, 1, taps] squeezed to 2 dimensions
+                values = values.squeeze(1)
             writer.add_tensor(f"blk.{layer}.{gguf_part}.{kind}", values)
         else:
             writer.add_tensor(GLOBAL_GGUF_NAMES[hf_name], values)
@@ -829,7 +884,7 @@ def add_hyperparameters(writer: gguf.GGUFWriter, config) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(getattr(config, "rms_norm_eps", None) or config.norm_eps)  # LFM2: norm_eps
     writer.add_rope_freq_base(rope_parameters(config)["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0)))
     writer.add_vocab_size(config.vocab_size)

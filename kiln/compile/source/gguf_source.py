@@ -50,7 +50,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 )
 
 QUANTIZATION_SUFFIX = re.compile(r"[._-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
-LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")  # parts may have a dot: LFM2's "shortconv.conv"
 GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
 
