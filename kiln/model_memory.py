@@ -8,6 +8,7 @@ A loaded model holds
   needs (two more with a sliding window), and a layer more for a model whose layers all have a
   window (kiln/models/decoder.py's `cache_layer_kinds`);
 - the KV cache's scratch for one prefill chunk (queries, keys, values, output, two LSE rows);
+- a hybrid model's recurrent state: each recurrent layer's states for RECURRENT_HISTORY steps;
 - the storage the library's memory plan gives embed, prefill and decode, planned at compile time for
   their longest input (`planned_storage` in kiln-build.json), so the same whatever the prompt.
 Forced decoding (`prefill_all_logits`, parity checks) adds its own plan. The runtime itself is not
@@ -17,10 +18,15 @@ kernels' scratch, 10-30 MiB in all for the real-sized models measured (tests/par
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Tokens per page of TVM's paged KV cache, as the engines create it.
 PAGE_SIZE = 16
+# Steps a hybrid model's recurrent state keeps, as the engines create it: the last
+# RECURRENT_HISTORY - 1 single-token steps can be undone (a stop string's tokens, a reply's last
+# token before the next turn); a step of more tokens cannot be.
+RECURRENT_HISTORY = 8
 F32_BYTES = 4
 # The functions the engines run in a chat; each one's plan stays in the VM's pool once it has run.
 CHAT_FUNCTIONS = ("embed", "prefill", "decode")
@@ -33,7 +39,7 @@ class MemoryNeeds:
     """Bytes a loaded model holds on the device that runs it."""
 
     weights: int
-    kv_cache: int
+    kv_cache: int  # with a hybrid model's recurrent state
     workspace: int  # the memory plans of CHAT_FUNCTIONS and the KV cache's scratch
     largest_buffer: int  # the largest single allocation (a WebGPU binding must hold it)
 
@@ -73,6 +79,16 @@ def cache_layers(model_config: dict) -> set[int]:
     return set(range(model_config["num_hidden_layers"])) - stateless
 
 
+def recurrent_state_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
+    """(a hybrid model's recurrent state: each recurrent layer's states, float32 or in the model's dtype,
+    RECURRENT_HISTORY steps of them; the largest storage: TVM allocates one per layer and state)."""
+    storages = [
+        math.prod(shape) * (F32_BYTES if dtype == "float32" else element_bytes) * RECURRENT_HISTORY
+        for shape, dtype in model_config.get("recurrent_state") or []
+    ]
+    return len(model_config.get("recurrent_layers") or []) * sum(storages), max(storages, default=0)
+
+
 def cache_scratch_bytes(model_config: dict, chunk: int, element_bytes: int) -> int:
     """The KV cache's buffers for a prefill chunk of `chunk` tokens: queries, keys, values and output,
     two LSE rows."""
@@ -94,12 +110,13 @@ def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[st
     element = float_bytes(chat_config["quantization"])
     weight_sizes = stored_weight_sizes(tensor_cache)
     kv_cache, kv_layer = kv_cache_bytes(model_config, element)
+    states, state_storage = recurrent_state_bytes(model_config, element)
     plans = [size for name in CHAT_FUNCTIONS for size in planned_storage.get(name, [])]
     return MemoryNeeds(
         weights=sum(weight_sizes),
-        kv_cache=kv_cache,
+        kv_cache=kv_cache + states,
         workspace=sum(plans) + cache_scratch_bytes(model_config, chat_config["prefill_chunk_size"], element),
-        largest_buffer=max([*weight_sizes, kv_layer, *plans]),
+        largest_buffer=max([*weight_sizes, kv_layer, state_storage, *plans]),
     )
 
 

@@ -23,15 +23,11 @@ from tvm.runtime import ShapeTuple
 import kiln
 from kiln.errors import KilnError, one_line
 from kiln.model_folder import read_json
-from kiln.model_memory import PAGE_SIZE
+from kiln.model_memory import PAGE_SIZE, RECURRENT_HISTORY
 from kiln.targets import NATIVE_TARGETS, TARGETS
 from kiln.tensor_cache import records, verify_shards
 
 SEQUENCE_ID = 0
-# A hybrid model's recurrent state keeps this many steps: the last RECURRENT_HISTORY - 1 single-token
-# steps can be undone (a stop string's tokens, a reply's last token before the next turn); a step of
-# more tokens cannot be, and undoing past it starts the sequence over.
-RECURRENT_HISTORY = 8
 # LLVM's CPU features that are instructions (x86 and ARM); the rest ("slow-lea", "prefer-256-bit",
 # …) only tune code generation and are no requirement.
 INSTRUCTION_SET = re.compile(

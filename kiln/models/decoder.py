@@ -72,8 +72,10 @@ class DecoderConfig:
     # cache holds the other layers only, in their order (`cache_layer_ids`).
     kv_shared_layers: tuple[int, ...] = ()
     # Layers that keep a recurrent state instead of K/V (LFM2's short convolutions): a hybrid model,
-    # whose functions take the state beside the KV cache (kiln/models/recurrent_state.py).
+    # whose functions take the state beside the KV cache (kiln/models/recurrent_state.py). Each such
+    # layer keeps the states of `recurrent_state`, per sequence: (shape, dtype; None: the model's).
     recurrent_layers: tuple[int, ...] = ()
+    recurrent_state: tuple[tuple[tuple[int, ...], str | None], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -128,7 +130,7 @@ class DecoderModel(nn.Module):
 
     def recurrent_states(self) -> list[StateSpec]:
         """The states each of a hybrid model's recurrent layers keeps per sequence; none for others."""
-        return []
+        return [StateSpec(tuple(shape), dtype or self.dtype) for shape, dtype in self.config.recurrent_state]
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens(input_ids)
@@ -178,6 +180,7 @@ class DecoderModel(nn.Module):
     def layers(self, embeds: nn.Tensor, kv_cache: PagedKVCache, rnn_state: RecurrentState | None) -> nn.Tensor:
         if rnn_state is None:
             return self.hidden_states(embeds, kv_cache)
+        rnn_state.specs = self.recurrent_states()
         return self.hidden_states(embeds, kv_cache, rnn_state)
 
     def create_rnn_state(self, max_batch_size: tvm.tirx.Var, max_history: tvm.tirx.Var) -> RecurrentState:

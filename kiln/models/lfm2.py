@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
@@ -30,10 +29,11 @@ from kiln.errors import KilnError
 from .config_reader import ConfigReader
 from .decoder import Architecture, DecoderModel, cache_layer_ids, recurrent_layer_ids
 from .gguf import GGUFMapping, GGUFTensors, Metadata, decoder_hparams
-from .layers import Embedding, Linear, RMSNorm, add_bias
+from .layers import Embedding, Linear, RMSNorm
 from .llama import LlamaConfig, LlamaMLP
 from .qwen3 import Qwen3Attention
-from .recurrent_state import RecurrentState, StateSpec
+from .causal_conv import DepthwiseConv, conv_state
+from .recurrent_state import RecurrentState
 
 LAYER_KINDS = ("conv", "full_attention")
 CONV_STATE = 0  # the conv layers' one state: their last inputs
@@ -100,49 +100,13 @@ def parse_config(hf_config: dict, path: Path, overrides: dict[str, int]) -> Lfm2
             "tie_word_embeddings": read.get("tie_embedding", bool, read.get("tie_word_embeddings", bool, True)),
         },
         recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"),
+        recurrent_state=(conv_state(fields["hidden_size"], taps),),
         intermediate_size=mlp_width(read),
         rms_norm_eps=read.get("norm_eps", float, 1e-5),
         conv_kernel=taps,
         conv_bias=read.get("conv_bias", bool, False),
         extra=read.unused(),
     )
-
-
-def causal_conv(x: te.Tensor, past: te.Tensor, weight: te.Tensor) -> te.Tensor:
-    """y[t] = Σ_k weight[k] · u[t + k] over u = the past inputs (one fewer than the taps), then x:
-    depthwise, in float32."""
-    kept = past.shape[1]
-    k = te.reduce_axis((0, weight.shape[2]), name="k")
-
-    def u(b, t, c):
-        return tirx.if_then_else(t < kept, past[b, t, c], x[b, t - kept, c]).astype("float32")
-
-    return te.compute(
-        x.shape,
-        lambda b, t, c: te.sum(weight[c, 0, k].astype("float32") * u(b, t + k, c), axis=k).astype(x.dtype),
-        name="short_conv",
-    )
-
-
-def last_inputs(x: te.Tensor, past: te.Tensor) -> te.Tensor:
-    """The state after the step: the last inputs of past, then x, as many as past holds."""
-    seq_len, kept = x.shape[1], past.shape[1]
-    return te.compute(
-        past.shape,
-        lambda b, j, c: tirx.if_then_else(seq_len + j < kept, past[b, seq_len + j, c], x[b, seq_len + j - kept, c]),
-        name="conv_state",
-    )
-
-
-class DepthwiseConv(nn.Module):
-    """A causal depthwise convolution's taps (torch's Conv1d weight, [channels, 1, taps]) and bias."""
-
-    def __init__(self, channels: int, taps: int, dtype: str, bias: bool):
-        self.weight = nn.Parameter((channels, 1, taps), dtype)
-        self.bias = nn.Parameter((channels,), dtype) if bias else None
-
-    def forward(self, x: nn.Tensor, past: nn.Tensor) -> nn.Tensor:
-        return add_bias(nn.op.tensor_expr_op(causal_conv, "short_conv", [x, past, self.weight]), self.bias)
 
 
 class Lfm2ShortConv(nn.Module):
@@ -152,17 +116,9 @@ class Lfm2ShortConv(nn.Module):
         self.conv = DepthwiseConv(hidden, config.conv_kernel, dtype, config.conv_bias)
         self.out_proj = Linear(hidden, hidden, dtype, bias=config.conv_bias)
 
-    def forward(self, x: nn.Tensor, state: RecurrentState, layer: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, states: RecurrentState, layer: int) -> nn.Tensor:
         gate_b, gate_c, inputs = nn.op.split(self.in_proj(x), 3, axis=-1)
-        inputs = gate_b * inputs
-        past = state.get(layer, CONV_STATE, x.shape[0], conv_state(self.conv.weight))
-        state.set(layer, CONV_STATE, nn.op.tensor_expr_op(last_inputs, "conv_state", [inputs, past]))
-        return self.out_proj(gate_c * self.conv(inputs, past))
-
-
-def conv_state(weight: nn.Parameter) -> StateSpec:
-    channels, _, taps = weight.shape
-    return StateSpec((taps - 1, channels), weight.dtype)
+        return self.out_proj(gate_c * self.conv(gate_b * inputs, states, layer, CONV_STATE))
 
 
 class Lfm2Attention(Qwen3Attention):
@@ -202,10 +158,6 @@ class Lfm2ForCausalLM(DecoderModel):
         self.model = Lfm2Model(config, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
-
-    def recurrent_states(self) -> list[StateSpec]:
-        first = self.model.layers[self.config.recurrent_layers[0]]
-        return [conv_state(first.conv.conv.weight)]
 
     def embed_tokens(self, token_ids: nn.Tensor) -> nn.Tensor:
         return self.model.embed_tokens(token_ids)

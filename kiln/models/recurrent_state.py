@@ -28,9 +28,11 @@ class StateSpec:
 
 
 class RecurrentState(nn.Object):
-    """The state object a hybrid model's functions take and return. `set` moves this object on to the
-    state the write returns, so the functions return the last write and every write stays ordered
-    after the reads it depends on."""
+    """The state object a hybrid model's functions take and return, with the `specs` of its states
+    (the model sets them). `set` moves this object on to the state the write returns, so the functions
+    return the last write and every write stays ordered after the reads it depends on."""
+
+    specs: list[StateSpec]
 
     @staticmethod
     def create(
@@ -54,8 +56,9 @@ class RecurrentState(nn.Object):
             _name="rnn_state",
         )
 
-    def get(self, layer: int, state: int, batch: int, spec: StateSpec) -> nn.Tensor:
+    def get(self, layer: int, state: int, batch: int) -> nn.Tensor:
         """Recurrent layer `layer`'s state `state` for each of the step's `batch` sequences."""
+        spec = self.specs[state]
         return nn.Tensor(
             _expr=rx.BlockBuilder.current().emit(
                 rx.call_dps_packed(
@@ -86,7 +89,7 @@ def state_copy(spec: StateSpec, write: bool) -> tirx.PrimFunc:
     axes = "S" * (len(spec.shape) + 1)
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @T.prim_func(private=True, s_tir=True)
     def get(var_storage: T.handle, var_sequences: T.handle, var_history: T.handle, var_batch: T.handle):
         T.func_attr({"tirx.noalias": True})
         sequences, histories, batch_size = T.int64(), T.int64(), T.int32()
@@ -102,7 +105,7 @@ def state_copy(spec: StateSpec, write: bool) -> tirx.PrimFunc:
                         batch, T.BufferLoad(storage, [sequence_slots[vi], history_slots[vi], *vs]), [vi, *vs]
                     )
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(private=True, s_tir=True)
     def set(var_storage: T.handle, var_sequences: T.handle, var_history: T.handle, var_batch: T.handle):
         T.func_attr({"tirx.noalias": True})
         sequences, histories, batch_size = T.int64(), T.int64(), T.int32()

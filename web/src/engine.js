@@ -20,7 +20,7 @@ import { availableThreads, instantiateLibrary } from "./wasm-threads.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
-// A hybrid model's recurrent state keeps this many steps (kiln/runtime.py RECURRENT_HISTORY).
+// A hybrid model's recurrent state keeps this many steps (kiln/model_memory.py RECURRENT_HISTORY).
 const RECURRENT_HISTORY = 8;
 const REPLACEMENT_CHARACTER = "\uFFFD";
 const KV_BUILTINS = ["kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",

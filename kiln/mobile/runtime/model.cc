@@ -21,7 +21,7 @@ namespace ffi = tvm::ffi;
 using tvm::runtime::Tensor;
 
 constexpr int64_t kSequenceId = 0;
-// A hybrid model's recurrent state keeps this many steps (kiln/runtime.py's RECURRENT_HISTORY).
+// A hybrid model's recurrent state keeps this many steps (kiln/model_memory.py's RECURRENT_HISTORY).
 constexpr int kRecurrentHistory = 8;
 constexpr int64_t kPageSize = 16;  // kiln/model_memory.py's PAGE_SIZE: the libraries' KV-cache kernels assume it
 constexpr int kPooledAllocator = 2;
@@ -195,8 +195,7 @@ Model::Model(const std::string& folder, const std::string& model_lib)
   states_ = {kv_cache_};
   recurrent_ = Optional<ffi::String>(metadata, "kv_state_kind", "kv_cache") == "hybrid";
   if (recurrent_) {
-    states_.push_back(
-        RequiredFunction(vm_, "create_rnn_state")(ffi::Shape({1}), ffi::Shape({kRecurrentHistory})).cast<ffi::Any>());
+    states_.push_back(RequiredFunction(vm_, "create_rnn_state")(ffi::Shape({1}), ffi::Shape({kRecurrentHistory})));
   }
   AddSequence();
 }
