@@ -21,6 +21,7 @@ from . import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_5,
     smollm3,
 )
 from .decoder_embedding import embedder_architecture
@@ -48,6 +49,8 @@ MODELS: dict[str, Architecture] = {
         ministral3.ARCHITECTURE,
         ministral3.MULTIMODAL_ARCHITECTURE,
         lfm2.ARCHITECTURE,
+        qwen3_5.ARCHITECTURE,
+        qwen3_5.MULTIMODAL_ARCHITECTURE,
         bert.ARCHITECTURE,
     )
 }

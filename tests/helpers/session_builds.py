@@ -32,6 +32,7 @@ from helpers.paths import CHECKOUT
 from helpers.real_sizes import REAL_SIZES, make_real_sized
 from helpers.tiny_families import (
     BROWSER_FAMILIES,
+    GGUF_FAMILIES,
     MADE_FAMILIES,
     TINY_FAMILIES,
     YARN_FAMILIES,
@@ -97,7 +98,7 @@ MADE_SOURCES: dict[str, Callable[[Path], Path]] = {
 
 # Sources written from another source: name → (that source, a function of its path and an empty folder).
 WRITTEN_FROM: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
-    f"{family}-gguf": (family, partial(family_gguf, family)) for family in TINY_FAMILIES
+    f"{family}-gguf": (family, partial(family_gguf, family)) for family in GGUF_FAMILIES
 }
 
 # The builds a test asks for through each fixture, (source, model name, quantization), in the order the
@@ -110,7 +111,7 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
     "family_source": [
         *((family, f"tiny-{family}", "q4f32_1") for family in BROWSER_FAMILIES),
         *((family, f"tiny-{family}", "q0f32") for family in sorted(TINY_FAMILIES)),
-        *((f"{family}-gguf", f"tiny-{family}-gguf", "q0f32") for family in sorted(TINY_FAMILIES)),
+        *((f"{family}-gguf", f"tiny-{family}-gguf", "q0f32") for family in GGUF_FAMILIES),
         *((family, f"tiny-{family}", "q0f32") for family in sorted(YARN_FAMILIES)),
     ],
     "all_local_models": [(name, f"tiny-{name}", "q0f32") for name in ("gemma2-all-local", "gemma3-all-local")],

@@ -78,10 +78,11 @@ def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
 @dataclass(frozen=True)
 class TinyFamily:
     """A family's tiny model: how to make its transformers config and model, and how llama.cpp
-    names it (GGUF architecture, Hugging Face → GGUF tensor parts, per-layer and global)."""
+    names it (GGUF architecture, Hugging Face → GGUF tensor parts, per-layer and global; None: Kiln
+    reads no GGUF of the family)."""
 
     make: Callable[[], tuple]  # () → (transformers config, model class)
-    gguf_architecture: str
+    gguf_architecture: str | None
     layer_tensors: dict[str, str]  # HF part after "model.layers.N." → GGUF part after "blk.N."
     permute_qk: bool = False
     extra_gguf: Callable[[object, gguf.GGUFWriter], None] = lambda config, writer: None
@@ -463,6 +464,38 @@ def write_lfm2_hyperparameters(config, writer: gguf.GGUFWriter) -> None:
 
 
 LFM2_MLP_WIDTH = 96
+QWEN3_5_LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def qwen3_5():
+    """Qwen3.5 with its 3:1 pattern of Gated DeltaNet and gated full attention, 8 value heads to a key
+    head, heads of 32 (RoPE over a quarter of each), A_log, dt_bias and the conv's taps randomized. The
+    DeltaNet's fused input projection is 352 wide: with 4 value heads (136 wide), SwiftShader lost
+    the WebGPU device in that matmul's prefill kernel past 64 rows."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        **{k: v for k, v in COMMON.items() if k not in ("rope_theta", "num_hidden_layers")},
+        num_hidden_layers=len(QWEN3_5_LAYER_TYPES),
+        layer_types=QWEN3_5_LAYER_TYPES,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    )
+    return config, Qwen3_5ForCausalLM
+
+
 GEMMA2_PARTS = {
     **LLAMA_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -508,6 +541,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     "gemma3": TinyFamily(gemma3, "gemma3", GEMMA3_PARTS, extra_gguf=add_gemma3_windows, norm_shift=1.0),
     "gemma4": TinyFamily(gemma4, "gemma4", GEMMA4_PARTS, extra_gguf=write_gemma4_hyperparameters),
     "lfm2": TinyFamily(lfm2, "lfm2", LFM2_PARTS, extra_gguf=write_lfm2_hyperparameters),
+    "qwen3_5": TinyFamily(qwen3_5, None, {}),
     # llama.cpp converts Granite as a Llama (Q and K permuted) under its own name.
     "granite": TinyFamily(granite, "granite", LLAMA_PARTS, permute_qk=True, extra_gguf=add_granite_scalars),
     # llama.cpp converts SmolLM3 as a Llama (Q and K permuted) under its own name, the NoPE layers unwritten.
@@ -518,6 +552,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # llama.cpp converts Ministral 3 as a Llama (Q and K permuted) under the name "mistral3".
     "ministral3": TinyFamily(ministral3, "mistral3", LLAMA_PARTS, permute_qk=True, extra_gguf=add_ministral3_rope),
 }
+GGUF_FAMILIES = sorted(name for name, family in TINY_FAMILIES.items() if family.gguf_architecture)
 
 
 # The families the tests also build for the browser and arm64 (llama3 and qwen3 are the Llama's and
@@ -535,6 +570,7 @@ BROWSER_FAMILIES = (
     "olmo3",
     "ministral3",
     "lfm2",
+    "qwen3_5",
 )
 
 
@@ -638,7 +674,7 @@ def randomize_biases_and_norms(model, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "dt_bias")):  # dt_bias: Qwen3.5's decay bias
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
             elif "norm" in name:
                 parameter.copy_(1 + torch.randn(parameter.shape, generator=generator) * 0.2)

@@ -89,6 +89,35 @@ def test_every_family_gives_the_x86_logits_and_greedy_tokens(family, family_buil
     check_logits_and_greedy_tokens(model_driver, model_dir, list(range(3, 40)))
 
 
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_a_hybrid_models_stop_string_and_second_turn_equal_the_native_engine(family, family_build, arm64_chat_app):
+    """The recurrent state rolled back (or the sequence started over) as the native engine does it."""
+    model_dir = family_build(family, "q4f32_1", ["cpu", "arm64-linux"])
+    native = Engine(model_dir)
+    text = native.generate_chat(QUESTION, GenerationConfig(max_tokens=16)).text
+    stop = text[len(text) // 2 :][:3]
+    conversation = [
+        *QUESTION,
+        {"role": "assistant", "content": text[: text.index(stop)]},
+        {"role": "user", "content": "And?"},
+    ]
+    native.reset()
+    expected = [
+        native.generate_chat(messages, GenerationConfig(max_tokens=16, stop=[stop]))
+        for messages in (QUESTION, conversation)
+    ]
+    app = ChatApp(arm64_chat_app, qemu=True)
+    try:
+        assert app.create({"model": str(model_dir)}) is None
+        replies = [
+            app.chat(request(messages=messages, max_tokens=16, stop=[stop])) for messages in (QUESTION, conversation)
+        ]
+    finally:
+        app.close()
+    assert [(r.content, r.finish_reason) for r in replies] == [(e.text, e.finish_reason) for e in expected]
+    assert replies[0].finish_reason == "stop"
+
+
 def test_greedy_replies_equal_the_native_engine(app, native):
     app.reset()
     reply = app.chat(request())

@@ -20,6 +20,7 @@ from helpers.reference import LOGIT_TOLERANCE, PROMPTS, reference_model
 from helpers.tiny_families import (
     BROWSER_FAMILIES,
     GEMMA_WINDOW,
+    GGUF_FAMILIES,
     MISTRAL_WINDOW,
     PHI3_ORIGINAL_CONTEXT,
     TINY_FAMILIES,
@@ -85,7 +86,7 @@ def test_q4f32_1_matches_transformers_on_the_same_quantized_weights(family, fami
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_the_family_as_a_gguf_gives_the_logits_of_its_hugging_face_build(family, builds, family_build, sources):
     gguf_path = sources.path(f"{family}-gguf")  # the family's tiny model written as llama.cpp writes it
     from_gguf = NativeModel(builds.model_dir(gguf_path, f"tiny-{family}-gguf", "q0f32", ["cpu"]))
