@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,14 @@ def test_a_build_that_fails_ends_the_compiles_running_beside_it(tiny_source, tmp
     workers = []
 
     def failing_convert(*args):
-        # The build's compile processes (the test session has other processes of its own).
-        workers.extend(psutil.Process(process.pid) for process in side_by_side._pool._processes.values())
+        # Fail once both compiles run (a compile still queued is cancelled, and idle compile processes
+        # stay for the next build); the build's compile processes, not the test session's others.
+        pool = side_by_side._pool
+        deadline = time.monotonic() + 60
+        while sum(item.future.running() for item in list(pool._pending_work_items.values())) < 2:
+            assert time.monotonic() < deadline, "the compiles did not start"
+            time.sleep(0.05)
+        workers.extend(psutil.Process(process.pid) for process in pool._processes.values())
         raise KilnError("no space left on device")
 
     monkeypatch.setattr(pipeline, "convert_weights", failing_convert)
