@@ -105,7 +105,7 @@ def parse_text_config(hf_config: dict, path: Path, overrides: dict[str, int]) ->
         # the conv's last inputs (q, k and v), and the delta rule's state S per value head, by column
         recurrent_state=(
             conv_state(2 * key_heads * key_dim + value_heads * value_dim, taps),
-            ((value_heads, value_dim, key_dim), "float32"),
+            ((value_heads, key_dim, value_dim), "float32"),
         ),
         intermediate_size=read.get("intermediate_size", int),
         rms_norm_eps=read.get("rms_norm_eps", float, 1e-6),
