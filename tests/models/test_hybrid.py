@@ -267,3 +267,54 @@ def test_the_memory_accounting_holds_the_states_the_library_keeps(family, family
     total, largest = recurrent_state_bytes(model_config, element_bytes=4)
     assert total == sum(map(sum, held)) * RECURRENT_HISTORY
     assert largest == max(held[0]) * RECURRENT_HISTORY
+
+
+# Qwen/Qwen3.5-0.8B's config.json as released (its text_config; the vision tower's left out).
+QWEN3_5_08B_CONFIG = dict(
+    architectures=["Qwen3_5ForConditionalGeneration"],
+    model_type="qwen3_5",
+    tie_word_embeddings=True,
+    text_config=dict(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        attention_bias=False,
+        attn_output_gate=True,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        full_attention_interval=4,
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        rope_parameters={
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+)
+
+
+def test_qwen3_5_08bs_config_as_released_reads_as_transformers_reads_it(tmp_path):
+    from transformers import Qwen3_5Config
+
+    from kiln.models import MODELS
+
+    config = MODELS["qwen3_5"].parse_config(QWEN3_5_08B_CONFIG, tmp_path / "config.json", {})
+    reference = Qwen3_5Config(**QWEN3_5_08B_CONFIG).text_config
+    kinds = reference.layer_types
+    assert config.recurrent_layers == tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    assert len(config.recurrent_layers) == 18 and config.tie_word_embeddings
+    assert config.rotary_dim == int(reference.head_dim * reference.rope_parameters["partial_rotary_factor"]) == 64
+    assert config.recurrent_state == (((3, 2 * 16 * 128 + 16 * 128), None), ((16, 128, 128), "float32"))
