@@ -22,17 +22,17 @@ from pathlib import Path
 
 import numpy as np
 from tvm.relax.frontend import nn
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
 from kiln.errors import KilnError
 
+from .causal_conv import DepthwiseConv, conv_state
 from .config_reader import ConfigReader
-from .decoder import Architecture, DecoderModel, cache_layer_ids, recurrent_layer_ids
+from .decoder import Architecture
 from .gguf import GGUFMapping, GGUFTensors, Metadata, decoder_hparams
-from .layers import Embedding, Linear, RMSNorm
+from .hybrid import HybridForCausalLM
+from .layers import Linear, RMSNorm
 from .llama import LlamaConfig, LlamaMLP
 from .qwen3 import Qwen3Attention
-from .causal_conv import DepthwiseConv, conv_state
 from .recurrent_state import RecurrentState
 
 LAYER_KINDS = ("conv", "full_attention")
@@ -141,40 +141,11 @@ class Lfm2DecoderLayer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Lfm2Model(nn.Module):
-    def __init__(self, config: Lfm2Config, dtype: str):
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        recurrent = set(config.recurrent_layers)
-        self.layers = nn.ModuleList(
-            [Lfm2DecoderLayer(config, dtype, i in recurrent) for i in range(config.num_hidden_layers)]
-        )
-        self.embedding_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-
-class Lfm2ForCausalLM(DecoderModel):
-    def __init__(self, config: Lfm2Config, dtype: str):
-        self.config = config
-        self.dtype = dtype
-        self.model = Lfm2Model(config, dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
-
-    def embed_tokens(self, token_ids: nn.Tensor) -> nn.Tensor:
-        return self.model.embed_tokens(token_ids)
-
-    def hidden_states(self, embeds: nn.Tensor, kv_cache: PagedKVCache, rnn_state: RecurrentState) -> nn.Tensor:
-        cache_layers, recurrent_layers = cache_layer_ids(self.config), recurrent_layer_ids(self.config)
-        for i, layer in enumerate(self.model.layers):
-            if i in recurrent_layers:
-                embeds = layer(embeds, lambda x, i=i, layer=layer: layer.conv(x, rnn_state, recurrent_layers[i]))
-            else:
-                embeds = layer(embeds, lambda x, i=i, layer=layer: layer.self_attn(x, kv_cache, cache_layers[i]))
-        return self.model.embedding_norm(embeds)
-
-    def logits(self, hidden: nn.Tensor) -> nn.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.project(hidden)
-        return nn.op.astype(self.lm_head(hidden), "float32")
+class Lfm2ForCausalLM(HybridForCausalLM):
+    layer_class = Lfm2DecoderLayer
+    norm_class = RMSNorm
+    norm_name = "embedding_norm"
+    recurrent_name = "conv"
 
 
 def fused_sources(config: Lfm2Config) -> dict[str, list[str]]:

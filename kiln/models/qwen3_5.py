@@ -35,10 +35,11 @@ from kiln.errors import KilnError
 
 from .causal_conv import DepthwiseConv, conv_state
 from .config_reader import ConfigReader
-from .decoder import Architecture, DecoderModel, cache_layer_ids, recurrent_layer_ids
+from .decoder import Architecture
 from .delta_rule import delta_rule_kernel
 from .gemma3 import GemmaRMSNorm
-from .layers import Embedding, Linear
+from .hybrid import HybridForCausalLM
+from .layers import Linear
 from .llama import LlamaConfig, LlamaMLP
 from .recurrent_state import RecurrentState
 
@@ -269,40 +270,11 @@ class Qwen35DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen35Model(nn.Module):
-    def __init__(self, config: Qwen35Config, dtype: str):
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        recurrent = set(config.recurrent_layers)
-        self.layers = nn.ModuleList(
-            [Qwen35DecoderLayer(config, dtype, i in recurrent) for i in range(config.num_hidden_layers)]
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-
-class Qwen35ForCausalLM(DecoderModel):
-    def __init__(self, config: Qwen35Config, dtype: str):
-        self.config = config
-        self.dtype = dtype
-        self.model = Qwen35Model(config, dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
-
-    def embed_tokens(self, token_ids: nn.Tensor) -> nn.Tensor:
-        return self.model.embed_tokens(token_ids)
-
-    def hidden_states(self, embeds: nn.Tensor, kv_cache: PagedKVCache, rnn_state: RecurrentState) -> nn.Tensor:
-        cache_layers, recurrent_layers = cache_layer_ids(self.config), recurrent_layer_ids(self.config)
-        for i, layer in enumerate(self.model.layers):
-            if i in recurrent_layers:
-                embeds = layer(embeds, lambda x, i=i, layer=layer: layer.linear_attn(x, rnn_state, recurrent_layers[i]))
-            else:
-                embeds = layer(embeds, lambda x, i=i, layer=layer: layer.self_attn(x, kv_cache, cache_layers[i]))
-        return self.model.norm(embeds)
-
-    def logits(self, hidden: nn.Tensor) -> nn.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.project(hidden)
-        return nn.op.astype(self.lm_head(hidden), "float32")
+class Qwen35ForCausalLM(HybridForCausalLM):
+    layer_class = Qwen35DecoderLayer
+    norm_class = GemmaRMSNorm
+    norm_name = "norm"
+    recurrent_name = "linear_attn"
 
 
 def fused_sources(config: Qwen35Config) -> dict[str, list[str]]:
