@@ -215,7 +215,7 @@ class NativeModel(CompiledLibrary):
             ShapeTuple([int(self.sliding_window_size > 0)]),
         )
         self.states = [self.kv_cache]
-        self.recurrent = self.metadata["kv_state_kind"] == "hybrid"
+        self.recurrent = self.metadata.get("kv_state_kind") == "hybrid"
         if self.recurrent:
             self.states.append(self.vm["create_rnn_state"](ShapeTuple([1]), ShapeTuple([RECURRENT_HISTORY])))
         self._add_sequence()

@@ -4,9 +4,10 @@ A family subclasses `DecoderModel` and provides `embed_tokens`, `hidden_states` 
 and final norm over the paged KV cache) and `logits`; the functions WebLLM and Kiln's engines
 call — embed, prefill, decode, prefill_all_logits and create_tir_paged_kv_cache — are defined once
 here, with batch_prefill and batch_decode, which MLC-LLM's C++ engine (its Android and iOS apps)
-runs instead of prefill and decode. A hybrid family (`recurrent_states`) also gets
-create_rnn_state, and its step functions take and return the recurrent state after the KV cache,
-as WebLLM calls a model whose `kv_state_kind` is "hybrid"; its hidden_states takes the state too.
+runs instead of prefill and decode. A hybrid family (its config's `recurrent_layers` and
+`recurrent_state`) also gets create_rnn_state, and its step functions take and return the recurrent
+state after the KV cache, as WebLLM calls a model whose `kv_state_kind` is "hybrid"; its
+hidden_states takes the state too.
 """
 
 from __future__ import annotations

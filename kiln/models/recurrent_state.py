@@ -1,6 +1,6 @@
-"""The recurrent state of a hybrid model's non-attention layers (LFM2's short convolutions), beside
-the paged KV cache: TVM's runtime `RNNState` (`vm.builtin.rnn_state_*`), which this TVM gives no
-Python interface.
+"""The recurrent state of a hybrid model's non-attention layers (LFM2's short convolutions, Qwen3.5's
+Gated DeltaNet), beside the paged KV cache: TVM's runtime `RNNState` (`vm.builtin.rnn_state_*`),
+which this TVM gives no Python interface.
 
 The runtime keeps, for each recurrent layer and each of its states, a storage of shape
 (sequences, max_history, *state shape). A step reads the state at the sequence's current history slot
