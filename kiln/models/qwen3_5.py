@@ -130,11 +130,9 @@ def parse_multimodal_config(hf_config: dict, path: Path, overrides: dict[str, in
 
 class Qwen35Attention(nn.Module):
     def __init__(self, config: Qwen35Config, dtype: str):
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
         rows = (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, rows, dtype)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -288,7 +286,7 @@ def fused_sources(config: Qwen35Config) -> dict[str, list[str]]:
     return fused
 
 
-# The multi-token-prediction head (speculation Kiln does not run) and rotary tables.
+# The multi-token-prediction head (its speculation Kiln does not run).
 IGNORED_TENSORS = (r"mtp\..*",)
 
 ARCHITECTURE = Architecture(
