@@ -13,6 +13,7 @@ S is stored [value heads, d_k, d_v]: adjacent columns are adjacent in memory.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tvm
@@ -29,8 +30,15 @@ def delta_rule_kernel(key_heads: int, value_heads: int, key_dim: int, value_dim:
     """(q, k [1, n, key heads, d_k]; v [1, n, value heads, d_v]; g, β [1, n, value heads]; S [1, value
     heads, d_k, d_v]) → (o [1, n, value heads, d_v], the state after the step), all float32; q and k
     already normalized (q scaled)."""
+    return scheduled_delta_rule(key_heads, value_heads, key_dim, value_dim, building().cpu_kernels)
+
+
+@functools.cache  # every DeltaNet layer of every step function takes the same kernel: written once (30 ms)
+def scheduled_delta_rule(
+    key_heads: int, value_heads: int, key_dim: int, value_dim: int, cpu: bool
+) -> tvm.tirx.PrimFunc:
     group = value_heads // key_heads
-    lanes = math.gcd(value_dim, COLUMNS_PER_LANE_BLOCK) if building().cpu_kernels else 1
+    lanes = math.gcd(value_dim, COLUMNS_PER_LANE_BLOCK) if cpu else 1
     blocks = value_heads * value_dim // lanes
 
     # fmt: off
@@ -83,7 +91,7 @@ def delta_rule_kernel(key_heads: int, value_heads: int, key_dim: int, value_dim:
     # fmt: on
     schedule = s_tir.Schedule(delta_rule)
     (block,) = schedule.get_loops(schedule.get_sblock("delta_rule"))
-    if building().cpu_kernels:
+    if cpu:
         schedule.parallel(block)
     else:
         workgroups, threads = schedule.split(block, [None, WORKGROUP_THREADS])
