@@ -292,7 +292,7 @@ class NativeModel(CompiledLibrary):
                 self._kv_builtin["kv_state_begin_forward"](
                     state, ShapeTuple([SEQUENCE_ID]), ShapeTuple([len(token_ids)])
                 )
-            logits, *self.states = self.vm[function](embeds, *self.states, self.params)
+            logits = self.vm[function](embeds, *self.states, self.params)[0]  # then the states, as passed
             for state in self.states:
                 self._kv_builtin["kv_state_end_forward"](state)
         except Exception as e:  # a check that failed in TVM's runtime (its errors are Python's builtin types)
