@@ -9,11 +9,9 @@ import pytest
 from helpers.tiny_llama import CHAT_TEMPLATES
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from kiln.gemma4_calls import arguments_grammar, calls_grammar, format_value, parse_call
-
-pytest.importorskip("xgrammar")
-from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
 KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
 TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=12).filter(lambda text: "<|" not in text)
