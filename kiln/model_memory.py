@@ -8,7 +8,8 @@ A loaded model holds
   needs (two more with a sliding window), and a layer more for a model whose layers all have a
   window (kiln/models/decoder.py's `cache_layer_kinds`);
 - the KV cache's scratch for one prefill chunk (queries, keys, values, output, two LSE rows);
-- a hybrid model's recurrent state: each recurrent layer's states for RECURRENT_HISTORY steps;
+- a hybrid model's recurrent state: each recurrent layer's states for RECURRENT_HISTORY steps, and
+  the engines' RECURRENT_SNAPSHOTS copies of one step's;
 - the storage the library's memory plan gives embed, prefill and decode, planned at compile time for
   their longest input (`planned_storage` in kiln-build.json), so the same whatever the prompt.
 Forced decoding (`prefill_all_logits`, parity checks) adds its own plan. The runtime itself is not
@@ -27,6 +28,10 @@ PAGE_SIZE = 16
 # RECURRENT_HISTORY - 1 single-token steps can be undone (a stop string's tokens, a reply's last
 # token before the next turn); a step of more tokens cannot be.
 RECURRENT_HISTORY = 8
+# Copies of the recurrent state the engines keep, each as it was after a prompt's prefill, to come back
+# to when a next prompt differs earlier than the history reaches (a regenerated reply, an edited
+# message): the engine prefills from the latest one at or before the difference, not from the start.
+RECURRENT_SNAPSHOTS = 2
 F32_BYTES = 4
 # The functions the engines run in a chat; each one's plan stays in the VM's pool once it has run.
 CHAT_FUNCTIONS = ("embed", "prefill", "decode")
@@ -39,7 +44,7 @@ class MemoryNeeds:
     """Bytes a loaded model holds on the device that runs it."""
 
     weights: int
-    kv_cache: int  # with a hybrid model's recurrent state
+    kv_cache: int  # with a hybrid model's recurrent state and its snapshots
     workspace: int  # the memory plans of CHAT_FUNCTIONS and the KV cache's scratch
     largest_buffer: int  # the largest single allocation (a WebGPU binding must hold it)
 
@@ -82,11 +87,24 @@ def cache_layers(model_config: dict) -> set[int]:
 def recurrent_state_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
     """(a hybrid model's recurrent state: each recurrent layer's states, float32 or in the model's dtype,
     RECURRENT_HISTORY steps of them; the largest storage: TVM allocates one per layer and state)."""
-    storages = [
-        math.prod(shape) * (F32_BYTES if dtype == "float32" else element_bytes) * RECURRENT_HISTORY
+    layers, steps = recurrent_step_bytes(model_config, element_bytes)
+    return layers * sum(steps) * RECURRENT_HISTORY, max(steps, default=0) * RECURRENT_HISTORY
+
+
+def recurrent_snapshot_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
+    """(the engines' RECURRENT_SNAPSHOTS copies of one step's state; the largest buffer: a snapshot
+    stacks each state of every recurrent layer in one)."""
+    layers, steps = recurrent_step_bytes(model_config, element_bytes)
+    return layers * sum(steps) * RECURRENT_SNAPSHOTS, layers * max(steps, default=0)
+
+
+def recurrent_step_bytes(model_config: dict, element_bytes: int) -> tuple[int, list[int]]:
+    """(how many layers keep a recurrent state, the bytes of each of a layer's states for one step)."""
+    steps = [
+        math.prod(shape) * (F32_BYTES if dtype == "float32" else element_bytes)
         for shape, dtype in model_config.get("recurrent_state") or []
     ]
-    return len(model_config.get("recurrent_layers") or []) * sum(storages), max(storages, default=0)
+    return len(model_config.get("recurrent_layers") or []), steps
 
 
 def cache_scratch_bytes(model_config: dict, chunk: int, element_bytes: int) -> int:
@@ -111,12 +129,13 @@ def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[st
     weight_sizes = stored_weight_sizes(tensor_cache)
     kv_cache, kv_layer = kv_cache_bytes(model_config, element)
     states, state_storage = recurrent_state_bytes(model_config, element)
+    snapshots, snapshot = recurrent_snapshot_bytes(model_config, element)
     plans = [size for name in CHAT_FUNCTIONS for size in planned_storage.get(name, [])]
     return MemoryNeeds(
         weights=sum(weight_sizes),
-        kv_cache=kv_cache + states,
+        kv_cache=kv_cache + states + snapshots,
         workspace=sum(plans) + cache_scratch_bytes(model_config, chat_config["prefill_chunk_size"], element),
-        largest_buffer=max([*weight_sizes, kv_layer, state_storage, *plans]),
+        largest_buffer=max([*weight_sizes, kv_layer, state_storage, snapshot, *plans]),
     )
 
 

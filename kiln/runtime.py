@@ -12,7 +12,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor, wait
 from itertools import groupby
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import psutil
@@ -23,7 +23,7 @@ from tvm.runtime import ShapeTuple
 import kiln
 from kiln.errors import KilnError, one_line
 from kiln.model_folder import read_json
-from kiln.model_memory import PAGE_SIZE, RECURRENT_HISTORY
+from kiln.model_memory import PAGE_SIZE, RECURRENT_HISTORY, RECURRENT_SNAPSHOTS
 from kiln.targets import NATIVE_TARGETS, TARGETS
 from kiln.tensor_cache import records, verify_shards
 
@@ -229,6 +229,7 @@ class NativeModel(CompiledLibrary):
             )
         self.cached_tokens = 0
         self.undoable_steps = 0  # the recurrent state's
+        self.snapshots: list[tuple[int, Any]] = []  # the recurrent state's: (cached tokens, copy)
 
     def reset(self) -> None:
         for state in self.states:
@@ -237,17 +238,43 @@ class NativeModel(CompiledLibrary):
 
     def rollback(self, count: int) -> int:
         """Forget the last `count` cached tokens; returns how many stay cached. Once a sliding
-        window has dropped tokens, the ones before it cannot come back, nor a recurrent state's
-        before its last step of several tokens or its kept history: then it forgets them all."""
+        window has dropped tokens, the ones before it cannot come back: then it forgets them all. A
+        recurrent state undoes its last single-token steps; further back, it goes back to its latest
+        snapshot at or before the point (the caller prefills the rest again), or else forgets all."""
         lost = self.sliding_window_size > 0 and self.cached_tokens > self.sliding_window_size
-        if count and (lost or self.recurrent and count > self.undoable_steps):
+        if not count:
+            return self.cached_tokens
+        if lost:
             self.reset()
-        elif count:
+        elif not self.recurrent or count <= self.undoable_steps:
             for state in self.states:
                 self._kv_builtin["kv_state_popn"](state, SEQUENCE_ID, count)
             self.cached_tokens -= count
             self.undoable_steps -= count
+        else:
+            on_compute_thread(self._restore_snapshot, self.cached_tokens - count)
+        self.snapshots = [(kept, snapshot) for kept, snapshot in self.snapshots if kept <= self.cached_tokens]
         return self.cached_tokens
+
+    def _take_snapshot(self) -> None:
+        rnn_state = self.states[1]
+        self._kv_builtin["kv_state_begin_forward"](rnn_state, ShapeTuple([SEQUENCE_ID]), ShapeTuple([1]))
+        snapshot = self.vm["rnn_state_snapshot"](rnn_state)
+        self.snapshots = [*self.snapshots, (self.cached_tokens, snapshot)][-RECURRENT_SNAPSHOTS:]
+
+    def _restore_snapshot(self, point: int) -> None:
+        """Back to the latest snapshot at or before `point` cached tokens: the KV cache pops to it, the
+        recurrent state takes it as a step's result; with none, the sequence starts over."""
+        kept, snapshot = max(((kept, s) for kept, s in self.snapshots if kept <= point), default=(0, None))
+        if snapshot is None:
+            self.reset()
+            return
+        self._kv_builtin["kv_state_popn"](self.kv_cache, SEQUENCE_ID, self.cached_tokens - kept)
+        rnn_state = self.states[1]
+        self._kv_builtin["kv_state_begin_forward"](rnn_state, ShapeTuple([SEQUENCE_ID]), ShapeTuple([1]))
+        self.vm["rnn_state_restore"](rnn_state, snapshot)
+        self._kv_builtin["kv_state_end_forward"](rnn_state)
+        self.cached_tokens, self.undoable_steps = kept, 0
 
     def speculation_room(self) -> int:
         """How many tokens may go into the cache now and still be rolled back: the context window's
@@ -317,6 +344,8 @@ class NativeModel(CompiledLibrary):
         self._check_room(len(token_ids))
         for chunk in self._chunks(token_ids):
             logits = self._step("prefill" if len(chunk) > 1 else "decode", chunk)
+        if self.recurrent and len(token_ids) > 1:
+            on_compute_thread(self._take_snapshot)
         return logits[-1]
 
     def decode(self, token_id: int) -> np.ndarray:

@@ -188,6 +188,25 @@ class DecoderModel(nn.Module):
         layers = len(self.config.recurrent_layers)
         return RecurrentState.create(max_batch_size, max_history, layers, self.recurrent_states())
 
+    def rnn_state_snapshot(self, rnn_state: RecurrentState) -> tuple[nn.Tensor, ...]:
+        """A copy of the recurrent state of the sequence the engine began a step of one token for: per
+        state, every recurrent layer's, stacked. The engines keep it to come back to a point the
+        state's history no longer reaches (`rnn_state_restore`)."""
+        rnn_state.specs = self.recurrent_states()
+        layers = range(len(self.config.recurrent_layers))
+        return tuple(
+            nn.op.concat([rnn_state.get(layer, state, 1) for layer in layers], dim=0)
+            for state in range(len(rnn_state.specs))
+        )
+
+    def rnn_state_restore(self, rnn_state: RecurrentState, snapshot: tuple[nn.Tensor, ...]) -> RecurrentState:
+        """Write a snapshot as the state that step makes: ending it, the sequence holds the snapshot."""
+        rnn_state.specs = self.recurrent_states()
+        for state, stacked in enumerate(snapshot):
+            for layer, value in enumerate(nn.op.split(stacked, len(self.config.recurrent_layers), axis=0)):
+                rnn_state.set(layer, state, value)
+        return rnn_state
+
     def create_tir_paged_kv_cache(
         self,
         max_batch_size: tvm.tirx.Var,
@@ -436,5 +455,13 @@ def export_spec(model: DecoderModel) -> dict[str, dict]:
     steps = {
         name: {**function, "rnn_state": rnn_state} for name, function in spec.items() if "paged_kv_cache" in function
     }
-    create = {"max_batch_size": int, "max_history": int, "$": {"param_mode": "none", "effect_mode": "none"}}
-    return {**spec, **steps, "create_rnn_state": create}
+    without_params = {"param_mode": "none", "effect_mode": "none"}
+    layers = len(model.config.recurrent_layers)
+    snapshot = [nn.spec.Tensor([layers, *state.shape], state.dtype) for state in model.recurrent_states()]
+    return {
+        **spec,
+        **steps,
+        "create_rnn_state": {"max_batch_size": int, "max_history": int, "$": without_params},
+        "rnn_state_snapshot": {"rnn_state": rnn_state, "$": without_params},
+        "rnn_state_restore": {"rnn_state": rnn_state, "snapshot": snapshot, "$": without_params},
+    }

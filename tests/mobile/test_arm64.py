@@ -90,32 +90,33 @@ def test_every_family_gives_the_x86_logits_and_greedy_tokens(family, family_buil
 
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
-def test_a_hybrid_models_stop_string_and_second_turn_equal_the_native_engine(family, family_build, arm64_chat_app):
-    """The recurrent state rolled back (or the sequence started over) as the native engine does it."""
+def test_a_hybrid_models_stop_string_and_later_turns_equal_the_native_engine(family, family_build, arm64_chat_app):
+    """The recurrent state rolled back as the native engine does it: a stop string's tokens undone in its
+    history; an edited second message from the snapshot after the first prompt."""
     model_dir = family_build(family, "q4f32_1", ["cpu", "arm64-linux"])
     native = Engine(model_dir)
     text = native.generate_chat(QUESTION, GenerationConfig(max_tokens=16)).text
     stop = text[len(text) // 2 :][:3]
-    conversation = [
-        *QUESTION,
-        {"role": "assistant", "content": text[: text.index(stop)]},
-        {"role": "user", "content": "And?"},
+    turn = [*QUESTION, {"role": "assistant", "content": text[: text.index(stop)]}]
+    conversations = [
+        QUESTION,
+        [*turn, {"role": "user", "content": "And?"}],
+        [*turn, {"role": "user", "content": "What came after?"}],
     ]
     native.reset()
     expected = [
-        native.generate_chat(messages, GenerationConfig(max_tokens=16, stop=[stop]))
-        for messages in (QUESTION, conversation)
+        native.generate_chat(messages, GenerationConfig(max_tokens=16, stop=[stop])) for messages in conversations
     ]
     app = ChatApp(arm64_chat_app, qemu=True)
     try:
         assert app.create({"model": str(model_dir)}) is None
-        replies = [
-            app.chat(request(messages=messages, max_tokens=16, stop=[stop])) for messages in (QUESTION, conversation)
-        ]
+        replies = [app.chat(request(messages=messages, max_tokens=16, stop=[stop])) for messages in conversations]
     finally:
         app.close()
     assert [(r.content, r.finish_reason) for r in replies] == [(e.text, e.finish_reason) for e in expected]
+    assert [r.usage["extra"]["prefilled_tokens"] for r in replies] == [e.usage.prefilled_tokens for e in expected]
     assert replies[0].finish_reason == "stop"
+    assert expected[2].usage.prefilled_tokens < len(native.encode_chat(conversations[2])) - 8
 
 
 def test_greedy_replies_equal_the_native_engine(app, native):

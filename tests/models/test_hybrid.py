@@ -19,7 +19,7 @@ from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
 
 from kiln.browser.model import browser_model
 from kiln.engine import Engine, GenerationConfig
-from kiln.model_memory import RECURRENT_HISTORY, recurrent_state_bytes
+from kiln.model_memory import RECURRENT_HISTORY, RECURRENT_SNAPSHOTS, recurrent_snapshot_bytes, recurrent_state_bytes
 from kiln.runtime import NativeModel
 
 QUESTION = [{"role": "user", "content": "Tell me about the history of the city"}]
@@ -44,31 +44,41 @@ def test_chunks_of_a_prompt_give_the_logits_of_one_pass(hybrid, chunk):
     assert np.abs(pieces - whole).max() <= 1e-5
 
 
-def rollbacks(model) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """What rollbacks leave: the cached counts; the logits after undoing 3 of 4 decode steps and one
-    more step, and those of a fresh prefill of the same tokens."""
+def rollbacks(model) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+    """What rollbacks leave: the cached counts; the logits of the step after each rollback, and those of
+    a fresh prefill of the same tokens."""
     prompt, reply = PROMPTS[0], [40, 41, 42, 43]
-    model.prefill(prompt)
+    model.prefill(prompt)  # snapshot at P
     for token in reply:
         model.decode(token)
-    kept = [model.rollback(3)]
-    ours = model.decode(50)
-    model.reset()
-    fresh = model.prefill([*prompt, reply[0], 50])
-    kept.append(model.rollback(3))  # 2 tokens after a prefill: the prefill cannot be undone
-    model.prefill(prompt)
+    kept = [model.rollback(3)]  # single-token steps: the state's history undoes them
+    ours = [model.decode(50)]
+    model.prefill(reply)  # snapshot at P + 6
     for token in range(RECURRENT_HISTORY):
         model.decode(token)
-    kept.append(model.rollback(RECURRENT_HISTORY))  # beyond the history kept
+    kept.append(model.rollback(RECURRENT_HISTORY))  # beyond the history: the snapshot at the point
+    ours.append(model.decode(51))
+    for token in range(3):
+        model.decode(token)
+    kept.append(model.rollback(7))  # to P + 3: the latest snapshot before it, P; the caller prefills on
+    ours.append(model.prefill(reply[:3]))
+    kept.append(model.rollback(len(prompt)))  # before every snapshot: the sequence starts over
+    fresh = []
+    for tokens in ([*prompt, 40, 50], [*prompt, 40, 50, *reply, 51], [*prompt, *reply[:3]]):
+        model.reset()
+        fresh.append(model.prefill(tokens))
     return kept, ours, fresh
 
 
 def test_a_rollback_continues_as_a_fresh_prefill_would(hybrid):
-    """The recurrent state undoes the last single-token steps it keeps; past a step of several tokens,
-    or its history, the model starts the sequence over (and says it keeps nothing)."""
+    """The recurrent state undoes the last single-token steps it keeps; further back, the model goes
+    back to its latest snapshot (one after each prompt's prefill) at or before the point, and the
+    next prefill starts there; before the first snapshot it starts the sequence over."""
     kept, ours, fresh = rollbacks(NativeModel(hybrid))
-    assert kept == [len(PROMPTS[0]) + 1, 0, 0]
-    assert np.abs(ours - fresh).max() <= 1e-4  # a decode kernel's rounding against a prefill's
+    prompt = len(PROMPTS[0])
+    assert kept == [prompt + 1, prompt + 6, prompt, 0]
+    for after, expected in zip(ours, fresh, strict=True):
+        assert np.abs(after - expected).max() <= 1e-4  # a decode kernel's rounding against a prefill's
 
 
 @pytest.mark.browser
@@ -80,7 +90,8 @@ def test_the_browser_engine_rolls_back_as_the_native_one(family, backend, family
     with browser_model(model_dir, backend, driver=driver) as browser:
         browser_kept, browser_ours, browser_fresh = rollbacks(browser)
     assert browser_kept == kept
-    assert max(np.abs(browser_ours - ours).max(), np.abs(browser_fresh - fresh).max()) < 1e-3
+    for browser_logits, native_logits in zip([*browser_ours, *browser_fresh], [*ours, *fresh], strict=True):
+        assert np.abs(browser_logits - native_logits).max() < 1e-3
 
 
 def test_a_stop_string_and_a_second_turn_give_a_fresh_engines_reply(hybrid):
@@ -97,6 +108,21 @@ def test_a_stop_string_and_a_second_turn_give_a_fresh_engines_reply(hybrid):
     fresh = Engine(hybrid).generate_chat(conversation, greedy)
     assert second.tokens == fresh.tokens and second.text == fresh.text
     assert second.usage.prefilled_tokens <= fresh.usage.prefilled_tokens
+
+
+def test_an_edited_message_prefills_from_the_snapshot_before_it(hybrid):
+    """Editing a chat's last message makes the prompt differ from the cache further back than the
+    state's history reaches: the engine goes back to the snapshot after the turn before it, not to the
+    start, and replies as a fresh engine does."""
+    engine = Engine(hybrid)
+    greedy = GenerationConfig(max_tokens=8)
+    turn = [*QUESTION, {"role": "assistant", "content": engine.generate_chat(QUESTION, greedy).text}]
+    engine.generate_chat([*turn, {"role": "user", "content": "And then, in the old town?"}], greedy)
+    edited = [*turn, {"role": "user", "content": "What came after?"}]
+    again = engine.generate_chat(edited, greedy)
+    fresh = Engine(hybrid).generate_chat(edited, greedy)
+    assert again.tokens == fresh.tokens
+    assert 0 < again.usage.prefilled_tokens < fresh.usage.prefilled_tokens - 8
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -251,7 +277,8 @@ def test_the_text_tower_of_a_multimodal_qwen3_5_checkpoint_builds_as_its_qwen3_5
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_the_memory_accounting_holds_the_states_the_library_keeps(family, family_build):
     """What the app config and the browser's refusal count for the recurrent state is what the library's
-    state object holds: every recurrent layer's states, RECURRENT_HISTORY steps of each."""
+    state object holds: every recurrent layer's states, RECURRENT_HISTORY steps of each; and what the
+    engine keeps of it, RECURRENT_SNAPSHOTS copies of one step's."""
     import tvm
 
     native = NativeModel(family_build(family, "q0f32"))
@@ -267,6 +294,11 @@ def test_the_memory_accounting_holds_the_states_the_library_keeps(family, family
     total, largest = recurrent_state_bytes(model_config, element_bytes=4)
     assert total == sum(map(sum, held)) * RECURRENT_HISTORY
     assert largest == max(held[0]) * RECURRENT_HISTORY
+    snapshots, stacked = recurrent_snapshot_bytes(model_config, element_bytes=4)
+    assert [kept for kept, _ in native.snapshots] == [len(PROMPTS[0])]
+    ((_, snapshot),) = native.snapshots
+    assert snapshots == sum(copy.numpy().nbytes for copy in snapshot) * RECURRENT_SNAPSHOTS
+    assert stacked == max(copy.numpy().nbytes for copy in snapshot)
 
 
 # Qwen/Qwen3.5-0.8B's config.json as released (its text_config; the vision tower's left out).

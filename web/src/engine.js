@@ -20,8 +20,10 @@ import { availableThreads, instantiateLibrary } from "./wasm-threads.js";
 
 const PAGE_SIZE = 16;
 const SEQUENCE_ID = 0;
-// A hybrid model's recurrent state keeps this many steps (kiln/model_memory.py RECURRENT_HISTORY).
+// A hybrid model's recurrent state keeps this many steps, and the engine this many copies of it as it
+// was after a prompt's prefill (kiln/model_memory.py RECURRENT_HISTORY, RECURRENT_SNAPSHOTS).
 const RECURRENT_HISTORY = 8;
+const RECURRENT_SNAPSHOTS = 2;
 const REPLACEMENT_CHARACTER = "\uFFFD";
 const KV_BUILTINS = ["kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
   "kv_state_end_forward", "kv_state_popn"];
@@ -99,8 +101,12 @@ export class ModelSession extends LibrarySession {
     if (this.recurrent) {
       const create = this.vm.getFunction("create_rnn_state");
       this.states.push(tvm.detachFromCurrentScope(create(shape(1), shape(RECURRENT_HISTORY))));
+      for (const name of ["rnn_state_snapshot", "rnn_state_restore"]) {
+        this.functions[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
+      }
     }
     tvm.endScope();
+    this.snapshots = []; // the recurrent state's: {kept, copy}
     this.addSequence();
   }
 
@@ -115,6 +121,7 @@ export class ModelSession extends LibrarySession {
     });
     this.cachedIds = [];
     this.undoableSteps = 0; // the recurrent state's
+    this.keepSnapshots([]);
   }
 
   reset() {
@@ -126,24 +133,74 @@ export class ModelSession extends LibrarySession {
 
   /**
    * Forget the last `count` cached tokens; returns how many stay cached. Once a sliding window has
-   * dropped tokens, the ones before it cannot come back, nor a recurrent state's before its last step
-   * of several tokens or its kept history: then it forgets them all.
+   * dropped tokens, the ones before it cannot come back: then it forgets them all. A recurrent state
+   * undoes its last single-token steps; further back, it goes back to its latest snapshot at or before
+   * the point (the caller prefills the rest again), or else forgets all (kiln/runtime.py rollback).
    */
   rollback(count) {
+    if (count <= 0) return this.cachedIds.length;
     const lost = this.slidingWindowSize > 0 && this.cachedIds.length > this.slidingWindowSize;
-    if (count > 0 && (lost || (this.recurrent && count > this.undoableSteps))) {
+    if (lost) {
       this.reset();
-    } else if (count > 0) {
-      const tvm = this.tvm;
-      tvm.withNewScope(() => {
-        for (const state of this.states) {
-          this.kvBuiltins.kv_state_popn(state, tvm.scalar(SEQUENCE_ID, "int64"), tvm.scalar(count, "int32"));
-        }
-      });
+    } else if (!this.recurrent || count <= this.undoableSteps) {
+      this.popStates(this.states, count);
       this.cachedIds.length -= count;
       this.undoableSteps -= count;
+    } else {
+      this.restoreSnapshot(this.cachedIds.length - count);
     }
+    this.keepSnapshots(this.snapshots.filter(({ kept }) => kept <= this.cachedIds.length));
     return this.cachedIds.length;
+  }
+
+  popStates(states, count) {
+    const tvm = this.tvm;
+    tvm.withNewScope(() => {
+      for (const state of states) {
+        this.kvBuiltins.kv_state_popn(state, tvm.scalar(SEQUENCE_ID, "int64"), tvm.scalar(count, "int32"));
+      }
+    });
+  }
+
+  /** Begin a step of one token on the recurrent state alone: its snapshot and restore read and write that step's state. */
+  beginStateStep() {
+    const tvm = this.tvm;
+    this.kvBuiltins.kv_state_begin_forward(this.states[1], tvm.makeShapeTuple([SEQUENCE_ID]), tvm.makeShapeTuple([1]));
+  }
+
+  takeSnapshot() {
+    const tvm = this.tvm;
+    tvm.beginScope();
+    this.beginStateStep();
+    const copy = tvm.detachFromCurrentScope(this.functions.rnn_state_snapshot(this.states[1]));
+    tvm.endScope();
+    this.keepSnapshots([...this.snapshots, { kept: this.cachedIds.length, copy }].slice(-RECURRENT_SNAPSHOTS));
+  }
+
+  /** Keep `snapshots`; free the copies of the others. */
+  keepSnapshots(snapshots) {
+    for (const snapshot of this.snapshots) if (!snapshots.includes(snapshot)) snapshot.copy.dispose();
+    this.snapshots = snapshots;
+  }
+
+  /**
+   * Back to the latest snapshot at or before `point` cached tokens: the KV cache pops to it, the
+   * recurrent state takes it as a step's result; with none, the sequence starts over.
+   */
+  restoreSnapshot(point) {
+    const snapshot = this.snapshots.filter(({ kept }) => kept <= point).at(-1);
+    if (snapshot === undefined) {
+      this.reset();
+      return;
+    }
+    this.popStates([this.kvCache], this.cachedIds.length - snapshot.kept);
+    this.tvm.withNewScope(() => {
+      this.beginStateStep();
+      this.functions.rnn_state_restore(this.states[1], snapshot.copy);
+      this.kvBuiltins.kv_state_end_forward(this.states[1]);
+    });
+    this.cachedIds.length = snapshot.kept;
+    this.undoableSteps = 0;
   }
 
   /**
@@ -227,6 +284,7 @@ export class ModelSession extends LibrarySession {
     for (const chunk of this.chunks(ids)) {
       rows = await this.step(chunk.length > 1 ? "prefill" : "decode", chunk);
     }
+    if (this.recurrent && ids.length > 1) this.takeSnapshot();
     return rows[rows.length - 1];
   }
 
@@ -260,7 +318,8 @@ export class ModelSession extends LibrarySession {
   }
 
   dispose() {
-    for (const object of [this.logits, ...(this.states ?? []), ...Object.values(this.kvBuiltins ?? {})]) object?.dispose();
+    const snapshots = (this.snapshots ?? []).map(({ copy }) => copy);
+    for (const object of [this.logits, ...snapshots, ...(this.states ?? []), ...Object.values(this.kvBuiltins ?? {})]) object?.dispose();
     super.dispose();
   }
 }

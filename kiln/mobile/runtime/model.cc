@@ -21,8 +21,10 @@ namespace ffi = tvm::ffi;
 using tvm::runtime::Tensor;
 
 constexpr int64_t kSequenceId = 0;
-// A hybrid model's recurrent state keeps this many steps (kiln/model_memory.py's RECURRENT_HISTORY).
+// A hybrid model's recurrent state keeps this many steps, and the engine this many copies of it as it was
+// after a prompt's prefill (kiln/model_memory.py's RECURRENT_HISTORY, RECURRENT_SNAPSHOTS).
 constexpr int kRecurrentHistory = 8;
+constexpr size_t kRecurrentSnapshots = 2;
 constexpr int64_t kPageSize = 16;  // kiln/model_memory.py's PAGE_SIZE: the libraries' KV-cache kernels assume it
 constexpr int kPooledAllocator = 2;
 constexpr const char* kSystemLibScheme = "system://";
@@ -196,6 +198,8 @@ Model::Model(const std::string& folder, const std::string& model_lib)
   recurrent_ = Optional<ffi::String>(metadata, "kv_state_kind", "kv_cache") == "hybrid";
   if (recurrent_) {
     states_.push_back(RequiredFunction(vm_, "create_rnn_state")(ffi::Shape({1}), ffi::Shape({kRecurrentHistory})));
+    snapshot_state_ = RequiredFunction(vm_, "rnn_state_snapshot");
+    restore_state_ = RequiredFunction(vm_, "rnn_state_restore");
   }
   AddSequence();
 }
@@ -274,6 +278,7 @@ void Model::AddSequence() {
   }
   cached_ids_.clear();
   undoable_steps_ = 0;
+  snapshots_.clear();
 }
 
 void Model::Reset() {
@@ -281,18 +286,46 @@ void Model::Reset() {
   AddSequence();
 }
 
-// Once a sliding window has dropped tokens, the ones before it cannot come back, nor a recurrent state's
-// before its last step of several tokens or its kept history: then it forgets them all.
+// Once a sliding window has dropped tokens, the ones before it cannot come back: then it forgets them all.
+// A recurrent state undoes its last single-token steps; further back, it goes back to its latest snapshot
+// at or before the point (the caller prefills the rest again), or else forgets all (kiln/runtime.py).
 int Model::Rollback(int count) {
+  if (count <= 0) return static_cast<int>(cached_ids_.size());
   bool lost = sliding_window_size_ > 0 && static_cast<int>(cached_ids_.size()) > sliding_window_size_;
-  if (count > 0 && (lost || (recurrent_ && count > undoable_steps_))) {
+  if (lost) {
     Reset();
-  } else if (count > 0) {
+  } else if (!recurrent_ || count <= undoable_steps_) {
     for (const ffi::Any& state : states_) popn_(state, kSequenceId, count);
     cached_ids_.resize(cached_ids_.size() - count);
     undoable_steps_ -= count;
+  } else {
+    RestoreSnapshot(cached_ids_.size() - count);
   }
+  while (!snapshots_.empty() && snapshots_.back().kept > cached_ids_.size()) snapshots_.pop_back();
   return static_cast<int>(cached_ids_.size());
+}
+
+void Model::TakeSnapshot() {
+  begin_forward_(states_[1], ffi::Shape({kSequenceId}), ffi::Shape({1}));
+  snapshots_.push_back({cached_ids_.size(), snapshot_state_(states_[1]).cast<ffi::Array<Tensor>>()});
+  if (snapshots_.size() > kRecurrentSnapshots) snapshots_.erase(snapshots_.begin());
+}
+
+// Back to the latest snapshot at or before `point` cached tokens: the KV cache pops to it, the recurrent
+// state takes it as a step's result; with none, the sequence starts over.
+void Model::RestoreSnapshot(size_t point) {
+  while (!snapshots_.empty() && snapshots_.back().kept > point) snapshots_.pop_back();
+  if (snapshots_.empty()) {
+    Reset();
+    return;
+  }
+  const Snapshot& snapshot = snapshots_.back();
+  popn_(kv_cache_, kSequenceId, static_cast<int>(cached_ids_.size() - snapshot.kept));
+  begin_forward_(states_[1], ffi::Shape({kSequenceId}), ffi::Shape({1}));
+  restore_state_(states_[1], snapshot.copy);
+  end_forward_(states_[1]);
+  cached_ids_.resize(snapshot.kept);
+  undoable_steps_ = 0;
 }
 
 // Past a sliding window, tokens go one at a time (as kiln/runtime.py's _chunk_size explains).
@@ -332,6 +365,7 @@ std::vector<float> Model::Prefill(const std::vector<int32_t>& ids) {
     logits = Rows(Step(size > 1 ? prefill_ : decode_, chunk)).back();
     start += size;
   }
+  if (recurrent_ && ids.size() > 1) TakeSnapshot();
   return logits;
 }
 

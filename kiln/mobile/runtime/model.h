@@ -54,6 +54,14 @@ class Model {
   int ChunkSize(int longest) const;
   void CheckRoom(size_t count) const;
   tvm::runtime::Tensor Step(const tvm::ffi::Function& step, const std::vector<int32_t>& ids);
+  void TakeSnapshot();
+  void RestoreSnapshot(size_t point);
+
+  // A copy of the recurrent state as it was with `kept` tokens cached (after a prompt's prefill).
+  struct Snapshot {
+    size_t kept;
+    tvm::ffi::Array<tvm::runtime::Tensor> copy;
+  };
 
   std::string folder_;
   json::Object build_;  // kiln-build.json
@@ -69,6 +77,8 @@ class Model {
   std::vector<tvm::ffi::Any> states_;
   bool recurrent_ = false;
   int undoable_steps_ = 0;  // single-token steps the recurrent state can undo
+  tvm::ffi::Function snapshot_state_, restore_state_;
+  std::vector<Snapshot> snapshots_;  // oldest first
   int context_window_size_ = 0;
   int prefill_chunk_size_ = 0;
   int all_logits_chunk_size_ = 0;
