@@ -17,8 +17,8 @@ Three Gated DeltaNet layers for every full-attention layer (`layer_types`, or ev
 - RMSNorms scale by 1 + weight (Gemma's), except the gated one.
 
 Kiln fuses q/k/v of an attention layer and the four input projections of a DeltaNet layer each into
-one matmul. The delta rule runs in one kernel per step, a thread per column of S walking the step's
-tokens in order (kiln/models/delta_rule.py).
+one matmul. The delta rule runs in float32, token by token on a CPU and for a decode step, in its
+chunked form for a GPU's prefill (kiln/models/delta_rule.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kiln.errors import KilnError
 from .causal_conv import DepthwiseConv, conv_state
 from .config_reader import ConfigReader
 from .decoder import Architecture
-from .delta_rule import delta_rule_kernel
+from .delta_rule import delta_rule
 from .gemma3 import GemmaRMSNorm
 from .hybrid import HybridForCausalLM
 from .layers import Linear
@@ -239,15 +239,7 @@ class Qwen35GatedDeltaNet(nn.Module):
         g = nn.op.tensor_expr_op(decay, "decay", [a, self.A_log, self.dt_bias])
         beta = nn.op.sigmoid(b.astype("float32"))
         past = states.get(layer, DELTA_STATE, batch)
-        o, state = nn.op.tensor_ir_op(
-            delta_rule_kernel(self.key_heads, self.value_heads, self.key_dim, self.value_dim),
-            "delta_rule",
-            [q, k, v, g, beta, past],
-            [
-                nn.Tensor.placeholder((batch, seq_len, self.value_heads, self.value_dim), "float32"),
-                nn.Tensor.placeholder(past.shape, "float32"),
-            ],
-        )
+        o, state = delta_rule(q, k, v, g, beta, past)
         states.set(layer, DELTA_STATE, state)
         normed = self.norm(o, nn.op.reshape(z, (batch, seq_len, self.value_heads, self.value_dim)))
         return self.out_proj(nn.op.reshape(normed, (batch, seq_len, self.value_heads * self.value_dim)))

@@ -1,6 +1,7 @@
-"""Qwen3.5's delta-rule kernel (kiln/models/delta_rule.py) on the CPU, where it runs blocks of 16 columns
-in vector lanes, against the rule computed token by token in float64 (the tiny model's heads have 8
-columns: one block each)."""
+"""Qwen3.5's delta rule (kiln/models/delta_rule.py): the token-by-token kernel on the CPU, where it runs
+blocks of 16 columns in vector lanes, against the rule computed token by token in float64; the chunked
+form a GPU prefills with, built for every GPU target (tests/models/test_hybrid.py runs it on WebGPU
+against the CPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
-from kiln.models.delta_rule import delta_rule_kernel
+from kiln.models.delta_rule import chunk_inverse, chunk_scan, chunk_weights, delta_rule_kernel
 from kiln.targets import TARGETS
 
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 4, 16, 48
@@ -45,3 +46,16 @@ def test_the_cpu_kernel_computes_the_rule(tokens):
     expected_out, expected_state = delta_rule(q, k, v, g, beta, past)
     assert np.abs(arguments[6].numpy()[0] - expected_out).max() < 1e-4
     assert np.abs(arguments[7].numpy()[0] - expected_state).max() < 1e-4
+
+
+@pytest.mark.parametrize("target", [name for name, entry in TARGETS.items() if not entry.cpu_kernels])
+def test_the_chunked_form_builds_for_every_gpu_target(target):
+    entry = TARGETS[target]
+    kernels = {
+        "weights": chunk_weights(KEY_HEADS, VALUE_HEADS, KEY_DIM),
+        "inverse": chunk_inverse(VALUE_HEADS),
+        "scan": chunk_scan(KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM),
+    }
+    module = tvm.IRModule({name: kernel.with_attr("global_symbol", name) for name, kernel in kernels.items()})
+    with entry.target():
+        tvm.compile(module, target=entry.target())

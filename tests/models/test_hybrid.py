@@ -94,6 +94,27 @@ def test_the_browser_engine_rolls_back_as_the_native_one(family, backend, family
         assert np.abs(browser_logits - native_logits).max() < 1e-3
 
 
+@pytest.mark.browser
+def test_a_long_prompt_on_webgpu_gives_the_native_logits_at_every_position(family_build, driver):
+    """A GPU prefills Qwen3.5's delta rule in its chunked form (kiln/models/delta_rule.py): 150 tokens
+    are two whole chunks and a part, in one step and in steps that start inside a chunk, then decode
+    steps (the token-by-token kernel) go on from the state the chunks left."""
+    model_dir = family_build("qwen3_5", "q4f32_1", ["cpu", "webgpu"])
+    ids = (PROMPTS[2] * 20)[:150]
+
+    def run(model) -> list[np.ndarray]:
+        whole = model.all_logits(ids)
+        model.reset()
+        pieces = [model.all_logits(ids[:70]), model.all_logits(ids[70:])]
+        return [whole, np.concatenate(pieces), model.decode(ids[0]), model.decode(ids[1])]
+
+    native = run(NativeModel(model_dir))
+    with browser_model(model_dir, "webgpu", driver=driver) as browser:
+        webgpu = run(browser)
+    for ours, expected in zip(webgpu, native, strict=True):
+        assert np.abs(ours - expected).max() < 1e-3
+
+
 def test_a_stop_string_and_a_second_turn_give_a_fresh_engines_reply(hybrid):
     """A stop string ends the reply inside tokens the cache holds, and the next turn's prompt drops
     them: the engine rolls its states back (or starts over) and replies as one that never saw turn one."""
