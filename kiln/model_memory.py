@@ -91,11 +91,10 @@ def recurrent_state_bytes(model_config: dict, element_bytes: int) -> tuple[int, 
     return layers * sum(steps) * RECURRENT_HISTORY, max(steps, default=0) * RECURRENT_HISTORY
 
 
-def recurrent_snapshot_bytes(model_config: dict, element_bytes: int) -> tuple[int, int]:
-    """(the engines' RECURRENT_SNAPSHOTS copies of one step's state; the largest buffer: a snapshot
-    stacks each state of every recurrent layer in one)."""
+def recurrent_snapshot_bytes(model_config: dict, element_bytes: int) -> int:
+    """The engines' RECURRENT_SNAPSHOTS copies of one step's state (a buffer per layer and state)."""
     layers, steps = recurrent_step_bytes(model_config, element_bytes)
-    return layers * sum(steps) * RECURRENT_SNAPSHOTS, layers * max(steps, default=0)
+    return layers * sum(steps) * RECURRENT_SNAPSHOTS
 
 
 def recurrent_step_bytes(model_config: dict, element_bytes: int) -> tuple[int, list[int]]:
@@ -129,13 +128,13 @@ def memory_needs(chat_config: dict, tensor_cache: dict, planned_storage: dict[st
     weight_sizes = stored_weight_sizes(tensor_cache)
     kv_cache, kv_layer = kv_cache_bytes(model_config, element)
     states, state_storage = recurrent_state_bytes(model_config, element)
-    snapshots, snapshot = recurrent_snapshot_bytes(model_config, element)
+    snapshots = recurrent_snapshot_bytes(model_config, element)
     plans = [size for name in CHAT_FUNCTIONS for size in planned_storage.get(name, [])]
     return MemoryNeeds(
         weights=sum(weight_sizes),
         kv_cache=kv_cache + states + snapshots,
         workspace=sum(plans) + cache_scratch_bytes(model_config, chat_config["prefill_chunk_size"], element),
-        largest_buffer=max([*weight_sizes, kv_layer, state_storage, snapshot, *plans]),
+        largest_buffer=max([*weight_sizes, kv_layer, state_storage, *plans]),
     )
 
 

@@ -189,22 +189,20 @@ class DecoderModel(nn.Module):
         return RecurrentState.create(max_batch_size, max_history, layers, self.recurrent_states())
 
     def rnn_state_snapshot(self, rnn_state: RecurrentState) -> tuple[nn.Tensor, ...]:
-        """A copy of the recurrent state of the sequence the engine began a step of one token for: per
-        state, every recurrent layer's, stacked. The engines keep it to come back to a point the
-        state's history no longer reaches (`rnn_state_restore`)."""
+        """A copy of the recurrent state of the sequence the engine began a step of one token for: each
+        recurrent layer's states, layer by layer (copies the runtime makes, no kernel: a kernel joining
+        them would bind more buffers than WebGPU grants). The engines keep it to come back to a point
+        the state's history no longer reaches (`rnn_state_restore`)."""
         rnn_state.specs = self.recurrent_states()
-        layers = range(len(self.config.recurrent_layers))
-        return tuple(
-            nn.op.concat([rnn_state.get(layer, state, 1) for layer in layers], dim=0)
-            for state in range(len(rnn_state.specs))
-        )
+        layers, states = range(len(self.config.recurrent_layers)), range(len(rnn_state.specs))
+        return tuple(rnn_state.get(layer, state, 1) for layer in layers for state in states)
 
     def rnn_state_restore(self, rnn_state: RecurrentState, snapshot: tuple[nn.Tensor, ...]) -> RecurrentState:
         """Write a snapshot as the state that step makes: ending it, the sequence holds the snapshot."""
         rnn_state.specs = self.recurrent_states()
-        for state, stacked in enumerate(snapshot):
-            for layer, value in enumerate(nn.op.split(stacked, len(self.config.recurrent_layers), axis=0)):
-                rnn_state.set(layer, state, value)
+        layers, states = range(len(self.config.recurrent_layers)), range(len(rnn_state.specs))
+        for (layer, state), value in zip([(i, j) for i in layers for j in states], snapshot, strict=True):
+            rnn_state.set(layer, state, value)
         return rnn_state
 
     def create_tir_paged_kv_cache(
@@ -456,8 +454,8 @@ def export_spec(model: DecoderModel) -> dict[str, dict]:
         name: {**function, "rnn_state": rnn_state} for name, function in spec.items() if "paged_kv_cache" in function
     }
     without_params = {"param_mode": "none", "effect_mode": "none"}
-    layers = len(model.config.recurrent_layers)
-    snapshot = [nn.spec.Tensor([layers, *state.shape], state.dtype) for state in model.recurrent_states()]
+    layers = range(len(model.config.recurrent_layers))
+    snapshot = [nn.spec.Tensor([1, *state.shape], state.dtype) for _ in layers for state in model.recurrent_states()]
     return {
         **spec,
         **steps,

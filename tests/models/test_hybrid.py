@@ -315,11 +315,10 @@ def test_the_memory_accounting_holds_the_states_the_library_keeps(family, family
     total, largest = recurrent_state_bytes(model_config, element_bytes=4)
     assert total == sum(map(sum, held)) * RECURRENT_HISTORY
     assert largest == max(held[0]) * RECURRENT_HISTORY
-    snapshots, stacked = recurrent_snapshot_bytes(model_config, element_bytes=4)
     assert [kept for kept, _ in native.snapshots] == [len(PROMPTS[0])]
     ((_, snapshot),) = native.snapshots
-    assert snapshots == sum(copy.numpy().nbytes for copy in snapshot) * RECURRENT_SNAPSHOTS
-    assert stacked == max(copy.numpy().nbytes for copy in snapshot)
+    assert [copy.numpy().nbytes for copy in snapshot] == [size for layer in held for size in layer]
+    assert recurrent_snapshot_bytes(model_config, element_bytes=4) == sum(map(sum, held)) * RECURRENT_SNAPSHOTS
 
 
 # Qwen/Qwen3.5-0.8B's config.json as released (its text_config; the vision tower's left out).
