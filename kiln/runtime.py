@@ -265,7 +265,7 @@ class NativeModel(CompiledLibrary):
     def _restore_snapshot(self, point: int) -> None:
         """Back to the latest snapshot at or before `point` cached tokens: the KV cache pops to it, the
         recurrent state takes it as a step's result; with none, the sequence starts over."""
-        kept, snapshot = max(((kept, s) for kept, s in self.snapshots if kept <= point), default=(0, None))
+        kept, snapshot = next(((kept, s) for kept, s in reversed(self.snapshots) if kept <= point), (0, None))
         if snapshot is None:
             self.reset()
             return

@@ -47,31 +47,40 @@ GEMMA3_270M = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-# Qwen/Qwen3.5-0.8B's text_config (a hybrid: three Gated DeltaNet layers to one of attention).
-QWEN35_08B = dict(
-    vocab_size=248320,
-    hidden_size=1024,
-    intermediate_size=3584,
-    num_hidden_layers=24,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-    full_attention_interval=4,
-    max_position_embeddings=262144,
+# Qwen/Qwen3.5-0.8B's config.json as released (its text_config; the vision tower's left out).
+QWEN3_5_08B_CONFIG = dict(
+    architectures=["Qwen3_5ForConditionalGeneration"],
+    model_type="qwen3_5",
     tie_word_embeddings=True,
-    rope_parameters={
-        "mrope_interleaved": True,
-        "mrope_section": [11, 11, 10],
-        "rope_type": "default",
-        "rope_theta": 10000000,
-        "partial_rotary_factor": 0.25,
-    },
+    text_config=dict(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        attention_bias=False,
+        attn_output_gate=True,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        full_attention_interval=4,
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        rope_parameters={
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
 )
 REAL_SIZES = {
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", "Qwen2Config", QWEN25_05B),
@@ -80,7 +89,7 @@ REAL_SIZES = {
         "Gemma3TextConfig",
         GEMMA3_270M,
     ),
-    "qwen3.5-0.8b": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", QWEN35_08B),
+    "qwen3.5-0.8b": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", QWEN3_5_08B_CONFIG["text_config"]),
 }
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers.failures import assert_clean_failure
+from helpers.real_sizes import QWEN3_5_08B_CONFIG
 from helpers.reference import PROMPTS
 from helpers.webllm import assert_kiln_replies_the_same, webllm_replies
 
@@ -319,43 +320,6 @@ def test_the_memory_accounting_holds_the_states_the_library_keeps(family, family
     ((_, snapshot),) = native.snapshots
     assert [copy.numpy().nbytes for copy in snapshot] == [size for layer in held for size in layer]
     assert recurrent_snapshot_bytes(model_config, element_bytes=4) == sum(map(sum, held)) * RECURRENT_SNAPSHOTS
-
-
-# Qwen/Qwen3.5-0.8B's config.json as released (its text_config; the vision tower's left out).
-QWEN3_5_08B_CONFIG = dict(
-    architectures=["Qwen3_5ForConditionalGeneration"],
-    model_type="qwen3_5",
-    tie_word_embeddings=True,
-    text_config=dict(
-        vocab_size=248320,
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        attention_bias=False,
-        attn_output_gate=True,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        full_attention_interval=4,
-        max_position_embeddings=262144,
-        tie_word_embeddings=True,
-        mtp_num_hidden_layers=1,
-        mtp_use_dedicated_embeddings=False,
-        rope_parameters={
-            "mrope_interleaved": True,
-            "mrope_section": [11, 11, 10],
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-        },
-    ),
-)
 
 
 def test_qwen3_5_08bs_config_as_released_reads_as_transformers_reads_it(tmp_path):
