@@ -266,8 +266,9 @@ def chunk_scan(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -
                         col = block % column_blocks * columns + lane
                         tokens = T.Cast("int32", n)
                         for r in range(row_passes):
-                            if r * CHUNK + row < key_dim:
-                                s[r * CHUNK + row, lane] = past[0, h, r * CHUNK + row, col]
+                            d = r * CHUNK + row
+                            if d < key_dim:
+                                s[d, lane] = past[0, h, d, col]
                         T.tvm_storage_sync("shared")
                         for c in range(padded // CHUNK):
                             start = T.Cast("int32", c) * CHUNK
@@ -308,7 +309,8 @@ def chunk_scan(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -
                                     s[d, lane] = T.exp(gates[CHUNK - 1]) * s[d, lane] + sums[3]
                             T.tvm_storage_sync("shared")
                         for r in range(row_passes):
-                            if r * CHUNK + row < key_dim:
-                                state[0, h, r * CHUNK + row, col] = s[r * CHUNK + row, lane]
+                            d = r * CHUNK + row
+                            if d < key_dim:
+                                state[0, h, d, col] = s[d, lane]
     # fmt: on
     return scan

@@ -234,10 +234,9 @@ export class ModelSession extends LibrarySession {
    * Run `functionName` on `ids` (at most one prefill chunk); logits as [rows, vocab] on the host.
    * The rows are views of the step's output in wasm memory, read where they lie: they hold until the
    * next step, which frees them (copy a row to keep it), or the next allocation, which may grow the
-   * memory (and detach a single-threaded library's buffer). With `snapshot`, the recurrent state's
-   * snapshot is taken after the step, before the rows are read.
+   * memory (and detach a single-threaded library's buffer).
    */
-  async step(functionName, ids, { snapshot = false } = {}) {
+  async step(functionName, ids) {
     const tvm = this.tvm;
     const started = performance.now();
     this.logits?.dispose();
@@ -259,7 +258,6 @@ export class ModelSession extends LibrarySession {
     this.cachedIds.push(...ids);
     this.undoableSteps = ids.length === 1 ? Math.min(this.undoableSteps + 1, RECURRENT_HISTORY - 1) : 0;
     this.lastStepIssueMs = performance.now() - started; // the VM and tvmjs encoding the step, before the GPU runs it
-    if (snapshot) this.takeSnapshot();
     await this.device.sync();
     const { shape } = this.logits;
     const vocab = shape[shape.length - 1];
@@ -284,13 +282,13 @@ export class ModelSession extends LibrarySession {
     if (ids.length === 0) throw new EngineError("bad-request", "nothing to prefill: no tokens");
     this.checkRoom(ids.length);
     let rows;
-    let prefilled = 0;
     for (const chunk of this.chunks(ids)) {
-      prefilled += chunk.length;
-      const snapshot = this.recurrent && ids.length > 1 && prefilled === ids.length;
-      rows = await this.step(chunk.length > 1 ? "prefill" : "decode", chunk, { snapshot });
+      rows = await this.step(chunk.length > 1 ? "prefill" : "decode", chunk);
     }
-    return rows[rows.length - 1];
+    if (!this.recurrent || ids.length === 1) return rows[rows.length - 1];
+    const logits = rows[rows.length - 1].slice(); // the snapshot may grow wasm memory, detaching the rows
+    this.takeSnapshot();
+    return logits;
   }
 
   async decode(id) {
