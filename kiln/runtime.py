@@ -92,6 +92,11 @@ def check_build_versions(build: dict, model_dir: Path) -> None:
         )
 
 
+# Which of a cpu library's variants the native engine loads: unset, the first this machine's CPU
+# runs (else the portable library); "portable", the portable one; a variant's name, that one.
+CPU_VARIANT_ENV = "KILN_CPU_VARIANT"
+
+
 def library_path(model_dir: Path, target: str) -> Path:
     build = read_json(model_dir / "kiln-build.json")
     check_build_versions(build, model_dir)
@@ -111,20 +116,43 @@ def library_path(model_dir: Path, target: str) -> Path:
             "or host (this machine)",
             model_dir,
         )
-    return model_dir / entry["library"]
+    _, chosen = cpu_variant(entry, model_dir)
+    return model_dir / chosen["library"]
 
 
-def missing_cpu_features(mcpu: str | None) -> list[str]:
-    """The instruction-set features a library built for `mcpu` needs and this machine's CPU lacks
-    (running it would end in an illegal instruction)."""
+def cpu_variant(entry: dict, model_dir: Path) -> tuple[str, dict]:
+    """Which of a target's libraries to load: the name of a variant (its record's `variants`) and its
+    record, or "portable" and the target's own record."""
+    variants = entry.get("variants", {})
+    wanted = os.environ.get(CPU_VARIANT_ENV)
+    if wanted is None:
+        runnable = (item for item in variants.items() if not missing_cpu_features(item[1]["mcpu"], item[1]["features"]))
+        return next(runnable, ("portable", entry))
+    if wanted == "portable":
+        return wanted, entry
+    if wanted not in variants:
+        raise KilnError(
+            f"{CPU_VARIANT_ENV}={wanted}: this library has no such variant "
+            f"(it has: {', '.join(['portable', *variants])})",
+            model_dir,
+        )
+    if missing := missing_cpu_features(variants[wanted]["mcpu"], variants[wanted]["features"]):
+        raise KilnError(f"{CPU_VARIANT_ENV}={wanted}: this machine's CPU lacks {', '.join(missing)}", model_dir)
+    return wanted, variants[wanted]
+
+
+def missing_cpu_features(mcpu: str | None, features: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The instruction-set features a library built for `mcpu` (and `features`, LLVM's names) needs and
+    this machine's CPU lacks (running it would end in an illegal instruction)."""
     if mcpu is None:
         return []
 
-    def instruction_sets(cpu: str) -> set[str]:
-        features = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
+    def instruction_sets(cpu: str, added: tuple[str, ...] | list[str] = ()) -> set[str]:
+        target = {"kind": "llvm", "mcpu": cpu, "mattr": [f"+{feature}" for feature in added]}
+        features = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(target))
         return {str(feature) for feature in features if INSTRUCTION_SET.match(str(feature))}
 
-    return sorted(instruction_sets(mcpu) - instruction_sets(tvm.target.codegen.llvm_get_system_cpu()))
+    return sorted(instruction_sets(mcpu, features) - instruction_sets(tvm.target.codegen.llvm_get_system_cpu()))
 
 
 def reusable_prefix(cached: list[int], wanted: list[int]) -> int:

@@ -27,6 +27,24 @@ CPU_LEVELS = {
     "legacy": {"x86_64": "x86-64-v2", "aarch64": "generic"},
 }
 CPU_TUNINGS = (*CPU_LEVELS, "host")
+
+
+@dataclass(frozen=True)
+class CpuVariant:
+    """An instruction set a portable x86-64 `cpu` library is also built for, where a scheme's kernels
+    have code for it (`Scheme.cpu_variants`): the native engine loads the first variant this
+    machine's CPU runs, else the portable library (kiln/runtime.py)."""
+
+    mcpu: str
+    features: tuple[str, ...]  # LLVM's names, beyond the mcpu's
+
+    def tvm_target(self) -> dict:
+        return {"kind": "llvm", "mcpu": self.mcpu, "mattr": [f"+{feature}" for feature in self.features]}
+
+
+# AVX-512 with VNNI and VBMI: Intel Ice Lake, Sapphire Rapids and later, AMD Zen 4 and later
+# (int8_decode.py: `vpdpbusd`, `vpmultishiftqb`).
+CPU_VARIANTS = {"avx512-vnni": CpuVariant("x86-64-v4", ("avx512vnni", "avx512vbmi"))}
 MACHINES = {"AMD64": "x86_64", "arm64": "aarch64"}
 
 
@@ -296,6 +314,14 @@ def target_named(name: str, cpu_tuning: str = "portable") -> TargetEntry:
         raise KilnError(f"unknown target {name!r} (supported: {', '.join(TARGETS)})")
     entry = TARGETS[name]
     return replace(entry, tvm_target=partial(cpu_target, cpu_tuning)) if entry.tunes_cpu else entry
+
+
+def cpu_variants_of(entry: TargetEntry, cpu_tuning: str, names: tuple[str, ...]) -> dict[str, TargetEntry]:
+    """`entry` built for each of the variants `names` (a scheme's), where it is a portable x86-64 cpu
+    library: another tuning is one instruction set by the user's choice."""
+    if not (entry.tunes_cpu and cpu_tuning == "portable" and cpu_named(cpu_tuning).startswith("x86-64")):
+        return {}
+    return {name: replace(entry, tvm_target=CPU_VARIANTS[name].tvm_target) for name in names}
 
 
 def building() -> TargetEntry | None:

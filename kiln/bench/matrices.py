@@ -20,6 +20,7 @@ import tvm
 from tvm import DataType, te
 
 from kiln.app_config import read_json
+from kiln.runtime import cpu_variant
 from kiln.tensor_cache import TensorRecord, records
 
 PASSES = 5  # the fastest pass over a type's matrices is reported
@@ -87,7 +88,8 @@ def gemv_kernel(matrix: Matrix, quantization: str, target: tvm.target.Target):
             units = words.nbytes // DataType(block_type.unit).itemsize // rows
             int8 = getattr(quantization_named(quantization), "int8_activations", False)
             if int8 and matrix.kind in int8_decode.KERNEL_BLOCKS:
-                kernel = int8_decode.gemv(matrix.kind, rows, cols, units).with_attr("global_symbol", "main")
+                isa = int8_decode.InstructionSet.of(target)
+                kernel = int8_decode.gemv(matrix.kind, rows, cols, units, isa).with_attr("global_symbol", "main")
                 return tvm.compile(tvm.IRModule({"main": kernel}), target=target)
             stored = [te.placeholder((rows, units), block_type.unit, name="blocks")]
             y = block_type.matmul_te(x, *stored, rows, cols, "float32", "float32")
@@ -135,8 +137,9 @@ def time_matrix_types(model_dir: Path, bandwidth: float) -> list[dict]:
     chat_config = read_json(model_dir / "mlc-chat-config.json")
     quantization = chat_config["quantization"]
     tied = chat_config["model_config"].get("tie_word_embeddings", False)
-    library = read_json(model_dir / "kiln-build.json")["targets"]["cpu"]
-    target = tvm.target.Target({"kind": "llvm", "mcpu": library["mcpu"]})
+    _, library = cpu_variant(read_json(model_dir / "kiln-build.json")["targets"]["cpu"], model_dir)
+    features = [f"+{feature}" for feature in library.get("features", [])]
+    target = tvm.target.Target({"kind": "llvm", "mcpu": library["mcpu"], "mattr": features})
     device = tvm.cpu()
 
     by_shape: dict[tuple[str, int, int], list[Matrix]] = defaultdict(list)

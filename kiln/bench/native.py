@@ -15,12 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import tvm
 
 from kiln.app_config import model_needs, read_compiled_model
+from kiln.model_folder import read_json
 from kiln.bench.matrices import kernels_as_built, read_whole_by_decode, time_matrix_types
 from kiln.engine import Engine, GenerationConfig
 from kiln.model_memory import cache_layers, float_bytes
-from kiln.runtime import set_cpu_threads
+from kiln.runtime import cpu_variant, set_cpu_threads
 from kiln.tensor_cache import records
 
 BANDWIDTH_BYTES = 512 << 20
@@ -111,6 +113,10 @@ def bench_native(
         "mask_ms_per_token": median("mask_ms_per_token"),
     }
     on_threads = f" ({threads} thread{'s' if threads > 1 else ''})" if threads else ""
+    if target == "cpu":
+        variant, _ = cpu_variant(read_json(engine.model_dir / "kiln-build.json")["targets"]["cpu"], engine.model_dir)
+        report["cpu_library"] = variant
+        on_threads += f", the {variant} library, a {tvm.target.codegen.llvm_get_system_cpu()} CPU"
     report["lines"] = [
         f"{engine.model_id} on {target}{on_threads}: {prompt_tokens} prompt + "
         f"{report['decoded_tokens']:.0f} decoded tokens{' held to a JSON schema' if response_format else ''}, "

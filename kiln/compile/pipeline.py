@@ -57,7 +57,7 @@ from kiln.compile import side_by_side
 from kiln.compile.side_by_side import default_jobs
 from kiln.compile.staging import staging_folder
 from kiln.compile.toolchain.system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
-from kiln.targets import TargetEntry, target_named
+from kiln.targets import CPU_VARIANTS, TargetEntry, cpu_variants_of, target_named
 
 BUILD_RECORD = "kiln-build.json"
 WEIGHT_FILES_GLOB = ("tensor-cache.json", "params_shard_*.bin")
@@ -248,7 +248,32 @@ def carry_over(previous_dir: Path, staging: Path, names: list[str]) -> None:
 
 def target_files(record: dict) -> list[str]:
     """The files a target's entry in the build record names."""
-    return [record[key] for key in ("library", "static_library", "kernel_source") if key in record]
+    variants = [variant["library"] for variant in record.get("variants", {}).values()]
+    return [record[key] for key in ("library", "static_library", "kernel_source") if key in record] + variants
+
+
+def variant_library(library: Path, variant: str) -> Path:
+    return library.with_name(f"{library.stem}-{variant}{library.suffix}")
+
+
+def compile_with_variants(
+    model: DecoderModel,
+    entry: TargetEntry,
+    variants: dict[str, TargetEntry],
+    metadata: dict,
+    library: Path,
+    model_id: str,
+    library_cache: LibraryCache | None,
+) -> tuple[dict[str, list[int]], bool]:
+    """compile_library for `entry`, then for each of its CPU variants (`cpu_variants_of`) beside it;
+    whether the library cache had them all."""
+    planned, cached = compile_library(model, entry, metadata, library, model_id, library_cache)
+    for name, variant in variants.items():
+        _, variant_cached = compile_library(
+            model, variant, metadata, variant_library(library, name), model_id, library_cache
+        )
+        cached = cached and variant_cached
+    return planned, cached
 
 
 def public_source_name(source: str) -> str:
@@ -336,11 +361,13 @@ class TargetCompile:
             source = ingest(self.source, Path(work), self.ingest_options)
             arch = architecture_for(source.config, config_file(source), source.sentence_embedding is not None)
             config = model_config(arch, source, self.overrides, self.matryoshka_dimensions)
-            model, _, _ = quantized_model(source, arch, config, quantization_named(self.quantization))
+            scheme = quantization_named(self.quantization)
+            model, _, _ = quantized_model(source, arch, config, scheme)
             start = time.perf_counter()
             entry = target_named(self.target, self.cpu_tuning)
-            planned, cached = compile_library(
-                model, entry, self.metadata, self.library, self.model_id, self.library_cache
+            variants = cpu_variants_of(entry, self.cpu_tuning, scheme.cpu_variants)
+            planned, cached = compile_with_variants(
+                model, entry, variants, self.metadata, self.library, self.model_id, self.library_cache
             )
         return planned, cached, time.perf_counter() - start
 
@@ -456,8 +483,14 @@ def build(request: BuildRequest) -> BuildResult:
                     start = time.perf_counter()
                     with clock.failing_as(stage):
                         metadata_for_target = target_metadata(model, metadata, entry)
-                        planned[entry.name], from_cache = compile_library(
-                            model, entry, metadata_for_target, libraries[entry.name], model_id, library_cache
+                        planned[entry.name], from_cache = compile_with_variants(
+                            model,
+                            entry,
+                            cpu_variants_of(entry, request.cpu_tuning, quantization.cpu_variants),
+                            metadata_for_target,
+                            libraries[entry.name],
+                            model_id,
+                            library_cache,
                         )
                     seconds = time.perf_counter() - start
                 if from_cache:
@@ -477,6 +510,16 @@ def build(request: BuildRequest) -> BuildResult:
                 built_targets[entry.name]["from_library_cache"] = True
             if entry.tunes_cpu:
                 built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}
+            if variants := cpu_variants_of(entry, request.cpu_tuning, quantization.cpu_variants):
+                # the native engine's choice among them: kiln/runtime.py's library_path
+                built_targets[entry.name]["variants"] = {
+                    name: {
+                        "library": f"libs/{variant_library(libraries[entry.name], name).name}",
+                        "mcpu": CPU_VARIANTS[name].mcpu,
+                        "features": list(CPU_VARIANTS[name].features),
+                    }
+                    for name in variants
+                }
             if entry.system_lib:
                 built_targets[entry.name] |= {
                     "static_library": f"libs/{static_archive_path(libraries[entry.name]).name}",

@@ -3,6 +3,8 @@ against the exact integer dot products of its blocks and against `gguf_f32`, the
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -16,8 +18,9 @@ from helpers.tiny_families import tensor_blocks
 from kiln.compile.quantization import int8_decode
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
 from kiln.engine import Engine
-from kiln.runtime import NativeModel
-from kiln.targets import cpu_target
+from kiln.errors import KilnError
+from kiln.runtime import CPU_VARIANT_ENV, NativeModel, cpu_variant, library_path, missing_cpu_features
+from kiln.targets import CPU_VARIANTS, cpu_target
 
 # What 8-bit activations move, against float ones (the note of issue 41): a GEMV's outputs by up to
 # 2 % of the largest (measured 0.4–0.7 %); a decode step's logits, over 32 steps, by up to 15 % of the
@@ -41,8 +44,9 @@ def quantized_activations(x: np.ndarray) -> np.ndarray:
     return (levels.astype(np.float64) * (largest / np.float32(127))[:, None]).reshape(-1)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512-vnni"])
 @pytest.mark.parametrize("type_name", list(int8_decode.KERNEL_BLOCKS))
-def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name):
+def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name, isa):
     rows, cols = 24, 512
     rng = np.random.default_rng(0)
     blocks = tensor_blocks(type_name, rows, cols, rng)
@@ -51,10 +55,13 @@ def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name):
     x = (rng.standard_normal((1, 1, cols)) * np.repeat(rng.uniform(0.1, 5, cols // 32), 32)).astype(np.float32)
     x[0, 0, :32] = 0  # a block of zeros has the scale 0
 
-    target = tvm.target.Target(cpu_target())
-    if not int8_decode.runs_on(target):
-        pytest.skip("this machine's CPU has no AVX2")
-    kernel = int8_decode.gemv(type_name, rows, cols, units.shape[1]).with_attr("global_symbol", "main")
+    variant = CPU_VARIANTS.get(isa)
+    target = tvm.target.Target(variant.tvm_target() if variant else cpu_target())
+    if variant and missing_cpu_features(variant.mcpu, variant.features):
+        pytest.skip(f"this machine's CPU has no {isa}")
+    kernel_isa = int8_decode.InstructionSet.of(target)
+    assert kernel_isa.vnni == (isa == "avx512-vnni")
+    kernel = int8_decode.gemv(type_name, rows, cols, units.shape[1], kernel_isa).with_attr("global_symbol", "main")
     library = tvm.compile(tvm.IRModule({"main": kernel}), target=target)
     y = tvm.runtime.tensor(np.zeros((1, 1, rows), np.float32))
     library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(units), y)
@@ -116,3 +123,57 @@ def test_gguf_i8_decodes_smollm2_as_gguf_f32_up_to_near_ties(smollm2_build):
 def test_gguf_i8_is_refused_for_a_target_without_its_kernels(mixed_gguf, tmp_path, run_compile, target):
     result = run_compile(mixed_gguf, tmp_path / "out", "-q", "gguf_i8", "-t", target)
     assert_clean_failure(result, tmp_path / "out", "gguf_i8 decodes on 8-bit activations with x86-64 AVX2 kernels only")
+
+
+def greedy_logits(model_dir, ids: list[int], steps: int = 8) -> np.ndarray:
+    model = NativeModel(model_dir)
+    logits = [model.prefill(ids)]
+    for _ in range(steps):
+        logits.append(model.decode(int(logits[-1].argmax())))
+    return np.stack(logits)
+
+
+def test_gguf_i8_builds_an_avx512_vnni_library_that_decodes_as_the_portable_one(mixed_build, monkeypatch):
+    """A portable build also holds the library of int8_decode.py's AVX-512 VNNI kernels, which the
+    engine loads where the CPU runs it: its integer sums are the AVX2 kernels', so are its logits."""
+    model_dir = mixed_build("gguf_i8")
+    cpu = json.loads((model_dir / "kiln-build.json").read_text())["targets"]["cpu"]
+    variant = CPU_VARIANTS["avx512-vnni"]
+    assert cpu["variants"] == {
+        "avx512-vnni": {
+            "library": cpu["library"].replace(".so", "-avx512-vnni.so"),
+            "mcpu": variant.mcpu,
+            "features": list(variant.features),
+        }
+    }
+    assert (model_dir / cpu["variants"]["avx512-vnni"]["library"]).is_file()
+    if missing_cpu_features(variant.mcpu, variant.features):
+        pytest.skip("this machine's CPU has no AVX-512 VNNI")
+    assert library_path(model_dir, "cpu").name.endswith("-avx512-vnni.so")
+    for ids in PROMPTS:
+        monkeypatch.setenv(CPU_VARIANT_ENV, "portable")
+        portable = greedy_logits(model_dir, ids)
+        monkeypatch.setenv(CPU_VARIANT_ENV, "avx512-vnni")
+        vnni = greedy_logits(model_dir, ids)
+        np.testing.assert_allclose(vnni, portable, rtol=0, atol=1e-5 * np.abs(portable).max())
+        assert (vnni.argmax(axis=1) == portable.argmax(axis=1)).all()
+
+
+def test_a_variant_the_cpu_cannot_run_is_passed_over_and_refused_by_name(mixed_build, monkeypatch, tmp_path):
+    richer = next(
+        str(cpu)
+        for cpu in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm"}))
+        if missing_cpu_features(str(cpu))
+    )
+    entry = {
+        "library": "libs/m-cpu.so",
+        "variants": {"rich": {"library": "libs/m-cpu-rich.so", "mcpu": richer, "features": []}},
+    }
+    monkeypatch.delenv(CPU_VARIANT_ENV, raising=False)
+    assert cpu_variant(entry, tmp_path) == ("portable", entry)
+    monkeypatch.setenv(CPU_VARIANT_ENV, "rich")
+    with pytest.raises(KilnError, match=f"{CPU_VARIANT_ENV}=rich: this machine's CPU lacks "):
+        cpu_variant(entry, tmp_path)
+    monkeypatch.setenv(CPU_VARIANT_ENV, "other")
+    with pytest.raises(KilnError, match=r"this library has no such variant \(it has: portable, rich\)"):
+        cpu_variant(entry, tmp_path)

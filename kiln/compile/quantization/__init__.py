@@ -27,6 +27,9 @@ class Scheme(Protocol):
     name: str
     model_dtype: str
     describe: str  # for people: the CLI's help
+    # kiln/targets.py's CPU_VARIANTS its kernels have code of their own for: a portable x86-64 cpu
+    # library is built for each of them too, and the native engine loads the one the CPU runs
+    cpu_variants: tuple[str, ...]
 
     def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
         """The model with its Linear and Embedding modules replaced (in place)."""

@@ -14,6 +14,7 @@ from kiln.compile.source.source_weights import SourceWeights
 class FloatWeights:
     name: str
     model_dtype: str
+    cpu_variants = ()
 
     @property
     def describe(self) -> str:

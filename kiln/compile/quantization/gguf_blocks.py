@@ -54,7 +54,8 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
     """A decode step's matmul on 8-bit activations (int8_decode.py), or None where it is not one:
     x is not one row, or the block type has no such kernel (it then runs on float activations).
     A target without the kernels is refused: its library would round other numbers than the cpu one."""
-    if not int8_decode.runs_on(Target.current(allow_none=True)):
+    target = Target.current(allow_none=True)
+    if not int8_decode.runs_on(target):
         entry = building()
         library = f"the {entry.name} library" if entry else "outside a target"
         raise KilnError(
@@ -65,7 +66,7 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
         return None
     units = readable(blocks, block_type)
     return nn.op.tensor_ir_op(
-        int8_decode.gemv(block_type.name, rows, cols, units.shape[1]),
+        int8_decode.gemv(block_type.name, rows, cols, units.shape[1], int8_decode.InstructionSet.of(target)),
         "int8_decode_matmul",
         [x, units],
         nn.Tensor.placeholder((*x.shape[:-1], rows), "float32"),
@@ -170,9 +171,15 @@ class GGUFBlocks:
     int8_activations: bool = False  # decode matmuls on 8-bit activations (int8_decode.py)
 
     @property
+    def cpu_variants(self) -> tuple[str, ...]:
+        return ("avx512-vnni",) if self.int8_activations else ()
+
+    @property
     def describe(self) -> str:
         if self.int8_activations:
-            return "a .gguf source's own blocks, decode matmuls on 8-bit activations (x86-64 AVX2 cpu only)"
+            return (
+                "a .gguf source's own blocks, decode matmuls on 8-bit activations (x86-64 cpu only: AVX2, AVX-512 VNNI)"
+            )
         return f"a .gguf source's own blocks (not quantized again), {self.model_dtype} activations"
 
     def block_type(self, part: GGUFTensorBlocks, path) -> BlockType:

@@ -123,6 +123,7 @@ class GroupQuantization:
     model_dtype: str
     bits: int
     group_size: int = 32
+    cpu_variants = ()
 
     @property
     def describe(self) -> str:

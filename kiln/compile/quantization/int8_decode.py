@@ -1,25 +1,29 @@
-"""Decode GEMVs on 8-bit activations (`gguf_i8`), for x86-64 CPUs with AVX2.
+"""Decode GEMVs on 8-bit activations (`gguf_i8`), for x86-64 CPUs with AVX2, and with AVX-512 VNNI.
 
 With float activations a decode GEMV unpacks each weight, converts it to float32 and multiplies and
 adds it: about one instruction per weight, bound by arithmetic rather than memory for 5-bit types
 (issue 41). As llama.cpp does, `gguf_i8` quantizes the activation row instead, per block of 32
 (`d = max|x| / 127`, `q = round(x / d)`), and takes each block's dot product on integers: AVX2's
 `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed ones and adds pairs, `vpmaddwd` adds those
-pairs into 8 lanes of int32, and only then is the block's sum converted and scaled by its weight
-scale times `d`. The integer sums are exact; the result differs from the float path by the
-activations' rounding (the note of issue 41 states how much).
+pairs into 8 lanes of int32 (AVX-512 VNNI's `vpdpbusd` does both, and adds to a vector it is
+given), and only then is the block's sum converted and scaled by its weight scale times `d`. The
+integer sums are exact; the result differs from the float path by the activations' rounding (the
+note of issue 41 states how much).
 
 One kernel does both: it quantizes x (serially: a few microseconds for the widest rows), then runs
 the rows in parallel. Weights become unsigned levels (a nibble; a fifth bit for Q5_0, Q5_1 and Q5_K;
-two high bits for Q6_K): a type's constant zero, or a block's offset (Q4_1's and Q5_1's, the
-K-quants' mins), is taken out with the activations' sums, per block of 32 or, for Q6_K's 16-weight
-scales, per half block. A K-quant's 32-weight blocks are unrolled across its stored block, so
-where their bits and packed scales lie is a constant. Q8_0's signed levels take llama.cpp's sign
-trick (`vpsignb`: |w| times x with w's sign). A row's
-sums stay in registers through its blocks; rows go one at a time, which streams a matrix larger than
-the caches best (four rows at a time interleave four streams: a 30 MB Q8_0 matrix ran 3.8× slower).
-No value is bound to a name inside the loops: TVMScript would give it a buffer of its own, which
-kept LLVM from holding the sums in registers (a Q8_0 GEMV 1.4× slower).
+two high bits for Q6_K). A type's constant zero (Q4_0 8, Q5_0 16, Q6_K 32) comes off in the integer
+sums: each block starts from −zero times its activations' sums, per lane; a block's float offset
+(Q4_1's and Q5_1's m, the K-quants' mins) is added apart, times the activations' sum. A K-quant's
+32-weight blocks are unrolled across its stored block, so where their bits and packed scales lie is
+a constant. Q8_0's signed levels take llama.cpp's sign trick on AVX2 (`vpsignb`: |w| times x with
+w's sign: unsigned levels would overflow `vpmaddubsw`'s pairs); `vpdpbusd`, which does not
+saturate, takes them moved up by 128, a zero like the others. A row's sums stay in registers
+through its blocks; rows go one at a time, which streams a matrix larger than the caches best (four
+rows at a time interleave four streams: a 30 MB Q8_0 matrix ran 3.8× slower), and one chain of sums
+a row is faster than two or four (Zen 5: Q5_0 26.0 Gweights/s in cache, 25.2 with two, 22.4 with
+four). No value is bound to a name inside the loops: TVMScript would give it a buffer of its own,
+which kept LLVM from holding the sums in registers (a Q8_0 GEMV 1.4× slower).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 from tvm import tirx
 from tvm.script import tirx as T
-from tvm.target import Target
+from tvm.target import Target, codegen
 
 from kiln.compile.quantization.ggml_blocks import RowBytes, k_scale_and_min
 
@@ -49,31 +53,33 @@ class SmallBlocks:
     zero: int = 0  # a Q4_0/Q5_0 level's constant zero
     elements: int = ACTIVATION_BLOCK
 
-    @property
-    def signed_levels(self) -> bool:
-        return self.levels == "signed"
+    def signed_levels(self, isa: InstructionSet) -> bool:
+        """Whether the levels stay signed (Q8_0 on AVX2, whose `vpmaddubsw` would saturate unsigned ones)."""
+        return self.levels == "signed" and not isa.vnni
 
-    def levels_of(self, w, o, base, j):
-        if self.signed_levels:
-            return T.reinterpret("int8x32", w[o, T.ramp(base + self.qs_at, 1, 32)])
+    def levels_zero(self, isa: InstructionSet) -> int:
+        """The constant taken off every unsigned level: Q8_0's levels are moved up by 128 where
+        `vpdpbusd` sums them without saturating."""
+        return 128 if self.levels == "signed" and isa.vnni else self.zero
+
+    def levels_of(self, w, o, base, j, isa: InstructionSet):
+        if self.levels == "signed":
+            levels = w[o, T.ramp(base + self.qs_at, 1, 32)]
+            return T.reinterpret("int8x32", levels) if not isa.vnni else levels ^ u8s(128)
         nibbles = low_and_high_nibbles(w[o, T.ramp(base + self.qs_at, 1, 16)])
         if self.levels == "nibbles":
             return nibbles
-        # Weight j's fifth bit is bit j of the 32-bit qh: each byte of qh is spread over 8 lanes,
-        # which keep the bit of their own index.
-        qh = T.reinterpret("uint32", w[o, T.ramp(base + self.qh_at, 1, 4)])
-        spread_bytes = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
-        spread = intrinsic("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(qh, 8)), spread_bytes)
-        bit = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
-        return nibbles | T.Select((spread & bit) == bit, u8s(16), u8s(0))
+        return nibbles | (isa.spread_bits(w[o, T.ramp(base + self.qh_at, 1, 4)]) & u8s(16))
 
-    def lane_scales(self, row: RowBytes, base, j):
-        return T.broadcast(row.f16(base + self.d_at), 8)
+    def scales(self, row: RowBytes, base, j, dx):
+        return T.broadcast(row.f16(base + self.d_at) * dx, 8)
 
-    def offset(self, row: RowBytes, base, j, sx, hs, b):
-        if self.m_at is not None:
-            return row.f16(base + self.m_at) * sx[b]
-        return T.float32(-self.zero) * row.f16(base + self.d_at) * sx[b]
+    @property
+    def has_offset(self) -> bool:
+        return self.m_at is not None
+
+    def offset(self, row: RowBytes, base, j, sx):
+        return row.f16(base + self.m_at) * sx
 
 
 @dataclass(frozen=True)
@@ -86,22 +92,29 @@ class KQuant4or5:
     qs_at: int
     qh_at: int | None = None
     elements: int = 256
-    signed_levels = False
 
-    def levels_of(self, w, o, base, j):
+    def signed_levels(self, isa: InstructionSet) -> bool:
+        return False
+
+    def levels_zero(self, isa: InstructionSet) -> int:
+        return 0
+
+    def levels_of(self, w, o, base, j, isa: InstructionSet):
         packed = w[o, T.ramp(base + self.qs_at + (j // 2) * 32, 1, 32)]
         levels = (packed >> u8s(4 * (j % 2))) & u8s(15)
         if self.qh_at is None:
             return levels
         return levels | (((w[o, T.ramp(base + self.qh_at, 1, 32)] >> u8s(j)) & u8s(1)) << u8s(4))
 
-    def lane_scales(self, row: RowBytes, base, j):
+    def scales(self, row: RowBytes, base, j, dx):
         scale, _ = k_scale_and_min(row, base, j)
-        return T.broadcast(row.f16(base) * scale, 8)
+        return T.broadcast(row.f16(base) * scale * dx, 8)
 
-    def offset(self, row: RowBytes, base, j, sx, hs, b):
+    has_offset = True
+
+    def offset(self, row: RowBytes, base, j, sx):
         _, minimum = k_scale_and_min(row, base, j)
-        return -(row.f16(base + 2) * minimum) * sx[b]
+        return -(row.f16(base + 2) * minimum) * sx
 
 
 @dataclass(frozen=True)
@@ -112,27 +125,33 @@ class KQuant6:
 
     bytes: int = 210
     elements: int = 256
-    signed_levels = False
+    has_offset = False
 
-    def levels_of(self, w, o, base, j):
+    def signed_levels(self, isa: InstructionSet) -> bool:
+        return False
+
+    def levels_zero(self, isa: InstructionSet) -> int:
+        return 32
+
+    def levels_of(self, w, o, base, j, isa: InstructionSet):
         half, quarter = j // 4, j % 4
         low = (w[o, T.ramp(base + half * 64 + (quarter % 2) * 32, 1, 32)] >> u8s(4 * (quarter // 2))) & u8s(15)
         high = (w[o, T.ramp(base + 128 + half * 32, 1, 32)] >> u8s(2 * quarter)) & u8s(3)
         return low | (high << u8s(4))
 
-    def lane_scales(self, row: RowBytes, base, j):
-        d = row.f16(base + 208)
+    def scales(self, row: RowBytes, base, j, dx):
+        d = row.f16(base + 208) * dx
         first, second = row.i8(base + 192 + 2 * j), row.i8(base + 192 + 2 * j + 1)
         return T.Shuffle([T.broadcast(d * first, 4), T.broadcast(d * second, 4)], list(range(8)))
 
-    def offset(self, row: RowBytes, base, j, sx, hs, b):
-        first, second = row.i8(base + 192 + 2 * j), row.i8(base + 192 + 2 * j + 1)
-        return T.float32(-32) * row.f16(base + 208) * (first * hs[2 * b] + second * hs[2 * b + 1])
-
 
 def low_and_high_nibbles(packed):
-    """16 bytes as 32 levels: their low nibbles, then their high ones (ggml's order within a block)."""
-    return T.Shuffle([packed & u8s(15, 16), packed >> u8s(4, 16)], list(range(32)))
+    """16 bytes as 32 levels: their low nibbles, then their high ones (ggml's order within a block).
+    The bytes are loaded into both halves and the upper half's shifted by 4 per 64 bits (vpsrlvq), not
+    shifted in one half and joined to the other: no shuffle."""
+    twice = T.reinterpret("uint64x4", T.Shuffle([packed, packed], list(range(32))))
+    shifts = T.Shuffle([T.broadcast(T.uint64(0), 2), T.broadcast(T.uint64(4), 2)], list(range(4)))
+    return T.reinterpret("uint8x32", twice >> shifts) & u8s(15)
 
 
 KERNEL_BLOCKS = {
@@ -149,12 +168,61 @@ KERNEL_BLOCKS = {
 
 def runs_on(target: Target | None) -> bool:
     """Whether `target` (a TVM target, None outside a build) runs this module's kernels: an x86-64 CPU with AVX2."""
-    from tvm.target import codegen
-
     if target is None or target.kind.name != "llvm":
         return False
     triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
     return triple.startswith("x86_64") and bool(codegen.llvm_cpu_has_features(["avx2"], target))
+
+
+@dataclass(frozen=True)
+class InstructionSet:
+    """The x86 instructions a kernel's inner loop takes: AVX2's, or with `vnni` AVX-512's (with VL,
+    BW, VNNI and VBMI: Ice Lake, Sapphire Rapids, Zen 4 and later). The integer sums are the same
+    either way, and so are the outputs: a library built for each gives the same tokens."""
+
+    vnni: bool
+
+    @staticmethod
+    def of(target: Target) -> InstructionSet:
+        return InstructionSet(bool(codegen.llvm_cpu_has_features(list(VNNI_FEATURES), target)))
+
+    def dot(self, levels, x, correction):
+        """int32x8: lane i is Σₖ levels[4i+k] · x[4i+k] (unsigned bytes by signed ones) plus
+        correction[i], where there is one."""
+        if self.vnni:
+            start = correction if correction is not None else T.broadcast(T.int32(0), 8)
+            return T.call_llvm_pure_intrin(
+                "int32x8", "llvm.x86.avx512.vpdpbusd.256", start, T.reinterpret("int8x32", levels), x
+            )
+        pairs = avx2("int16x16", "pmadd.ub.sw", levels, x)
+        quads = avx2("int32x8", "pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
+        return quads + correction if correction is not None else quads
+
+    def signed_dot(self, levels, x):
+        """As `dot`, for signed levels (AVX2's Q8_0): |w| times x with w's sign, as llama.cpp does."""
+        magnitudes = T.reinterpret("uint8x32", avx2("int8x32", "psign.b", levels, levels))
+        return self.dot(magnitudes, avx2("int8x32", "psign.b", x, levels), None)
+
+    def spread_bits(self, packed):
+        """32 bits (4 bytes) as 32 bytes, byte i holding bit i of them at bit 4 (16), other bits unspecified."""
+        bits = T.reinterpret("uint32", packed)
+        if self.vnni:
+            # vpmultishiftqb: byte i takes the 8 bits of its quadword from bit i − 4 (mod 64) on;
+            # each quadword holds the 32 bits twice.
+            starts = T.ramp(T.int8(-4), T.int8(1), 32) & T.broadcast(T.int8(63), 32)
+            spread = T.call_llvm_pure_intrin(
+                "int8x32", "llvm.x86.avx512.pmultishift.qb.256", starts, T.reinterpret("int8x32", T.broadcast(bits, 8))
+            )
+            return T.reinterpret("uint8x32", spread)
+        # Each byte of the 32 bits spread over 8 lanes, which keep the bit of their own index.
+        spread_bytes = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
+        spread = avx2("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(bits, 8)), spread_bytes)
+        bit = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
+        return T.Select((spread & bit) == bit, u8s(255), u8s(0))
+
+
+# What InstructionSet(vnni=True) needs of the CPU (LLVM's names).
+VNNI_FEATURES = ("avx512vnni", "avx512vbmi", "avx512vl", "avx512bw")
 
 
 def one_row(shape) -> bool:
@@ -162,7 +230,7 @@ def one_row(shape) -> bool:
     return all(isinstance(d, int) and d == 1 for d in shape[:-1])
 
 
-def intrinsic(dtype: str, name: str, *args):
+def avx2(dtype: str, name: str, *args):
     return T.call_llvm_pure_intrin(dtype, f"llvm.x86.avx2.{name}", *args)
 
 
@@ -183,12 +251,6 @@ def to_eight(vector, combine):
         low, high = T.Shuffle([vector], list(range(width))), T.Shuffle([vector], list(range(width, 2 * width)))
         vector = combine(low, high)
     return vector
-
-
-def half_to_eight(vector, half):
-    """The sums of lanes 16·half … 16·half + 15 of 32, pairwise into 8."""
-    lanes = T.Shuffle([vector], list(range(16 * half, 16 * half + 16)))
-    return T.Shuffle([lanes], list(range(8))) + T.Shuffle([lanes], list(range(8, 16)))
 
 
 def eight_lanes(buffer, combine):
@@ -213,23 +275,23 @@ def activation_block_of(blocks, s, j):
     return s * (blocks.elements // ACTIVATION_BLOCK) + j
 
 
-def block_dot(blocks, w, xq, dx, o, s, j):
-    """Block j of stored block s: its 8 lane sums of weight levels times activations, scaled by the
-    weights' and the activations' scales: float32x8."""
+def block_sum(blocks, isa, w, xq, dx, correction, o, s, j):
+    """Block j of stored block s: its 8 lane sums of weight levels times activations (less the
+    levels' zero, which `correction` holds as −zero · Σ xq per lane), scaled by the weights' and the
+    activations' scales: float32x8."""
     b, base = activation_block_of(blocks, s, j), s * blocks.bytes
-    weights, x = blocks.levels_of(w, o, base, j), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
-    if blocks.signed_levels:
-        magnitudes = T.reinterpret("uint8x32", intrinsic("int8x32", "psign.b", weights, weights))
-        pairs = intrinsic("int16x16", "pmadd.ub.sw", magnitudes, intrinsic("int8x32", "psign.b", x, weights))
+    levels, x = blocks.levels_of(w, o, base, j, isa), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
+    if blocks.signed_levels(isa):
+        dot = isa.signed_dot(levels, x)
     else:
-        pairs = intrinsic("int16x16", "pmadd.ub.sw", weights, x)
-    quads = intrinsic("int32x8", "pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
-    return T.Cast("float32x8", quads) * blocks.lane_scales(RowBytes(w, o), base, j) * T.broadcast(dx[b], 8)
+        dot = isa.dot(levels, x, correction[T.ramp(b * 8, 1, 8)] if blocks.levels_zero(isa) else None)
+    return T.Cast("float32x8", dot) * blocks.scales(RowBytes(w, o), base, j, dx[b])
 
 
-def block_offset(blocks, w, sx, hs, o, s, j):
-    """What the block's offsets (or its levels' zero) add: the weights' times the activations' sums."""
-    return blocks.offset(RowBytes(w, o), s * blocks.bytes, j, sx, hs, activation_block_of(blocks, s, j))
+def block_offset(blocks, w, sx, o, s, j):
+    """What the block's float offset (Q4_1's and Q5_1's m, the K-quants' mins) adds: the offset
+    times the activations' sum."""
+    return blocks.offset(RowBytes(w, o), s * blocks.bytes, j, sx[activation_block_of(blocks, s, j)])
 
 
 def row_total(sums, offsets, o):
@@ -239,11 +301,12 @@ def row_total(sums, offsets, o):
     return total
 
 
-def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int) -> tirx.PrimFunc:
+def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: InstructionSet) -> tirx.PrimFunc:
     """y[0, 0, o] = Σ_k x[0, 0, k] W[o, k] for one activation row x [1, 1, cols], quantized here,
     and W's blocks as [rows, row_bytes] bytes."""
     blocks = KERNEL_BLOCKS[block_type_name]
     activation_blocks, per_stored = cols // ACTIVATION_BLOCK, blocks.elements // ACTIVATION_BLOCK
+    zero = blocks.levels_zero(isa)
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(
@@ -255,8 +318,8 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int) -> tirx.Pri
         with T.sblock("root"):
             xq = T.alloc_buffer((cols,), "int8")
             dx = T.alloc_buffer((activation_blocks,), "float32")
-            hs = T.alloc_buffer((activation_blocks * 2,), "float32")  # dx · Σ xq over each half block
             sx = T.alloc_buffer((activation_blocks,), "float32")  # dx · Σ xq over the block
+            correction = T.alloc_buffer((activation_blocks * 8,), "int32")  # −zero · Σ xq, per lane
             largest = T.alloc_buffer((activation_blocks,), "float32")
             lanes = T.alloc_buffer((8,), "float32")
             counts = T.alloc_buffer((8,), "int32")
@@ -267,18 +330,19 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int) -> tirx.Pri
                 largest[b] = eight_lanes(lanes, T.max)
                 dx[b] = largest[b] / T.float32(127)
                 xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] = quantized(x, largest, b)
-                counts[T.ramp(0, 1, 8)] = half_to_eight(T.Cast("int32x32", quantized(x, largest, b)), 0)
-                hs[b * 2] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
-                counts[T.ramp(0, 1, 8)] = half_to_eight(T.Cast("int32x32", quantized(x, largest, b)), 1)
-                hs[b * 2 + 1] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
-                sx[b] = hs[b * 2] + hs[b * 2 + 1]
+                counts[T.ramp(0, 1, 8)] = isa.dot(u8s(1), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)], None)
+                sx[b] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
+                correction[T.ramp(b * 8, 1, 8)] = counts[T.ramp(0, 1, 8)] * T.broadcast(T.int32(-zero), 8)
             for o in T.parallel(rows):
                 sums[T.ramp(o * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
                 offsets[o] = T.float32(0)
                 for s in range(cols // blocks.elements):
                     for j in T.unroll(per_stored):
-                        sums[T.ramp(o * 8, 1, 8)] = sums[T.ramp(o * 8, 1, 8)] + block_dot(blocks, w, xq, dx, o, s, j)
-                        offsets[o] = offsets[o] + block_offset(blocks, w, sx, hs, o, s, j)
+                        sums[T.ramp(o * 8, 1, 8)] = sums[T.ramp(o * 8, 1, 8)] + block_sum(
+                            blocks, isa, w, xq, dx, correction, o, s, j
+                        )
+                        if blocks.has_offset:
+                            offsets[o] = offsets[o] + block_offset(blocks, w, sx, o, s, j)
                 y[0, 0, o] = row_total(sums, offsets, o)
 
     return kernel
