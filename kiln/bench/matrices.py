@@ -88,7 +88,7 @@ def gemv_kernel(matrix: Matrix, quantization: str, target: tvm.target.Target):
             units = words.nbytes // DataType(block_type.unit).itemsize // rows
             int8 = getattr(quantization_named(quantization), "int8_activations", False)
             if int8 and matrix.kind in int8_decode.KERNEL_BLOCKS:
-                isa = int8_decode.InstructionSet.of(target)
+                isa = int8_decode.instruction_set(target)
                 kernel = int8_decode.gemv(matrix.kind, rows, cols, units, isa).with_attr("global_symbol", "main")
                 return tvm.compile(tvm.IRModule({"main": kernel}), target=target)
             stored = [te.placeholder((rows, units), block_type.unit, name="blocks")]

@@ -59,14 +59,14 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
         entry = building()
         library = f"the {entry.name} library" if entry else "outside a target"
         raise KilnError(
-            f"gguf_i8 decodes on 8-bit activations with x86-64 AVX2 kernels only, and cannot build {library}: "
-            "build it with gguf_f32"
+            "gguf_i8 decodes on 8-bit activations with x86-64 (AVX2) and wasm (SIMD) kernels only, "
+            f"and cannot build {library}: build it with gguf_f32"
         )
     if not (int8_decode.one_row(x.shape) and block_type.name in int8_decode.KERNEL_BLOCKS):
         return None
     units = readable(blocks, block_type)
     return nn.op.tensor_ir_op(
-        int8_decode.gemv(block_type.name, rows, cols, units.shape[1], int8_decode.InstructionSet.of(target)),
+        int8_decode.gemv(block_type.name, rows, cols, units.shape[1], int8_decode.instruction_set(target)),
         "int8_decode_matmul",
         [x, units],
         nn.Tensor.placeholder((*x.shape[:-1], rows), "float32"),

@@ -1,4 +1,4 @@
-"""Decode GEMVs on 8-bit activations (`gguf_i8`), for x86-64 CPUs with AVX2, and with AVX-512 VNNI.
+"""Decode GEMVs on 8-bit activations (`gguf_i8`), for x86-64 CPUs with AVX2 or AVX-512 VNNI, and wasm.
 
 With float activations a decode GEMV unpacks each weight, converts it to float32 and multiplies and
 adds it: about one instruction per weight, bound by arithmetic rather than memory for 5-bit types
@@ -6,7 +6,8 @@ adds it: about one instruction per weight, bound by arithmetic rather than memor
 (`d = max|x| / 127`, `q = round(x / d)`), and takes each block's dot product on integers: AVX2's
 `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed ones and adds pairs, `vpmaddwd` adds those
 pairs into 8 lanes of int32 (AVX-512 VNNI's `vpdpbusd` does both, and adds to a vector it is
-given), and only then is the block's sum converted and scaled by its weight scale times `d`. The
+given; wasm widens the bytes to 16 bits for `i32x4.dot_i16x8_s`), and only then is the block's sum
+converted and scaled by its weight scale times `d`. The
 integer sums are exact; the result differs from the float path by the activations' rounding (the
 note of issue 41 states how much).
 
@@ -54,19 +55,18 @@ class SmallBlocks:
     elements: int = ACTIVATION_BLOCK
 
     def signed_levels(self, isa: InstructionSet) -> bool:
-        """Whether the levels stay signed (Q8_0 on AVX2, whose `vpmaddubsw` would saturate unsigned ones)."""
-        return self.levels == "signed" and not isa.vnni
+        """Whether the levels stay signed (Q8_0's, where the instruction set does not move them)."""
+        return self.levels == "signed" and not isa.moves_signed_levels
 
     def levels_zero(self, isa: InstructionSet) -> int:
-        """The constant taken off every unsigned level: Q8_0's levels are moved up by 128 where
-        `vpdpbusd` sums them without saturating."""
-        return 128 if self.levels == "signed" and isa.vnni else self.zero
+        """The constant taken off every unsigned level: 128 for Q8_0's levels moved up by it."""
+        return 128 if self.levels == "signed" and isa.moves_signed_levels else self.zero
 
     def levels_of(self, w, o, base, j, isa: InstructionSet):
         if self.levels == "signed":
             levels = w[o, T.ramp(base + self.qs_at, 1, 32)]
-            return T.reinterpret("int8x32", levels) if not isa.vnni else levels ^ u8s(128)
-        nibbles = low_and_high_nibbles(w[o, T.ramp(base + self.qs_at, 1, 16)])
+            return levels ^ u8s(128) if isa.moves_signed_levels else T.reinterpret("int8x32", levels)
+        nibbles = isa.low_and_high_nibbles(w[o, T.ramp(base + self.qs_at, 1, 16)])
         if self.levels == "nibbles":
             return nibbles
         return nibbles | (isa.spread_bits(w[o, T.ramp(base + self.qh_at, 1, 4)]) & u8s(16))
@@ -145,15 +145,6 @@ class KQuant6:
         return T.Shuffle([T.broadcast(d * first, 4), T.broadcast(d * second, 4)], list(range(8)))
 
 
-def low_and_high_nibbles(packed):
-    """16 bytes as 32 levels: their low nibbles, then their high ones (ggml's order within a block).
-    The bytes are loaded into both halves and the upper half's shifted by 4 per 64 bits (vpsrlvq), not
-    shifted in one half and joined to the other: no shuffle."""
-    twice = T.reinterpret("uint64x4", T.Shuffle([packed, packed], list(range(32))))
-    shifts = T.Shuffle([T.broadcast(T.uint64(0), 2), T.broadcast(T.uint64(4), 2)], list(range(4)))
-    return T.reinterpret("uint8x32", twice >> shifts) & u8s(15)
-
-
 KERNEL_BLOCKS = {
     "Q4_0": SmallBlocks(18, d_at=0, qs_at=2, levels="nibbles", zero=8),
     "Q4_1": SmallBlocks(20, d_at=0, qs_at=4, levels="nibbles", m_at=2),
@@ -167,61 +158,126 @@ KERNEL_BLOCKS = {
 
 
 def runs_on(target: Target | None) -> bool:
-    """Whether `target` (a TVM target, None outside a build) runs this module's kernels: an x86-64 CPU with AVX2."""
+    """Whether `target` (a TVM target, None outside a build) runs this module's kernels: an x86-64
+    CPU with AVX2, or wasm with SIMD."""
     if target is None or target.kind.name != "llvm":
         return False
     triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
+    if triple.startswith("wasm32"):
+        return bool(codegen.llvm_cpu_has_features(["simd128"], target))
     return triple.startswith("x86_64") and bool(codegen.llvm_cpu_has_features(["avx2"], target))
 
 
-@dataclass(frozen=True)
-class InstructionSet:
-    """The x86 instructions a kernel's inner loop takes: AVX2's, or with `vnni` AVX-512's (with VL,
-    BW, VNNI and VBMI: Ice Lake, Sapphire Rapids, Zen 4 and later). The integer sums are the same
-    either way, and so are the outputs: a library built for each gives the same tokens."""
+class Avx2:
+    """The instructions a kernel's inner loop takes on x86-64 with AVX2. Every instruction set gives
+    the same integer sums, and so the same outputs up to the float epilogue's rounding."""
 
-    vnni: bool
-
-    @staticmethod
-    def of(target: Target) -> InstructionSet:
-        return InstructionSet(bool(codegen.llvm_cpu_has_features(list(VNNI_FEATURES), target)))
+    name = "avx2"
+    activations = "int8"  # how the quantized activations are kept
+    # Whether Q8_0's signed levels are moved up by 128 to unsigned ones (else kept signed, and
+    # multiplied by `signed_dot`): `vpmaddubsw` would saturate their pairs.
+    moves_signed_levels = False
 
     def dot(self, levels, x, correction):
-        """int32x8: lane i is Σₖ levels[4i+k] · x[4i+k] (unsigned bytes by signed ones) plus
-        correction[i], where there is one."""
-        if self.vnni:
-            start = correction if correction is not None else T.broadcast(T.int32(0), 8)
-            return T.call_llvm_pure_intrin(
-                "int32x8", "llvm.x86.avx512.vpdpbusd.256", start, T.reinterpret("int8x32", levels), x
-            )
+        """int32x8 of sums of levels times x (unsigned bytes by signed ones), plus correction[i] where
+        there is one: lane i sums bytes 4i … 4i + 3 (wasm groups them otherwise, lanes 0–3 still in
+        the first 16 bytes and 4–7 in the last 16)."""
         pairs = avx2("int16x16", "pmadd.ub.sw", levels, x)
         quads = avx2("int32x8", "pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
         return quads + correction if correction is not None else quads
 
     def signed_dot(self, levels, x):
-        """As `dot`, for signed levels (AVX2's Q8_0): |w| times x with w's sign, as llama.cpp does."""
+        """As `dot`, for signed levels: |w| times x with w's sign, as llama.cpp does."""
         magnitudes = T.reinterpret("uint8x32", avx2("int8x32", "psign.b", levels, levels))
         return self.dot(magnitudes, avx2("int8x32", "psign.b", x, levels), None)
 
     def spread_bits(self, packed):
         """32 bits (4 bytes) as 32 bytes, byte i holding bit i of them at bit 4 (16), other bits unspecified."""
         bits = T.reinterpret("uint32", packed)
-        if self.vnni:
-            # vpmultishiftqb: byte i takes the 8 bits of its quadword from bit i − 4 (mod 64) on;
-            # each quadword holds the 32 bits twice.
-            starts = T.ramp(T.int8(-4), T.int8(1), 32) & T.broadcast(T.int8(63), 32)
-            spread = T.call_llvm_pure_intrin(
-                "int8x32", "llvm.x86.avx512.pmultishift.qb.256", starts, T.reinterpret("int8x32", T.broadcast(bits, 8))
+        spread = avx2("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(bits, 8)), SPREAD_BYTES)
+        return T.Select((spread & LANE_BITS) == LANE_BITS, u8s(255), u8s(0))
+
+    def low_and_high_nibbles(self, packed):
+        """16 bytes as 32 levels: their low nibbles, then their high ones (ggml's order within a
+        block). The bytes are loaded into both halves and the upper half's shifted by 4 per 64 bits
+        (vpsrlvq), not shifted in one half and joined to the other: no shuffle."""
+        twice = T.reinterpret("uint64x4", T.Shuffle([packed, packed], list(range(32))))
+        shifts = T.Shuffle([T.broadcast(T.uint64(0), 2), T.broadcast(T.uint64(4), 2)], list(range(4)))
+        return T.reinterpret("uint8x32", twice >> shifts) & u8s(15)
+
+
+class Avx512Vnni(Avx2):
+    """AVX-512 with VL, BW, VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4 and later)."""
+
+    name = "avx512-vnni"
+    moves_signed_levels = True  # `vpdpbusd` does not saturate
+
+    def dot(self, levels, x, correction):
+        start = correction if correction is not None else T.broadcast(T.int32(0), 8)
+        return T.call_llvm_pure_intrin(
+            "int32x8", "llvm.x86.avx512.vpdpbusd.256", start, T.reinterpret("int8x32", levels), x
+        )
+
+    def spread_bits(self, packed):
+        # vpmultishiftqb: byte i takes the 8 bits of its quadword from bit i − 4 (mod 64) on; each
+        # quadword holds the 32 bits twice.
+        twice = T.reinterpret("int8x32", T.broadcast(T.reinterpret("uint32", packed), 8))
+        starts = T.ramp(T.int8(-4), T.int8(1), 32) & T.broadcast(T.int8(63), 32)
+        return T.reinterpret(
+            "uint8x32", T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx512.pmultishift.qb.256", starts, twice)
+        )
+
+
+class WasmSimd:
+    """Wasm's 128-bit SIMD, which multiplies bytes only after widening them: 16-bit lanes, whose
+    pairs `i32x4.dot_i16x8_s` multiplies and adds (signed levels need no trick there)."""
+
+    name = "wasm-simd128"
+    moves_signed_levels = False
+    activations = "int16"  # widened once, not per row
+
+    def dot(self, levels, x, correction):
+        return self.signed_dot(levels, x) + correction if correction is not None else self.signed_dot(levels, x)
+
+    def signed_dot(self, levels, x):
+        # Lanes 0–3 sum the first 16 bytes' products (the dot products of bytes 0–7 and 8–15 added),
+        # lanes 4–7 the last 16's: another grouping than x86's, with no shuffle, which keeps Q6_K's
+        # sub-blocks apart as its scales need; corrections are summed by this same `dot`.
+        wide_levels = T.Cast("int16x32", levels)
+        pairs = [
+            T.call_llvm_pure_intrin(
+                "int32x4", "llvm.wasm.dot", lanes_of(wide_levels, 8 * part, 8), lanes_of(x, 8 * part, 8)
             )
-            return T.reinterpret("uint8x32", spread)
-        # Each byte of the 32 bits spread over 8 lanes, which keep the bit of their own index.
-        spread_bytes = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
-        spread = avx2("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(bits, 8)), spread_bytes)
-        bit = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
-        return T.Select((spread & bit) == bit, u8s(255), u8s(0))
+            for part in range(4)
+        ]
+        return T.Shuffle([pairs[0] + pairs[1], pairs[2] + pairs[3]], list(range(8)))
+
+    def spread_bits(self, packed):
+        repeated = T.reinterpret("uint8x32", T.broadcast(T.reinterpret("uint32", packed), 8))
+        spread = T.Shuffle([repeated], [lane // 8 for lane in range(32)])
+        return T.Select((spread & LANE_BITS) == LANE_BITS, u8s(255), u8s(0))
+
+    def low_and_high_nibbles(self, packed):
+        return T.Shuffle([packed & u8s(15, 16), packed >> u8s(4, 16)], list(range(32)))
 
 
-# What InstructionSet(vnni=True) needs of the CPU (LLVM's names).
+def lanes_of(vector, first: int, count: int):
+    return T.Shuffle([vector], list(range(first, first + count)))
+
+
+InstructionSet = Avx2 | WasmSimd
+
+
+def instruction_set(target: Target) -> InstructionSet:
+    """The instruction set of `target` (one that `runs_on`) that its kernels take."""
+    if str(target.attrs.get("mtriple", "")).startswith("wasm32"):
+        return WasmSimd()
+    if codegen.llvm_cpu_has_features(list(VNNI_FEATURES), target):
+        return Avx512Vnni()
+    return Avx2()
+
+
+# What Avx512Vnni needs of the CPU (LLVM's names).
 VNNI_FEATURES = ("avx512vnni", "avx512vbmi", "avx512vl", "avx512bw")
 
 
@@ -236,6 +292,11 @@ def avx2(dtype: str, name: str, *args):
 
 def u8s(value: int, lanes: int = 32):
     return T.broadcast(T.uint8(value), lanes)
+
+
+# Byte i of 32 spread from byte i // 8 of 4, and the bit (i % 8) it keeps.
+SPREAD_BYTES = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
+LANE_BITS = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
 
 
 # ---- the activations: int8 per block of 32, its scale `dx` (max|x| / 127) and `sx` (dx · Σ xq) ----
@@ -316,7 +377,7 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         with T.sblock("root"):
-            xq = T.alloc_buffer((cols,), "int8")
+            xq = T.alloc_buffer((cols,), isa.activations)
             dx = T.alloc_buffer((activation_blocks,), "float32")
             sx = T.alloc_buffer((activation_blocks,), "float32")  # dx · Σ xq over the block
             correction = T.alloc_buffer((activation_blocks * 8,), "int32")  # −zero · Σ xq, per lane
@@ -329,7 +390,9 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
                 lanes[T.ramp(0, 1, 8)] = to_eight(T.fabs(activation_block(x, b)), T.max)
                 largest[b] = eight_lanes(lanes, T.max)
                 dx[b] = largest[b] / T.float32(127)
-                xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] = quantized(x, largest, b)
+                xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] = T.Cast(
+                    f"{isa.activations}x32", quantized(x, largest, b)
+                )
                 counts[T.ramp(0, 1, 8)] = isa.dot(u8s(1), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)], None)
                 sx[b] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
                 correction[T.ramp(b * 8, 1, 8)] = counts[T.ramp(0, 1, 8)] * T.broadcast(T.int32(-zero), 8)
