@@ -25,7 +25,7 @@ LOG2E = r"T\.float32\(1\.44269504\d*\)"
 # The statements that store a finished score, as TVM 0.27 prints them: the CPU kernels' (paged,
 # ragged) and the GPU kernels' (tiled prefill, decode after its cross-thread sum).
 SCORE_STORES = re.compile(
-    rf"S_val\[0\] = S_val\[0\] \* \(sm_scale \* {LOG2E}\)"
+    rf"S_val\[(0|slot)\] = S_val\[(0|slot)\] \* \(sm_scale \* {LOG2E}\)"
     rf"|attention_score\[0\] = result\[0\] \* {LOG2E} \* sm_scale"
     r"|S_smem\[i, j\] = S_local\[i, j\]"
     r"|S_local\[j\] = t0\[0\]"

@@ -87,11 +87,11 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
-                o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((steps.lanes,), "float32", scope="local")
+                q_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
+                o_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((1, steps.lanes), "float32", scope="local")
                 S_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                softmax = T.sblock_alloc_buffer((SOFTMAX_SLOTS,), "float32", scope="local")
+                softmax = T.sblock_alloc_buffer((1, SOFTMAX_SLOTS), "float32", scope="local")
                 sequence = T.sblock_alloc_buffer((1,), "int32", scope="local")
 
                 row: T.let[T.int32] = pair // heads
@@ -108,7 +108,7 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
                     page_count > 0, (page_count - 1) * page_size + last_page_len[b], 0
                 )
                 seen: T.let[T.int32] = visible_keys(causal, kv_len, q_indptr[b + 1] - q_indptr[b], row - q_indptr[b])
-                steps.start(q_local, o_local, softmax, q, row, h_qo)
+                steps.start(q_local, o_local, softmax, q, row, h_qo, 0)
                 for col in T.serial(seen):
                     key_at: T.let[T.int32] = page_slot(
                         page_values[first_page + col // page_size], h_kv, col % page_size
@@ -124,8 +124,9 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
                         pages_flat,
                         key_at + kv_heads * page_size * dim,
                         sm_scale,
+                        0,
                     )
-                steps.finish(o_local, softmax, output, lse, row, h_qo)
+                steps.finish(o_local, softmax, output, lse, row, h_qo, 0)
 
     return batch_prefill_paged_kv
 
@@ -178,11 +179,11 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
-                o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((steps.lanes,), "float32", scope="local")
+                q_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
+                o_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((1, steps.lanes), "float32", scope="local")
                 S_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                softmax = T.sblock_alloc_buffer((SOFTMAX_SLOTS,), "float32", scope="local")
+                softmax = T.sblock_alloc_buffer((1, SOFTMAX_SLOTS), "float32", scope="local")
                 sequence = T.sblock_alloc_buffer((1,), "int32", scope="local")
 
                 row: T.let[T.int32] = pair // heads
@@ -197,13 +198,13 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                 seen: T.let[T.int32] = visible_keys(
                     causal, kv_indptr[b + 1] - first_key, q_indptr[b + 1] - q_indptr[b], row - q_indptr[b]
                 )
-                steps.start(q_local, o_local, softmax, q, row, h_qo)
+                steps.start(q_local, o_local, softmax, q, row, h_qo, 0)
                 for col in T.serial(seen):
                     key_at: T.let[T.int32] = ((first_key + col) * kv_heads + h_kv) * dim
                     steps.attend_key(
-                        q_local, o_local, partial, S_val, softmax, k_flat, key_at, v_flat, key_at, sm_scale
+                        q_local, o_local, partial, S_val, softmax, k_flat, key_at, v_flat, key_at, sm_scale, 0
                     )
-                steps.finish(o_local, softmax, output, lse, row, h_qo)
+                steps.finish(o_local, softmax, output, lse, row, h_qo, 0)
 
     return batch_prefill_ragged_kv
 
