@@ -237,7 +237,8 @@ class WasmSimd:
     activations = "int16"  # widened once, not per row
 
     def dot(self, levels, x, correction):
-        return self.signed_dot(levels, x) + correction if correction is not None else self.signed_dot(levels, x)
+        sums = self.signed_dot(levels, x)  # unsigned levels widen as they are
+        return sums + correction if correction is not None else sums
 
     def signed_dot(self, levels, x):
         # Lanes 0–3 sum the first 16 bytes' products (the dot products of bytes 0–7 and 8–15 added),
