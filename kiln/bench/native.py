@@ -18,9 +18,9 @@ import numpy as np
 import tvm
 
 from kiln.app_config import model_needs, read_compiled_model
-from kiln.model_folder import read_json
 from kiln.bench.matrices import kernels_as_built, read_whole_by_decode, time_matrix_types
 from kiln.engine import Engine, GenerationConfig
+from kiln.model_folder import read_json
 from kiln.model_memory import cache_layers, float_bytes
 from kiln.runtime import cpu_variant, set_cpu_threads
 from kiln.tensor_cache import records

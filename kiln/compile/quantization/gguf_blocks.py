@@ -5,7 +5,7 @@ the kernels that read it dequantize each weight where they use it. A fused weigh
 have different types (Q4_K_M files store some `attn_v` and `ffn_down` as Q6_K) runs as one
 matmul per run of parts of one type, the outputs side by side: nothing is quantized again.
 Norms and biases are stored in the model's float dtype. `gguf_i8` is `gguf_f32` whose decode
-matmuls take 8-bit activations, for the quantized types (int8_decode.py; x86-64 CPUs).
+matmuls take 8-bit activations, for the quantized types (int8_decode.py; x86-64 CPUs and wasm).
 """
 
 from __future__ import annotations
@@ -177,9 +177,7 @@ class GGUFBlocks:
     @property
     def describe(self) -> str:
         if self.int8_activations:
-            return (
-                "a .gguf source's own blocks, decode matmuls on 8-bit activations (x86-64 cpu only: AVX2, AVX-512 VNNI)"
-            )
+            return "a .gguf source's own blocks, decode matmuls on 8-bit activations (x86-64 cpu and wasm only)"
         return f"a .gguf source's own blocks (not quantized again), {self.model_dtype} activations"
 
     def block_type(self, part: GGUFTensorBlocks, path) -> BlockType:
