@@ -426,6 +426,7 @@ def build(request: BuildRequest) -> BuildResult:
         raise KilnError(f"--jobs must be at least 1, got {request.jobs}")
     quantization = quantization_named(request.quantization)
     entries = [target_named(name, request.cpu_tuning) for name in request.targets]
+    variants = {entry.name: cpu_variants_of(entry, request.cpu_tuning, quantization.cpu_variants) for entry in entries}
     code_digest = kiln_code_digest()
     request.output.mkdir(parents=True, exist_ok=True)
     clock = StageClock()
@@ -486,7 +487,7 @@ def build(request: BuildRequest) -> BuildResult:
                         planned[entry.name], from_cache = compile_with_variants(
                             model,
                             entry,
-                            cpu_variants_of(entry, request.cpu_tuning, quantization.cpu_variants),
+                            variants[entry.name],
                             metadata_for_target,
                             libraries[entry.name],
                             model_id,
@@ -510,7 +511,7 @@ def build(request: BuildRequest) -> BuildResult:
                 built_targets[entry.name]["from_library_cache"] = True
             if entry.tunes_cpu:
                 built_targets[entry.name] |= {"mcpu": entry.tvm_target()["mcpu"], "cpu_tuning": request.cpu_tuning}
-            if variants := cpu_variants_of(entry, request.cpu_tuning, quantization.cpu_variants):
+            if variants[entry.name]:
                 # the native engine's choice among them: kiln/runtime.py's library_path
                 built_targets[entry.name]["variants"] = {
                     name: {
@@ -518,7 +519,7 @@ def build(request: BuildRequest) -> BuildResult:
                         "mcpu": CPU_VARIANTS[name].mcpu,
                         "features": list(CPU_VARIANTS[name].features),
                     }
-                    for name in variants
+                    for name in variants[entry.name]
                 }
             if entry.system_lib:
                 built_targets[entry.name] |= {

@@ -172,7 +172,7 @@ class GGUFBlocks:
 
     @property
     def cpu_variants(self) -> tuple[str, ...]:
-        return ("avx512-vnni",) if self.int8_activations else ()
+        return (int8_decode.Avx512Vnni.name,) if self.int8_activations else ()
 
     @property
     def describe(self) -> str:

@@ -193,9 +193,7 @@ class Avx2:
 
     def spread_bits(self, packed):
         """32 bits (4 bytes) as 32 bytes, byte i holding bit i of them at bit 4 (16), other bits unspecified."""
-        bits = T.reinterpret("uint32", packed)
-        spread = avx2("uint8x32", "pshuf.b", T.reinterpret("uint8x32", T.broadcast(bits, 8)), SPREAD_BYTES)
-        return T.Select((spread & LANE_BITS) == LANE_BITS, u8s(255), u8s(0))
+        return lane_bits_set(avx2("uint8x32", "pshuf.b", four_bytes_eight_times(packed), SPREAD_BYTES))
 
     def low_and_high_nibbles(self, packed):
         """16 bytes as 32 levels: their low nibbles, then their high ones (ggml's order within a
@@ -221,7 +219,7 @@ class Avx512Vnni(Avx2):
     def spread_bits(self, packed):
         # vpmultishiftqb: byte i takes the 8 bits of its quadword from bit i − 4 (mod 64) on; each
         # quadword holds the 32 bits twice.
-        twice = T.reinterpret("int8x32", T.broadcast(T.reinterpret("uint32", packed), 8))
+        twice = T.reinterpret("int8x32", four_bytes_eight_times(packed))
         starts = T.ramp(T.int8(-4), T.int8(1), 32) & T.broadcast(T.int8(63), 32)
         return T.reinterpret(
             "uint8x32", T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx512.pmultishift.qb.256", starts, twice)
@@ -254,9 +252,7 @@ class WasmSimd:
         return T.Shuffle([pairs[0] + pairs[1], pairs[2] + pairs[3]], list(range(8)))
 
     def spread_bits(self, packed):
-        repeated = T.reinterpret("uint8x32", T.broadcast(T.reinterpret("uint32", packed), 8))
-        spread = T.Shuffle([repeated], [lane // 8 for lane in range(32)])
-        return T.Select((spread & LANE_BITS) == LANE_BITS, u8s(255), u8s(0))
+        return lane_bits_set(T.Shuffle([four_bytes_eight_times(packed)], [lane // 8 for lane in range(32)]))
 
     def low_and_high_nibbles(self, packed):
         return T.Shuffle([packed & u8s(15, 16), packed >> u8s(4, 16)], list(range(32)))
@@ -298,6 +294,16 @@ def u8s(value: int, lanes: int = 32):
 # Byte i of 32 spread from byte i // 8 of 4, and the bit (i % 8) it keeps.
 SPREAD_BYTES = T.Shuffle([u8s(0, 8), u8s(1, 8), u8s(2, 8), u8s(3, 8)], list(range(32)))
 LANE_BITS = u8s(1) << T.Cast("uint8x32", T.ramp(0, 1, 32) % T.broadcast(8, 32))
+
+
+def four_bytes_eight_times(packed):
+    """4 bytes as 32: them, 8 times over."""
+    return T.reinterpret("uint8x32", T.broadcast(T.reinterpret("uint32", packed), 8))
+
+
+def lane_bits_set(spread):
+    """32 bytes, each byte i of `spread` that has bit i % 8 set as 255, the others 0."""
+    return T.Select((spread & LANE_BITS) == LANE_BITS, u8s(255), u8s(0))
 
 
 # ---- the activations: int8 per block of 32, its scale `dx` (max|x| / 127) and `sx` (dx · Σ xq) ----
