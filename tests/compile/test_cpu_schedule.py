@@ -196,3 +196,26 @@ def test_a_decode_reads_one_weight_row_per_parallel_step_and_a_blocks_own_scale_
     assert "group_scale" not in script
     groups_per_block = (block_type.unrolled_weights or block_type.elements) // block_type.read.group
     assert (f"T.unroll({groups_per_block})" in script) == (groups_per_block > 1), script
+
+
+def swiglu_script(rows) -> str:
+    """SwiGLU's elementwise kernel (the gate/up output split in halves, SiLU of one times the other)
+    over `rows` rows under the cpu schedules."""
+    x = te.placeholder((1, rows, 2 * 64), "float32", name="gate_up")
+    gate = te.compute((1, rows, 64), lambda b, r, i: x[b, r, i], name="T_split_sections")
+    up = te.compute((1, rows, 64), lambda b, r, i: x[b, r, 64 + i], name="T_split_sections_1")
+    y = te.compute(
+        (1, rows, 64), lambda b, r, i: gate[b, r, i] * te.sigmoid(gate[b, r, i]) * up[b, r, i], name="T_multiply"
+    )
+    module = tvm.IRModule({"main": te.create_prim_func([x, y]).with_attr("global_symbol", "main")})
+    entry = TARGETS["cpu"]
+    with entry.target():
+        return schedules_for(entry)(module)["main"].script()
+
+
+def test_a_prefills_elementwise_kernel_runs_its_rows_in_parallel_with_its_producers_inlined():
+    script = swiglu_script(tvm.tirx.Var("n", "int64"))
+    assert "T.parallel" in script and "T.vectorized" in script
+    assert "T_split_sections" not in script  # the halves are read where they are used, not copied out
+    assert "sigmoid" not in script and "T.exp" not in script  # written out (cpu_exponential.py)
+    assert "T.parallel" not in swiglu_script(1)  # a decode step's row is not worth a parallel launch

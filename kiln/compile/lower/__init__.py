@@ -9,10 +9,12 @@ from tvm.s_tir import dlight as dl
 from kiln.compile.lower.cpu_schedule import (
     EncoderAttentionValues,
     FactoredDecodeGEMV,
+    PrefillElementwise,
     RowNorm,
     RowParallelMatmul,
     block_names,
 )
+from kiln.compile.lower.cpu_exponential import written_out_exp
 from kiln.compile.lower.decode_fusion import merge_into_decode_gemvs
 from kiln.models.stage_names import GROUP_STAGES
 from kiln.targets import TargetEntry
@@ -107,8 +109,18 @@ def webgpu_subgroup_schedules() -> tvm.transform.Pass:
 
 
 def cpu_schedules() -> tvm.transform.Pass:
-    return dl.ApplyDefaultSchedule(
-        FactoredDecodeGEMV(), RowParallelMatmul(), EncoderAttentionValues(), RowNorm(), dl.cpu.Reduction()
+    return tvm.transform.Sequential(
+        [
+            written_out_exp,
+            dl.ApplyDefaultSchedule(
+                FactoredDecodeGEMV(),
+                RowParallelMatmul(),
+                EncoderAttentionValues(),
+                RowNorm(),
+                PrefillElementwise(),
+                dl.cpu.Reduction(),
+            ),
+        ]
     )
 
 
