@@ -4,6 +4,7 @@ against the exact integer dot products of its blocks and against `gguf_f32`, the
 from __future__ import annotations
 
 import json
+import re
 
 import gguf
 import numpy as np
@@ -45,32 +46,50 @@ def quantized_activations(x: np.ndarray) -> np.ndarray:
     return (levels.astype(np.float64) * (largest / np.float32(127))[:, None]).reshape(-1)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512-vnni"])
-@pytest.mark.parametrize("type_name", list(int8_decode.KERNEL_BLOCKS))
-def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name, isa):
-    rows, cols = 24, 512
+def kernel_target(isa: str) -> tvm.target.Target:
+    """The target whose kernels take `isa`, skipping where this machine's CPU cannot run them."""
+    variant = CPU_VARIANTS.get(isa)
+    if variant and missing_cpu_features(variant.mcpu, variant.features):
+        pytest.skip(f"this machine's CPU has no {isa}")
+    target = tvm.target.Target(variant.tvm_target() if variant else cpu_target())
+    assert int8_decode.instruction_set(target).name == isa
+    return target
+
+
+def kernel_library(target, type_name: str, rows: int, cols: int, row_bytes: int):
+    kernel = int8_decode.gemv(type_name, rows, cols, row_bytes, int8_decode.instruction_set(target))
+    return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
+
+
+def run(library, rows: int, units: np.ndarray, x: np.ndarray) -> np.ndarray:
+    y = tvm.runtime.tensor(np.zeros((1, 1, rows), np.float32))
+    library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(units), y)
+    return y.numpy().reshape(rows)
+
+
+def random_gemv(type_name: str, rows: int, cols: int):
+    """A matrix of `type_name` blocks, its float64 weights, its bytes, and an activation row whose
+    blocks range over two orders of magnitude."""
     rng = np.random.default_rng(0)
     blocks = tensor_blocks(type_name, rows, cols, rng)
     weights = dequantize(blocks, gguf.GGMLQuantizationType[type_name]).astype(np.float64)
     units = BLOCK_TYPES[type_name].words(blocks).view(np.uint8).reshape(rows, -1)
     x = (rng.standard_normal((1, 1, cols)) * np.repeat(rng.uniform(0.1, 5, cols // 32), 32)).astype(np.float32)
     x[0, 0, :32] = 0  # a block of zeros has the scale 0
+    return weights, units, x
 
-    variant = CPU_VARIANTS.get(isa)
-    target = tvm.target.Target(variant.tvm_target() if variant else cpu_target())
-    if variant and missing_cpu_features(variant.mcpu, variant.features):
-        pytest.skip(f"this machine's CPU has no {isa}")
-    kernel_isa = int8_decode.instruction_set(target)
-    assert kernel_isa.name == isa
-    kernel = int8_decode.gemv(type_name, rows, cols, units.shape[1], kernel_isa).with_attr("global_symbol", "main")
-    library = tvm.compile(tvm.IRModule({"main": kernel}), target=target)
-    y = tvm.runtime.tensor(np.zeros((1, 1, rows), np.float32))
-    library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(units), y)
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512-vnni"])
+@pytest.mark.parametrize("type_name", list(int8_decode.KERNEL_BLOCKS))
+def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name, isa):
+    rows, cols = 24, 512
+    weights, units, x = random_gemv(type_name, rows, cols)
+    y = run(kernel_library(kernel_target(isa), type_name, rows, cols, units.shape[1]), rows, units, x)
 
     exact = weights @ quantized_activations(x)
     scale = np.abs(exact).max()
-    assert np.abs(y.numpy().reshape(rows) - exact).max() <= 1e-5 * scale
-    assert np.abs(y.numpy().reshape(rows) - weights @ x.reshape(cols)).max() <= GEMV_TOLERANCE * scale
+    assert np.abs(y - exact).max() <= 1e-5 * scale
+    assert np.abs(y - weights @ x.reshape(cols)).max() <= GEMV_TOLERANCE * scale
 
 
 def forced_decode(model: NativeModel, reference: NativeModel, ids: list[int]) -> tuple[float, list[int]]:
@@ -155,7 +174,8 @@ def greedy_logits(model_dir, ids: list[int], steps: int = 8) -> np.ndarray:
 
 def test_gguf_i8_builds_an_avx512_vnni_library_that_decodes_as_the_portable_one(mixed_build, monkeypatch):
     """A portable build also holds the library of int8_decode.py's AVX-512 VNNI kernels, which the
-    engine loads where the CPU runs it: its integer sums are the AVX2 kernels', so are its logits."""
+    engine loads where the CPU runs it: its integer sums are the AVX2 kernels', added in the same
+    lanes in the same order, so are its logits."""
     model_dir = mixed_build("gguf_i8")
     cpu = json.loads((model_dir / "kiln-build.json").read_text())["targets"]["cpu"]
     variant = CPU_VARIANTS["avx512-vnni"]
@@ -197,3 +217,21 @@ def test_a_variant_the_cpu_cannot_run_is_passed_over_and_refused_by_name(mixed_b
     monkeypatch.setenv(CPU_VARIANT_ENV, "other")
     with pytest.raises(KilnError, match=r"this library has no such variant \(it has: portable, rich\)"):
         cpu_variant(entry, tmp_path)
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_a_kernels_weight_loads_keep_their_alias_information(type_name):
+    """Every vector and half the kernel loads is marked with its buffer: a load LLVM cannot place
+    (RowBytes.f16's two bytes joined into one half lost the mark) may read the sums, which then go
+    back to memory at every step."""
+    target = tvm.target.Target(CPU_VARIANTS["avx512-vnni"].tvm_target())
+    blocks = int8_decode.KERNEL_BLOCKS[type_name]
+    row_bytes = 512 // blocks.elements * blocks.bytes
+    library = kernel_library(target, type_name, 96, 512, row_bytes)
+    host = library.mod.imports[0] if library.mod.imports else library.mod
+    loads = [
+        line
+        for line in host.inspect_source("ll").splitlines()
+        if re.search(r"= load (<\d+ x (i8|i16|i32|float)>|half)", line)
+    ]
+    assert loads and all("!tbaa" in line for line in loads)

@@ -7,37 +7,72 @@ adds it: about one instruction per weight, bound by arithmetic rather than memor
 `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed ones and adds pairs, `vpmaddwd` adds those
 pairs into 8 lanes of int32 (AVX-512 VNNI's `vpdpbusd` does both, and adds to a vector it is
 given; wasm widens the bytes to 16 bits for `i32x4.dot_i16x8_s`), and only then is the block's sum
-converted and scaled by its weight scale times `d`. The
-integer sums are exact; the result differs from the float path by the activations' rounding (the
-note of issue 41 states how much).
+converted and scaled by its weight scale times `d`. The integer sums are exact; the result differs
+from the float path by the activations' rounding (the note of issue 41 states how much). A step
+takes two blocks, 64 bytes (one AVX-512 register), their sums in 16 lanes: the same lanes in the
+same order for every instruction set, so the AVX2 and AVX-512 libraries give the same bits.
 
 One kernel does both: it quantizes x (serially: a few microseconds for the widest rows), then runs
 the rows in parallel. Weights become unsigned levels (a nibble; a fifth bit for Q5_0, Q5_1 and Q5_K;
 two high bits for Q6_K). A type's constant zero (Q4_0 8, Q5_0 16, Q6_K 32) comes off in the integer
 sums: each block starts from −zero times its activations' sums, per lane; a block's float offset
 (Q4_1's and Q5_1's m, the K-quants' mins) is added apart, times the activations' sum. A K-quant's
-32-weight blocks are unrolled across its stored block, so where their bits and packed scales lie is
-a constant. Q8_0's signed levels take llama.cpp's sign trick on AVX2 (`vpsignb`: |w| times x with
-w's sign: unsigned levels would overflow `vpmaddubsw`'s pairs); `vpdpbusd`, which does not
-saturate, takes them moved up by 128, a zero like the others. A row's sums stay in registers
-through its blocks; rows go one at a time, which streams a matrix larger than the caches best (four
-rows at a time interleave four streams: a 30 MB Q8_0 matrix ran 3.8× slower), and one chain of sums
-a row is faster than two or four (Zen 5: Q5_0 26.0 Gweights/s in cache, 25.2 with two, 22.4 with
-four). No value is bound to a name inside the loops: TVMScript would give it a buffer of its own,
-which kept LLVM from holding the sums in registers (a Q8_0 GEMV 1.4× slower).
+32-weight blocks are unrolled across its stored block, so where their bits lie is a constant, and
+its packed scales and mins are unpacked once per stored block, all eight (or sixteen) side by side
+(Zen 5, in cache: Q4_K 29 -> 48 Gweights/s, Q6_K 31 -> 47). Q8_0's signed levels take llama.cpp's
+sign trick on AVX2 (`vpsignb`: |w| times x with w's sign: unsigned levels would overflow
+`vpmaddubsw`'s pairs); `vpdpbusd`, which does not saturate, takes them moved up by 128, a zero like
+the others. A row's sums stay in registers through its blocks; rows go one at a time, which streams
+a matrix larger than the caches best (four rows at a time interleave four streams: a 30 MB Q8_0
+matrix ran 3.8× slower), and one chain of sums a row is faster than two or four (Zen 5: Q5_0 26.0
+Gweights/s in cache, 25.2 with two, 22.4 with four). No value is bound to a name inside the loops:
+TVMScript would give it a buffer of its own, which kept LLVM from holding the sums in registers (a
+Q8_0 GEMV 1.4× slower); for the same reason every load keeps its alias information (Row.f16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import tirx
+from tvm import DataType, tirx
 from tvm.script import tirx as T
 from tvm.target import Target, codegen
 
-from kiln.compile.quantization.ggml_blocks import RowBytes, k_scale_and_min
+from kiln.compile.quantization.ggml_blocks import RowBytes, half_by_scaling
+
 
 ACTIVATION_BLOCK = 32
+# Activation blocks a row's step takes: 64 bytes, an AVX-512 register. Every instruction set sums
+# them in the same lanes in the same order, so every library of a build gives the same bits.
+STEP_BLOCKS = 2
+
+
+class Row:
+    """Row o of a GEMV's weights: its bytes, and the scales (and mins) it has unpacked for the stored
+    block at hand into its 16 lanes of `unpacked` at `slot`."""
+
+    def __init__(self, w, o, unpacked, slot):
+        self.w, self.o, self.unpacked_lanes, self.slot = w, o, unpacked, slot
+
+    def bytes(self, offset, count: int):
+        return self.w[self.o, T.ramp(offset, 1, count)]
+
+    def f16(self, offset):
+        """A half as float32 (as RowBytes.f16 converts it), loaded as the 2 bytes it is: RowBytes'
+        two byte loads, which LLVM joins into one, lose their alias information, and the sums were
+        then stored back to memory on every step (the parallel loop's body could not tell the
+        weights from the sums)."""
+        bits = T.reinterpret("uint16", self.bytes(offset, 2))
+        if RowBytes(self.w, self.o).converts_halves:
+            return T.Cast("float32", T.reinterpret("float16", bits))
+        return half_by_scaling(T.Cast("uint32", bits))
+
+    def unpacked(self, first, count: int):
+        at = self.slot * UNPACKED_LANES + first
+        return self.unpacked_lanes[at] if count == 1 else self.unpacked_lanes[T.ramp(at, 1, count)]
+
+
+UNPACKED_LANES = 16
 
 
 @dataclass(frozen=True)
@@ -71,14 +106,18 @@ class SmallBlocks:
             return nibbles
         return nibbles | (isa.spread_bits(w[o, T.ramp(base + self.qh_at, 1, 4)]) & u8s(16))
 
-    def scales(self, row: RowBytes, base, j, dx):
-        return T.broadcast(row.f16(base + self.d_at) * dx, 8)
+    unpacks = False
+    offset_lanes = 1
+
+    def scales(self, row: Row, base, j):
+        return T.broadcast(row.f16(base + self.d_at), 8)
 
     @property
     def has_offset(self) -> bool:
         return self.m_at is not None
 
-    def offset(self, row: RowBytes, base, j, sx):
+    def offsets(self, row: Row, base, sx):
+        """What the block's float offset adds: m times its activations' sum `sx`."""
         return row.f16(base + self.m_at) * sx
 
 
@@ -106,15 +145,32 @@ class KQuant4or5:
             return levels
         return levels | (((w[o, T.ramp(base + self.qh_at, 1, 32)] >> u8s(j)) & u8s(1)) << u8s(4))
 
-    def scales(self, row: RowBytes, base, j, dx):
-        scale, _ = k_scale_and_min(row, base, j)
-        return T.broadcast(row.f16(base) * scale * dx, 8)
-
+    unpacks = True
     has_offset = True
+    offset_lanes = 8
 
-    def offset(self, row: RowBytes, base, j, sx):
-        _, minimum = k_scale_and_min(row, base, j)
-        return -(row.f16(base + 2) * minimum) * sx
+    def unpack(self, row: Row, base):
+        """The 8 sub-blocks' scales times d, then their mins times −dmin: float32x16, taken from
+        the 12 packed bytes at once (ggml_blocks.k_scale_and_min's fields, lane by lane)."""
+        packed = row.bytes(base + 4, 16)
+        low_half = T.ramp(0, 1, 8) < T.broadcast(4, 8)
+
+        def six_bits(first: list[int], high_bits_from: list[int], shift_high: int):
+            bits, top = lanes_at(packed, first), lanes_at(packed, high_bits_from)
+            high = ((bits >> u8s(shift_high, 8)) & u8s(15, 8)) | ((top >> u8s(6, 8)) << u8s(4, 8))
+            return T.Cast("float32x8", T.Select(low_half, bits & u8s(63, 8), high))
+
+        scales = six_bits([0, 1, 2, 3, 8, 9, 10, 11], [0, 1, 2, 3, 0, 1, 2, 3], 0)
+        mins = six_bits([4, 5, 6, 7, 8, 9, 10, 11], [4, 5, 6, 7, 4, 5, 6, 7], 4)
+        d, dmin = T.broadcast(row.f16(base), 8), T.broadcast(row.f16(base + 2), 8)
+        return side_by_side([d * scales, -(dmin * mins)])
+
+    def scales(self, row: Row, base, j):
+        return T.broadcast(row.unpacked(j, 1), 8)
+
+    def offsets(self, row: Row, base, sx):
+        """The sub-blocks' mins against their activations' sums `sx` (8 lanes)."""
+        return row.unpacked(8, 8) * sx
 
 
 @dataclass(frozen=True)
@@ -126,6 +182,8 @@ class KQuant6:
     bytes: int = 210
     elements: int = 256
     has_offset = False
+    unpacks = True
+    offset_lanes = 1
 
     def signed_levels(self, isa: InstructionSet) -> bool:
         return False
@@ -139,10 +197,16 @@ class KQuant6:
         high = (w[o, T.ramp(base + 128 + half * 32, 1, 32)] >> u8s(2 * quarter)) & u8s(3)
         return low | (high << u8s(4))
 
-    def scales(self, row: RowBytes, base, j, dx):
-        d = row.f16(base + 208) * dx
-        first, second = row.i8(base + 192 + 2 * j), row.i8(base + 192 + 2 * j + 1)
-        return T.Shuffle([T.broadcast(d * first, 4), T.broadcast(d * second, 4)], list(range(8)))
+    def unpack(self, row: Row, base):
+        """The 16 sub-blocks' scales times d: float32x16."""
+        scales = T.Cast("float32x16", T.reinterpret("int8x16", row.bytes(base + 192, 16)))
+        return scales * T.broadcast(row.f16(base + 208), 16)
+
+    def scales(self, row: Row, base, j):
+        # Both scales in one load, spread 4 and 4 (two scalar loads, which LLVM joins, lose their
+        # alias information: see Row.f16).
+        pair = row.unpacked(2 * j, 2)
+        return T.Shuffle([pair] * 4, [0, 2, 4, 6, 1, 3, 5, 7])
 
 
 KERNEL_BLOCKS = {
@@ -181,13 +245,17 @@ class Avx2:
     def dot(self, levels, x, correction):
         """int32x8 of sums of levels times x (unsigned bytes by signed ones), plus correction[i] where
         there is one: lane i sums bytes 4i … 4i + 3 (wasm groups them otherwise, lanes 0–3 still in
-        the first 16 bytes and 4–7 in the last 16)."""
+        the first 16 bytes and 4–7 in the last 16); 64 bytes give 16 lanes, the two halves'."""
+        if lanes_in(levels) == 64:
+            return in_halves(lambda half: self.dot(*half), levels, x, correction)
         pairs = avx2("int16x16", "pmadd.ub.sw", levels, x)
         quads = avx2("int32x8", "pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
         return quads + correction if correction is not None else quads
 
     def signed_dot(self, levels, x):
         """As `dot`, for signed levels: |w| times x with w's sign, as llama.cpp does."""
+        if lanes_in(levels) == 64:
+            return in_halves(lambda half: self.signed_dot(*half), levels, x)
         magnitudes = T.reinterpret("uint8x32", avx2("int8x32", "psign.b", levels, levels))
         return self.dot(magnitudes, avx2("int8x32", "psign.b", x, levels), None)
 
@@ -211,9 +279,14 @@ class Avx512Vnni(Avx2):
     moves_signed_levels = True  # `vpdpbusd` does not saturate
 
     def dot(self, levels, x, correction):
-        start = correction if correction is not None else T.broadcast(T.int32(0), 8)
+        lanes = lanes_in(levels) // 4
+        start = correction if correction is not None else T.broadcast(T.int32(0), lanes)
         return T.call_llvm_pure_intrin(
-            "int32x8", "llvm.x86.avx512.vpdpbusd.256", start, T.reinterpret("int8x32", levels), x
+            f"int32x{lanes}",
+            f"llvm.x86.avx512.vpdpbusd.{lanes * 32}",
+            start,
+            T.reinterpret(f"int8x{lanes * 4}", levels),
+            x,
         )
 
     def spread_bits(self, packed):
@@ -239,6 +312,8 @@ class WasmSimd:
         return sums + correction if correction is not None else sums
 
     def signed_dot(self, levels, x):
+        if lanes_in(levels) == 64:
+            return in_halves(lambda half: self.signed_dot(*half), levels, x)
         # Lanes 0–3 sum the first 16 bytes' products (the dot products of bytes 0–7 and 8–15 added),
         # lanes 4–7 the last 16's: another grouping than x86's, with no shuffle, which keeps Q6_K's
         # sub-blocks apart as its scales need; corrections are summed by this same `dot`.
@@ -258,8 +333,20 @@ class WasmSimd:
         return T.Shuffle([packed & u8s(15, 16), packed >> u8s(4, 16)], list(range(32)))
 
 
+def in_halves(dot, *vectors):
+    """`dot` of 64 bytes as two of 32, its halves side by side (a vector that is None stays None)."""
+    halves = [
+        [None if v is None else lanes_of(v, h * lanes_in(v) // 2, lanes_in(v) // 2) for v in vectors] for h in range(2)
+    ]
+    return side_by_side([dot(half) for half in halves])
+
+
 def lanes_of(vector, first: int, count: int):
-    return T.Shuffle([vector], list(range(first, first + count)))
+    return lanes_at(vector, list(range(first, first + count)))
+
+
+def lanes_at(vector, lanes: list[int]):
+    return T.Shuffle([vector], lanes)
 
 
 InstructionSet = Avx2 | WasmSimd
@@ -338,35 +425,92 @@ def quantized(x, largest, b):
 # ---- the weights ----
 
 
-def activation_block_of(blocks, s, j):
-    """The activation block that block j of stored block s meets."""
-    return s * (blocks.elements // ACTIVATION_BLOCK) + j
+@dataclass(frozen=True)
+class Step:
+    """What one step of a row's loop takes: `blocks` activation blocks side by side (two where the
+    instruction set sums 64 bytes at once), which lie in `stored` consecutive stored blocks (two of a
+    32-weight type) or in one (a K-quant's 256)."""
+
+    blocks: int
+    per_stored: int  # activation blocks in a stored block
+
+    @property
+    def stored(self) -> int:
+        return max(1, self.blocks // self.per_stored)
+
+    @property
+    def in_one_stored(self) -> int:
+        return min(self.blocks, self.per_stored)
+
+    def where(self, s, j, i):
+        """The stored block and its activation block that block i of step (s, j) is."""
+        return s * self.stored + i // self.in_one_stored, j * self.in_one_stored + i % self.in_one_stored
 
 
-def block_sum(blocks, isa, w, xq, dx, correction, o, s, j):
-    """Block j of stored block s: its 8 lane sums of weight levels times activations (less the
-    levels' zero, which `correction` holds as −zero · Σ xq per lane), scaled by the weights' and the
-    activations' scales: float32x8."""
-    b, base = activation_block_of(blocks, s, j), s * blocks.bytes
-    levels, x = blocks.levels_of(w, o, base, j, isa), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
+def lanes_in(vector) -> int:
+    return DataType(str(vector.ty.dtype)).lanes
+
+
+def side_by_side(parts):
+    return parts[0] if len(parts) == 1 else T.Shuffle(parts, list(range(sum(lanes_in(p) for p in parts))))
+
+
+class Activations:
+    """The quantized activation row: per block b, its bytes, its scale spread over the 8 lanes its
+    sums take, its sum times that scale (`sx`) and −zero · Σ xq per lane (`correction`)."""
+
+    def __init__(self, xq, scales, sx, correction):
+        self.xq, self.scales, self.sx, self.correction = xq, scales, sx, correction
+
+    def bytes(self, b, count):
+        return self.xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK * count)]
+
+    def lanes(self, buffer, b, count):
+        return buffer[T.ramp(b * 8, 1, 8 * count)]
+
+    def sums(self, b, count: int):
+        """`sx` of blocks b … b + count − 1."""
+        return self.sx[b] if count == 1 else self.sx[T.ramp(b, 1, count)]
+
+
+def step_sum(blocks, isa, step: Step, row: Row, acts: Activations, s, j):
+    """Step (s, j) of a row: the lane sums of weight levels times activations (less
+    the levels' zero, which the correction holds), times the weights' and the activations' scales:
+    float32x(8 · step.blocks)."""
+    where = [step.where(s, j, i) for i in range(step.blocks)]
+    levels = side_by_side([blocks.levels_of(row.w, row.o, stored * blocks.bytes, jj, isa) for stored, jj in where])
+    scales = side_by_side([blocks.scales(row, stored * blocks.bytes, jj) for stored, jj in where])
+    first = where[0][0] * step.per_stored + where[0][1]
+    x = acts.bytes(first, step.blocks)
     if blocks.signed_levels(isa):
         dot = isa.signed_dot(levels, x)
     else:
-        dot = isa.dot(levels, x, correction[T.ramp(b * 8, 1, 8)] if blocks.levels_zero(isa) else None)
-    return T.Cast("float32x8", dot) * blocks.scales(RowBytes(w, o), base, j, dx[b])
+        correction = acts.lanes(acts.correction, first, step.blocks) if blocks.levels_zero(isa) else None
+        dot = isa.dot(levels, x, correction)
+    lanes = 8 * step.blocks
+    return T.Cast(f"float32x{lanes}", dot) * (scales * acts.lanes(acts.scales, first, step.blocks))
 
 
-def block_offset(blocks, w, sx, o, s, j):
-    """What the block's float offset (Q4_1's and Q5_1's m, the K-quants' mins) adds: the offset
-    times the activations' sum."""
-    return blocks.offset(RowBytes(w, o), s * blocks.bytes, j, sx[activation_block_of(blocks, s, j)])
-
-
-def row_total(sums, offsets, o):
-    total = offsets[o]
-    for lane in range(8):
-        total = total + sums[o * 8 + lane]
+def stored_offsets(blocks, step: Step, row: Row, acts: Activations, s):
+    """What the float offsets of the stored blocks of step s (Q4_1's and Q5_1's m, the K-quants'
+    mins) add: each offset times its activations' sum."""
+    total = None
+    for i in range(step.stored):
+        stored = s * step.stored + i
+        offset = blocks.offsets(row, stored * blocks.bytes, acts.sums(stored * step.per_stored, blocks.offset_lanes))
+        total = offset if total is None else total + offset
     return total
+
+
+def zeros(lanes: int):
+    return T.float32(0) if lanes == 1 else T.broadcast(T.float32(0), lanes)
+
+
+def added_halves(vector, lanes: int):
+    while lanes > 1:
+        lanes //= 2
+        vector = lanes_of(vector, 0, lanes) + lanes_of(vector, lanes, lanes)
+    return vector
 
 
 def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: InstructionSet) -> tirx.PrimFunc:
@@ -374,7 +518,13 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
     and W's blocks as [rows, row_bytes] bytes."""
     blocks = KERNEL_BLOCKS[block_type_name]
     activation_blocks, per_stored = cols // ACTIVATION_BLOCK, blocks.elements // ACTIVATION_BLOCK
+    step = Step(STEP_BLOCKS if activation_blocks % STEP_BLOCKS == 0 else 1, per_stored)
+    lanes, offset_lanes = 8 * step.blocks, blocks.offset_lanes
     zero = blocks.levels_zero(isa)
+
+    def lanes_from(index, count: int):
+        """The `count` lanes of entry `index` of a buffer of such entries."""
+        return index if count == 1 else T.ramp(index * count, 1, count)
 
     @T.prim_func(private=True, check_well_formed=False)
     def kernel(
@@ -385,34 +535,49 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         with T.sblock("root"):
             xq = T.alloc_buffer((cols,), isa.activations)
-            dx = T.alloc_buffer((activation_blocks,), "float32")
+            scales = T.alloc_buffer((activation_blocks * 8,), "float32")  # dx, per lane
             sx = T.alloc_buffer((activation_blocks,), "float32")  # dx · Σ xq over the block
             correction = T.alloc_buffer((activation_blocks * 8,), "int32")  # −zero · Σ xq, per lane
             largest = T.alloc_buffer((activation_blocks,), "float32")
-            lanes = T.alloc_buffer((8,), "float32")
+            halves = T.alloc_buffer((8,), "float32")
             counts = T.alloc_buffer((8,), "int32")
-            sums = T.alloc_buffer((rows * 8,), "float32")
-            offsets = T.alloc_buffer((rows,), "float32")
+            sums = T.alloc_buffer((rows * lanes,), "float32")
+            offsets = T.alloc_buffer((rows * offset_lanes,), "float32")
+            unpacked = T.alloc_buffer(((rows if blocks.unpacks else 1) * UNPACKED_LANES,), "float32")
             for b in range(activation_blocks):
-                lanes[T.ramp(0, 1, 8)] = to_eight(T.fabs(activation_block(x, b)), T.max)
-                largest[b] = eight_lanes(lanes, T.max)
-                dx[b] = largest[b] / T.float32(127)
+                halves[T.ramp(0, 1, 8)] = to_eight(T.fabs(activation_block(x, b)), T.max)
+                largest[b] = eight_lanes(halves, T.max)
+                scales[T.ramp(b * 8, 1, 8)] = T.broadcast(largest[b] / T.float32(127), 8)
                 xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] = T.Cast(
                     f"{isa.activations}x32", quantized(x, largest, b)
                 )
                 counts[T.ramp(0, 1, 8)] = isa.dot(u8s(1), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)], None)
-                sx[b] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * dx[b]
+                sx[b] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * (largest[b] / T.float32(127))
                 correction[T.ramp(b * 8, 1, 8)] = counts[T.ramp(0, 1, 8)] * T.broadcast(T.int32(-zero), 8)
             for o in T.parallel(rows):
-                sums[T.ramp(o * 8, 1, 8)] = T.broadcast(T.float32(0), 8)
-                offsets[o] = T.float32(0)
-                for s in range(cols // blocks.elements):
-                    for j in T.unroll(per_stored):
-                        sums[T.ramp(o * 8, 1, 8)] = sums[T.ramp(o * 8, 1, 8)] + block_sum(
-                            blocks, isa, w, xq, dx, correction, o, s, j
+                sums[lanes_from(o, lanes)] = zeros(lanes)
+                offsets[lanes_from(o, offset_lanes)] = zeros(offset_lanes)
+                for s in range(cols // blocks.elements // step.stored):
+                    if blocks.unpacks:
+                        unpacked[T.ramp(o * UNPACKED_LANES, 1, UNPACKED_LANES)] = blocks.unpack(
+                            Row(w, o, unpacked, o), s * blocks.bytes
                         )
-                        if blocks.has_offset:
-                            offsets[o] = offsets[o] + block_offset(blocks, w, sx, o, s, j)
-                y[0, 0, o] = row_total(sums, offsets, o)
+                    for j in T.unroll(per_stored // step.in_one_stored):
+                        sums[lanes_from(o, lanes)] = sums[lanes_from(o, lanes)] + step_sum(
+                            blocks,
+                            isa,
+                            step,
+                            Row(w, o, unpacked, o),
+                            Activations(xq, scales, sx, correction),
+                            s,
+                            j,
+                        )
+                    if blocks.has_offset:
+                        offsets[lanes_from(o, offset_lanes)] = offsets[lanes_from(o, offset_lanes)] + stored_offsets(
+                            blocks, step, Row(w, o, unpacked, o), Activations(xq, scales, sx, correction), s
+                        )
+                y[0, 0, o] = added_halves(offsets[lanes_from(o, offset_lanes)], offset_lanes) + added_halves(
+                    sums[lanes_from(o, lanes)], lanes
+                )
 
     return kernel
