@@ -32,6 +32,12 @@ def u32(value: int) -> PrimExpr:
     return tirx.const(value, "uint32")
 
 
+def target_converts_halves() -> bool:
+    """Whether the target being built (any, outside a build) converts a half to float32 itself."""
+    entry = building()
+    return entry is None or entry.converts_halves
+
+
 class RowBytes:
     """The bytes of one stored row: `stored` is [rows, row units] of the block type's unit
     (`BlockType.unit`: bytes, or a float type's values) where the target reads units, or the
@@ -41,8 +47,7 @@ class RowBytes:
         self.stored, self.row = stored, row
         self.in_words = stored.dtype == "uint32"
         self.in_halves, self.in_floats = stored.dtype == "uint16", stored.dtype == "float32"
-        entry = building()
-        self.converts_halves = not self.in_words and (entry is None or entry.converts_halves)
+        self.converts_halves = not self.in_words and target_converts_halves()
 
     def _bits(self, offset: PrimExpr, mask: int) -> PrimExpr:
         """The bits of `mask` (0xFF, 0xFFFF) at a byte offset within one word."""

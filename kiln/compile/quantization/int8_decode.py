@@ -38,7 +38,7 @@ from tvm import DataType, tirx
 from tvm.script import tirx as T
 from tvm.target import Target, codegen
 
-from kiln.compile.quantization.ggml_blocks import RowBytes, half_by_scaling
+from kiln.compile.quantization.ggml_blocks import half_by_scaling, target_converts_halves
 
 
 ACTIVATION_BLOCK = 32
@@ -64,7 +64,7 @@ class Row:
         then stored back to memory on every step (the parallel loop's body could not tell the
         weights from the sums)."""
         bits = T.reinterpret("uint16", self.bytes(offset, 2))
-        if RowBytes(self.w, self.o).converts_halves:
+        if target_converts_halves():
             return T.Cast("float32", T.reinterpret("float16", bits))
         return half_by_scaling(T.Cast("uint32", bits))
 
