@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,10 @@ MADE_SOURCES: dict[str, Callable[[Path], Path]] = {
     ),
 }
 
+# Sources read by one build only, which makes every target the session asks of them: removed once it is
+# made (a real size's bfloat16 weights are 0.5–1.4 GB; the suite's disk is shared), made again if asked.
+DISCARDED_ONCE_BUILT = set(REAL_SIZES)
+
 # Sources written from another source: name → (that source, a function of its path and an empty folder).
 WRITTEN_FROM: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
     f"{family}-gguf": (family, partial(family_gguf, family)) for family in GGUF_FAMILIES
@@ -149,6 +154,11 @@ class SessionSources:
                 work.parent.rmdir()
         return made / inside.read_text()
 
+    def discard(self, name: str) -> None:
+        """Removes a made source (a later `path` makes it again)."""
+        with FileLock(self.folder / f".{name}.lock"):
+            shutil.rmtree(self.folder / name, ignore_errors=True)
+
     def maker(self, name: str) -> Callable[[Path], Path]:
         if name in WRITTEN_FROM:
             base, write = WRITTEN_FROM[name]
@@ -165,8 +175,11 @@ class SessionBuilds:
         self.dist = dist
         self.library_cache = dist.with_name(f"{dist.name}-libraries")
 
-    def model_dir(self, source: Path, name: str, quantization: str, targets: list[str], **overrides) -> Path:
-        """`overrides`: BuildRequest's (context_window_size, …), for a build under a name of its own."""
+    def model_dir(
+        self, source: Path | Callable[[], Path], name: str, quantization: str, targets: list[str], **overrides
+    ) -> Path:
+        """`source`: its path, or what makes it when a build is needed. `overrides`: BuildRequest's
+        (context_window_size, …), for a build under a name of its own."""
         model_id = f"{name}-{quantization}"
         model_dir = self.dist / model_id
         record = model_dir / "kiln-build.json"
@@ -179,7 +192,7 @@ class SessionBuilds:
             if set(missing) & set(targets):
                 build(
                     BuildRequest(
-                        source=str(source),
+                        source=str(source() if callable(source) else source),
                         quantization=quantization,
                         targets=missing,
                         output=self.dist,
@@ -218,12 +231,23 @@ def building_ahead(builds: SessionBuilds, sources: SessionSources, rows: list[tu
         process.wait()
 
 
+def built_from_made_source(
+    builds: SessionBuilds, sources: SessionSources, source: str, name: str, quantization: str, targets: list[str]
+) -> Path:
+    """The build of a made source, which is made only if the build is needed; a source in
+    DISCARDED_ONCE_BUILT is removed after it."""
+    model_dir = builds.model_dir(partial(sources.path, source), name, quantization, targets)
+    if source in DISCARDED_ONCE_BUILT:
+        sources.discard(source)
+    return model_dir
+
+
 def build_ahead(dist: Path, sources_folder: Path, rows: list[list[str]]) -> None:
     builds, sources = SessionBuilds(dist), SessionSources(sources_folder)
     for source, name, quantization in rows:
         targets = list(BUILT_TOGETHER.get(f"{name}-{quantization}", ("cpu",)))
         try:
-            builds.model_dir(sources.path(source), name, quantization, targets)
+            built_from_made_source(builds, sources, source, name, quantization, targets)
         except Exception:  # the test that asks for it builds it again, and fails with the error
             traceback.print_exc()
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers.real_sizes import REAL_SIZES
+from helpers.session_builds import built_from_made_source
 
 from kiln.app_config import model_record, read_compiled_model
 from kiln.browser.model import browser_model
@@ -31,8 +32,8 @@ LIBRARIES = [("wasm", 1), ("wasm", 2), ("webgpu", None)]
 @pytest.fixture(scope="module", params=REAL_SIZES)
 def real_size(request, builds, sources):
     """(the model's q4f32_1 build for cpu, wasm and webgpu, its native greedy tokens after PROMPT)."""
-    model_dir = builds.model_dir(
-        sources.path(request.param), f"{request.param}-sized", "q4f32_1", ["cpu", "wasm", "webgpu"]
+    model_dir = built_from_made_source(
+        builds, sources, request.param, f"{request.param}-sized", "q4f32_1", ["cpu", "wasm", "webgpu"]
     )
     return model_dir, greedy_tokens(NativeModel(model_dir))
 
