@@ -11,7 +11,7 @@ from tvm import te
 
 from helpers.random_blocks import random_blocks
 
-from kiln.compile.lower import schedules_for
+from kiln.compile.lower import cpu_prefetch, schedules_for
 from kiln.compile.lower.cpu_schedule import TILE_BYTES, reduction_span, weight_rows_per_tile
 from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.pipeline import config_file, quantized_model
@@ -196,6 +196,26 @@ def test_a_decode_reads_one_weight_row_per_parallel_step_and_a_blocks_own_scale_
     assert "group_scale" not in script
     groups_per_block = (block_type.unrolled_weights or block_type.elements) // block_type.read.group
     assert (f"T.unroll({groups_per_block})" in script) == (groups_per_block > 1), script
+
+
+def test_a_decode_asks_for_its_rows_weights_and_scales_ahead_where_the_target_can():
+    """Each loop over a row's blocks first asks for the weights cpu_prefetch.AHEAD bytes on, and for
+    the scales as many rows on (a quarter of that for q4f32_1): matrices larger than the caches
+    stream faster (kiln/compile/lower/cpu_prefetch.py). Wasm has no prefetch."""
+    library, script = mlc_decode(Q4F32)
+    assert "llvm.prefetch" in library.inspect_source("ll")
+    # the bytes asked for at the first of each row's blocks, by matrix (a float32 scale per 32 weights)
+    asked = re.findall(r"T.address_of\((\w+)\[\w+, (.*?)\]\)", script)
+    first = {matrix: eval(index, {}, {"block": 0}) * 4 for matrix, index in asked}
+    assert first == {"weight": cpu_prefetch.AHEAD, "scale": cpu_prefetch.AHEAD // 4}, asked
+    x = te.placeholder((1, 1, DECODE_IN_FEATURES), "float32", name="x")
+    weight = te.placeholder((DECODE_OUT_FEATURES, DECODE_IN_FEATURES // 8), "uint32", name="weight")
+    scale = te.placeholder((DECODE_OUT_FEATURES, DECODE_IN_FEATURES // 32), "float32", name="scale")
+    with TARGETS["wasm"].target():
+        y = Q4F32.matmul_te(x, weight, scale, DECODE_OUT_FEATURES, DECODE_IN_FEATURES, "float32")
+        module = tvm.IRModule({"main": te.create_prim_func([x, weight, scale, y]).with_attr("global_symbol", "main")})
+        script = schedules_for(TARGETS["wasm"])(module)["main"].script()
+    assert "lane_dots" in script and "prefetch" not in script
 
 
 def swiglu_script(rows) -> str:

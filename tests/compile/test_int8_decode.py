@@ -17,6 +17,7 @@ from helpers.parity import assert_contract_holds, parity
 from helpers.reference import PROMPTS
 from helpers.tiny_families import tensor_blocks
 
+from kiln.compile.lower import cpu_prefetch
 from kiln.compile.quantization import int8_decode
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES
 from kiln.engine import Engine
@@ -239,12 +240,12 @@ def test_a_kernels_weight_loads_keep_their_alias_information(type_name):
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512-vnni"])
 def test_a_kernel_asks_for_its_weights_ahead_of_its_steps(isa):
-    """x86 kernels prefetch the weights PREFETCH_AHEAD bytes past each step's (one per cache line it
+    """x86 kernels prefetch the weights cpu_prefetch.AHEAD bytes past each step's (one per cache line it
     takes): on its own, the hardware streamed a matrix larger than the caches at 18–24 GB/s of 35."""
     target = tvm.target.Target(CPU_VARIANTS[isa].tvm_target() if isa in CPU_VARIANTS else cpu_target())
     blocks = int8_decode.KERNEL_BLOCKS["Q4_K"]
     library = kernel_library(target, "Q4_K", 96, 512, 512 // blocks.elements * blocks.bytes)
     host = library.mod.imports[0] if library.mod.imports else library.mod
     ahead = [int(m) for m in re.findall(r"prefetcht0\s+(\d+)\(", host.inspect_source("asm"))]
-    lines = -(-blocks.bytes // int8_decode.CACHE_LINE)  # a Q4_K row's loop takes a stored block a step
-    assert ahead and min(ahead) == int8_decode.PREFETCH_AHEAD and len(ahead) >= lines
+    lines = -(-blocks.bytes // cpu_prefetch.CACHE_LINE)  # a Q4_K row's loop takes a stored block a step
+    assert ahead and min(ahead) == cpu_prefetch.AHEAD and len(ahead) >= lines

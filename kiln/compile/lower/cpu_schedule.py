@@ -4,7 +4,8 @@ Every linear layer is `y[m, o] = sum_k x[m, k] * W[o, k]`, with W possibly dequa
 fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` partial sums (rfactor).
 - decode (one input row): weight rows in parallel, each read from memory exactly once; a
   quantized float32 weight's decode is written with its scales factored out
-  (quantization/factored_decode.py) and scheduled by `FactoredDecodeGEMV`;
+  (quantization/factored_decode.py) and scheduled by `FactoredDecodeGEMV`, which asks for a row's
+  weights ahead of the loop that reads them (cpu_prefetch.py);
 - prefill (a symbolic number of rows): tiles of up to 12 weight rows in parallel, kept in L1
   while every input row streams past them; an input row's partial sums against the whole tile
   stay in registers, so each vector of inputs is loaded once per tile, not once per weight row
@@ -17,12 +18,14 @@ scalarizes and unrolls into bodies of thousands of instructions (minutes to comp
 
 from __future__ import annotations
 
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.target import Target
 
+from kiln.compile.lower import cpu_prefetch
 from kiln.models.stage_names import (
     ATTENTION_VALUES,
     DEQUANTIZE,
@@ -244,7 +247,43 @@ class FactoredDecodeGEMV(dl.ScheduleRule):
         for name in names[names.index(MATMUL) + 1 :]:  # a fused residual add
             sch.reverse_compute_at(sch.get_sblock(name), rows)
         sch.decompose_reduction(partial, blocks)
-        return sch
+        if not cpu_prefetch.prefetches(target):
+            return sch
+        return s_tir.Schedule(weights_asked_ahead(sch.mod["main"], sch.get(rows), sch.get(blocks)))
+
+
+def weights_asked_ahead(func: tirx.PrimFunc, rows: tirx.For, blocks: tirx.For) -> tirx.PrimFunc:
+    """`func` whose loop over a row's blocks first asks for the row's weights (every matrix of the
+    GEMV's rows: packed weights, scales) `cpu_prefetch.AHEAD` bytes of packed weights ahead, one
+    prefetch per cache line an iteration takes."""
+    matrices = [b for b in func.params if len(b.shape) == 2 and int(b.shape[0]) == int(rows.extent)]
+    if not matrices:
+        return func
+    widest = max(int(b.shape[1]) * b.dtype.bits // 8 for b in matrices)
+    iterations = int(blocks.extent)
+    ahead = -(-cpu_prefetch.AHEAD * iterations // widest)  # in iterations
+    hints = []
+    for matrix in matrices:
+        per_iteration = int(matrix.shape[1]) // iterations  # elements
+        line = cpu_prefetch.CACHE_LINE * 8 // matrix.dtype.bits
+        for first in range(0, per_iteration, line):
+            column = (blocks.loop_var + ahead) * per_iteration + first
+            hints.append(tirx.Evaluate(cpu_prefetch.prefetch(matrix, rows.loop_var, column)))
+
+    def asked_ahead(loop: tirx.For) -> tirx.For:
+        if not loop.loop_var.same_as(blocks.loop_var):
+            return loop
+        return tirx.For(
+            loop.loop_var,
+            loop.min,
+            loop.extent,
+            loop.kind,
+            tirx.SeqStmt([*hints, loop.body]),
+            loop.thread_binding,
+            loop.annotations,
+        )
+
+    return tvm_ffi.structural_map(func, (tirx.For, asked_ahead))
 
 
 class RowNorm(dl.ScheduleRule):

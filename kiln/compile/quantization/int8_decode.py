@@ -38,6 +38,7 @@ from tvm import DataType, tirx
 from tvm.script import tirx as T
 from tvm.target import Target, codegen
 
+from kiln.compile.lower import cpu_prefetch
 from kiln.compile.quantization.ggml_blocks import half_by_scaling, target_converts_halves
 
 
@@ -46,13 +47,6 @@ ACTIVATION_BLOCK = 32
 # them in the same lanes in the same order, so every library of a build gives the same bits.
 STEP_BLOCKS = 2
 UNPACKED_LANES = 16  # a K-quant's scales and mins, unpacked once per stored block
-# How far ahead of a row's step its weights are asked into L1 (`prefetch`), in bytes of the matrix:
-# the hardware's prefetchers alone streamed matrices larger than the caches at 18–24 GB/s of this
-# Zen 5's 35 (one thread). Asked 8 KB ahead, one cache line per 64 bytes a step takes (Q8_0 151936 ×
-# 896, Q5_0 116736 × 896, Q4_K and Q6_K 48640 × 1024, GB/s): 24.3 → 32.7, 23.1 → 30.0, 17.9 → 23.3,
-# 19.6 → 38.8 (4 KB: as good on all but Q6_K, 16 KB: Q5_0 no better than none).
-PREFETCH_AHEAD = 8 << 10
-CACHE_LINE = 64
 
 
 class Row:
@@ -243,7 +237,7 @@ class Avx2:
 
     name = "avx2"
     activations = "int8"  # how the quantized activations are kept
-    prefetches = True  # wasm has no prefetch instruction
+    prefetches = True  # asks for weights ahead (kiln/compile/lower/cpu_prefetch.py); wasm has no prefetch
     # Whether Q8_0's signed levels are moved up by 128 to unsigned ones (else kept signed, and
     # multiplied by `signed_dot`): `vpmaddubsw` would saturate their pairs.
     moves_signed_levels = False
@@ -509,14 +503,6 @@ def stored_offsets(blocks, step: Step, row: Row, acts: Activations, s):
     return total
 
 
-def prefetch(w, o, offset):
-    """A hint to bring the cache line at byte `offset` of row o of the weights into L1 (past the row's
-    end: the rows after it; past the matrix's, an address the CPU ignores)."""
-    return T.call_llvm_intrin(
-        "void", "llvm.prefetch.p0", T.address_of(w[o, offset]), T.int32(0), T.int32(3), T.int32(1)
-    )
-
-
 def zeros(lanes: int):
     return T.float32(0) if lanes == 1 else T.broadcast(T.float32(0), lanes)
 
@@ -575,8 +561,12 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
                 offsets[lanes_from(o, offset_lanes)] = zeros(offset_lanes)
                 for s in range(cols // blocks.elements // step.stored):
                     if isa.prefetches:
-                        for line in T.unroll((step_bytes + CACHE_LINE - 1) // CACHE_LINE):
-                            T.evaluate(prefetch(w, o, s * step_bytes + line * CACHE_LINE + PREFETCH_AHEAD))
+                        for line in T.unroll((step_bytes + cpu_prefetch.CACHE_LINE - 1) // cpu_prefetch.CACHE_LINE):
+                            T.evaluate(
+                                cpu_prefetch.prefetch(
+                                    w, o, s * step_bytes + line * cpu_prefetch.CACHE_LINE + cpu_prefetch.AHEAD
+                                )
+                            )
                     if blocks.unpacks:
                         unpacked[T.ramp(o * UNPACKED_LANES, 1, UNPACKED_LANES)] = blocks.unpack(
                             Row(w, o, unpacked, o), s * blocks.bytes
