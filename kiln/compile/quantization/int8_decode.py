@@ -51,10 +51,10 @@ UNPACKED_LANES = 16  # a K-quant's scales and mins, unpacked once per stored blo
 
 class Row:
     """Row o of a GEMV's weights: its bytes, and the scales (and mins) it has unpacked for the stored
-    block at hand into its 16 lanes of `unpacked` at `slot`."""
+    block at hand into its 16 lanes of `unpacked`."""
 
-    def __init__(self, w, o, unpacked, slot):
-        self.w, self.o, self.unpacked_lanes, self.slot = w, o, unpacked, slot
+    def __init__(self, w, o, unpacked):
+        self.w, self.o, self.unpacked_lanes = w, o, unpacked
 
     def bytes(self, offset, count: int):
         return self.w[self.o, T.ramp(offset, 1, count)]
@@ -70,7 +70,7 @@ class Row:
         return half_by_scaling(T.Cast("uint32", bits))
 
     def unpacked(self, first, count: int):
-        at = self.slot * UNPACKED_LANES + first
+        at = self.o * UNPACKED_LANES + first
         return self.unpacked_lanes[at] if count == 1 else self.unpacked_lanes[T.ramp(at, 1, count)]
 
 
@@ -569,21 +569,21 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
                             )
                     if blocks.unpacks:
                         unpacked[T.ramp(o * UNPACKED_LANES, 1, UNPACKED_LANES)] = blocks.unpack(
-                            Row(w, o, unpacked, o), s * blocks.bytes
+                            Row(w, o, unpacked), s * blocks.bytes
                         )
                     for j in T.unroll(per_stored // step.in_one_stored):
                         sums[lanes_from(o, lanes)] = sums[lanes_from(o, lanes)] + step_sum(
                             blocks,
                             isa,
                             step,
-                            Row(w, o, unpacked, o),
+                            Row(w, o, unpacked),
                             Activations(xq, scales, sx, correction),
                             s,
                             j,
                         )
                     if blocks.has_offset:
                         offsets[lanes_from(o, offset_lanes)] = offsets[lanes_from(o, offset_lanes)] + stored_offsets(
-                            blocks, step, Row(w, o, unpacked, o), Activations(xq, scales, sx, correction), s
+                            blocks, step, Row(w, o, unpacked), Activations(xq, scales, sx, correction), s
                         )
                 y[0, 0, o] = added_halves(offsets[lanes_from(o, offset_lanes)], offset_lanes) + added_halves(
                     sums[lanes_from(o, lanes)], lanes
