@@ -12,13 +12,23 @@ from tvm import te
 from helpers.random_blocks import random_blocks
 
 from kiln.compile.lower import cpu_prefetch, schedules_for
-from kiln.compile.lower.cpu_schedule import TILE_BYTES, reduction_span, weight_rows_per_tile
+from kiln.compile.lower.cpu_schedule import (
+    FEWEST_CHUNKS,
+    REGISTER_ROWS,
+    TILE_BYTES,
+    reduction_span,
+    register_lanes,
+    register_tile,
+    summed_columns,
+    weight_rows_per_tile,
+)
 from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.pipeline import config_file, quantized_model
 from kiln.compile.quantization import quantization_named
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, Levels
 from kiln.compile.quantization.group import GroupFormat
 from kiln.compile.source.ingest import ingest
+from kiln.runtime import missing_cpu_features
 from kiln.models import architecture_for
 from kiln.models.layers import matmul_transposed
 from kiln.targets import TARGETS
@@ -27,20 +37,24 @@ Q4F32 = GroupFormat(4, 32, "float32")
 IN_FEATURES = 64
 
 
-def prefill_matmul(out_features: int, target_name: str = "cpu", in_features: int = IN_FEATURES) -> tvm.IRModule:
-    """A q4f32_1 matmul of a symbolic number of input rows under the target's schedules."""
+def unscheduled_prefill_matmul(out_features: int, in_features: int = IN_FEATURES) -> tvm.IRModule:
+    """A q4f32_1 matmul of a symbolic number of input rows."""
     rows = tvm.tirx.Var("n", "int64")
     x = te.placeholder((1, rows, in_features), "float32", name="x")
     weight = te.placeholder((out_features, in_features // 8), "uint32", name="weight")
     scale = te.placeholder((out_features, in_features // 32), "float32", name="scale")
     y = matmul_transposed(x, Q4F32.dequantize_te(weight, scale, out_features, in_features), "float32")
-    module = tvm.IRModule({"main": te.create_prim_func([x, weight, scale, y]).with_attr("global_symbol", "main")})
+    return tvm.IRModule({"main": te.create_prim_func([x, weight, scale, y]).with_attr("global_symbol", "main")})
+
+
+def prefill_matmul(out_features: int, target_name: str = "cpu", in_features: int = IN_FEATURES) -> tvm.IRModule:
+    """`unscheduled_prefill_matmul` under the target's schedules."""
     entry = TARGETS[target_name]
     with entry.target():
-        return schedules_for(entry)(module)
+        return schedules_for(entry)(unscheduled_prefill_matmul(out_features, in_features))
 
 
-@pytest.mark.parametrize("target_name", ["cpu", "wasm"])
+@pytest.mark.parametrize("target_name", ["wasm", "arm64-linux"])
 @pytest.mark.parametrize("out_features", [96, 40, 20, 6])
 def test_a_tile_is_the_most_weight_rows_that_divide_the_width_and_its_sums_stay_in_registers(target_name, out_features):
     target = TARGETS[target_name].target()
@@ -54,34 +68,120 @@ def test_a_tile_is_the_most_weight_rows_that_divide_the_width_and_its_sums_stay_
 
 def test_a_wide_tile_meets_the_inputs_a_span_of_columns_at_a_time():
     """Its weights beyond TILE_BYTES would stream from L2 for every input row; a span's fit half."""
-    tile = weight_rows_per_tile(TARGETS["cpu"].target(), WIDE_OUT_FEATURES)
+    tile = weight_rows_per_tile(TARGETS["arm64-linux"].target(), WIDE_OUT_FEATURES)
     span = reduction_span(tile, WIDE_IN_FEATURES)
     assert span < WIDE_IN_FEATURES and WIDE_IN_FEATURES % span == 0 and span % 32 == 0
     assert tile * span * 4 <= TILE_BYTES // 2 < tile * 2 * span * 4
     assert reduction_span(tile, IN_FEATURES) == IN_FEATURES
-    script = prefill_matmul(WIDE_OUT_FEATURES, in_features=WIDE_IN_FEATURES)["main"].script()
+    script = prefill_matmul(WIDE_OUT_FEATURES, "arm64-linux", WIDE_IN_FEATURES)["main"].script()
     assert f"T.grid({tile}, {span // 32}, 4)" in script  # a tile's span unpacked, in vectors of 8 weights
 
 
 WIDE_OUT_FEATURES, WIDE_IN_FEATURES = 24, 2048
+AVX512 = {"kind": "llvm", "mcpu": "x86-64-v4", "mattr": ["+avx512vnni", "+avx512vbmi"]}  # CPU_VARIANTS' row
 
 
+@pytest.mark.parametrize(
+    "tvm_target, out_features, vectors, lanes",
+    [
+        (TARGETS["cpu"].tvm_target(), 96, 2, 8),
+        (TARGETS["cpu"].tvm_target(), 40, 1, 8),
+        (AVX512, 96, 2, 16),
+        (AVX512, 40, 1, 8),
+    ],
+)
+def test_an_x86_prefill_keeps_six_input_rows_by_two_vectors_of_outputs_in_registers(
+    tvm_target, out_features, vectors, lanes
+):
+    """Each column of a tile's weights is one vector load (they are unpacked transposed), met by a
+    broadcast input per row; the rows are padded to whole steps, so no test sits in the inner loop."""
+    target = tvm.target.Target(tvm_target)
+    assert register_tile(target, out_features) == (vectors, lanes)
+    with target:
+        script = schedules_for(TARGETS["cpu"])(unscheduled_prefill_matmul(out_features))["main"].script()
+    assert f"dequantize = T.sblock_alloc_buffer(({IN_FEATURES}, {out_features}))" in script  # column-major
+    for sums in ("matmul_pad_rf_local", "matmul_pad_local"):  # a chunk's sums, the totals
+        assert re.search(rf'{sums} = T.sblock_alloc_buffer\(.*scope="local"\)', script)
+    chunk = script[script.index("for k_1 in range") : script.index('T.sblock("matmul_rf_update")')]
+    assert f"T.unroll(T.int64({REGISTER_ROWS}))" in chunk and f"T.vectorized({lanes})" in chunk
+    assert (
+        "T.where"
+        not in script[script.index('T.sblock("matmul_rf_update")') : script.index('T.sblock("matmul_pad_local")')]
+    )
+
+
+@pytest.mark.parametrize(
+    "width, columns", [(4864, 128), (896, 128), (576, 72), (384, 48), (128, 16), (64, 8), (20, 20)]
+)
+def test_a_register_tile_sums_chunks_of_whole_vectors_that_leave_no_loop_of_a_few_chunks(width, columns):
+    assert summed_columns(width) == columns
+    assert width % columns == 0 and (columns == width or width // columns >= FEWEST_CHUNKS)
+
+
+def test_other_cpus_keep_the_tiles_of_weight_rows():
+    assert register_lanes(TARGETS["wasm"].target()) is None
+    assert register_lanes(TARGETS["arm64-linux"].target()) is None
+    assert register_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v2"})) is None  # no AVX2
+
+
+def runnable(tvm_target: dict) -> tvm.target.Target:
+    """`tvm_target`, skipping where this machine's CPU cannot run its code."""
+    if missing_cpu_features(tvm_target["mcpu"], [a.lstrip("+") for a in tvm_target.get("mattr", [])]):
+        pytest.skip(f"this machine's CPU cannot run {tvm_target['mcpu']}")
+    return tvm.target.Target(tvm_target)
+
+
+def built(module: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Module:
+    with target:
+        return tvm.tirx.build(schedules_for(TARGETS["cpu"])(module), target=target)
+
+
+def assert_float32_sums_of(out: np.ndarray, x: np.ndarray, weights: np.ndarray) -> None:
+    """float32 sums in any order: within a few roundings of the products' magnitudes."""
+    magnitudes = np.abs(x).astype(np.float64) @ np.abs(weights.T).astype(np.float64)
+    error = np.abs(out - x.astype(np.float64) @ weights.T.astype(np.float64))
+    assert (error <= 1e-6 * magnitudes + 1e-6).all(), (error / magnitudes).max()
+
+
+X86_LEVELS = [TARGETS["cpu"].tvm_target(), AVX512]
+
+
+@pytest.mark.parametrize("tvm_target", X86_LEVELS, ids=["avx2", "avx512"])
 @pytest.mark.parametrize("out_features, in_features", [(96, IN_FEATURES), (WIDE_OUT_FEATURES, WIDE_IN_FEATURES)])
-def test_prefill_gives_numpys_products_for_any_number_of_rows(out_features, in_features):
-    library = tvm.tirx.build(prefill_matmul(out_features, in_features=in_features), target=TARGETS["cpu"].target())
+def test_prefill_gives_numpys_products_for_any_number_of_rows(tvm_target, out_features, in_features):
+    library = built(unscheduled_prefill_matmul(out_features, in_features), runnable(tvm_target))
     rng = np.random.default_rng(0)
     weight = rng.integers(0, 2**32, (out_features, in_features // 8), dtype=np.uint64).astype(np.uint32)
     scale = rng.random((out_features, in_features // 32), dtype=np.float32)
     levels = (weight[:, :, None] >> (np.arange(8, dtype=np.uint32) * 4)) & 15
     dequantized = (levels.reshape(out_features, in_features).astype(np.float32) - 7) * np.repeat(scale, 32, axis=1)
-    for rows in (1, 5, 13):
+    for rows in (1, 5, 6, 13):
         x = rng.standard_normal((1, rows, in_features), dtype=np.float32)
         out = tvm.runtime.tensor(np.zeros((1, rows, out_features), np.float32))
         library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(weight), tvm.runtime.tensor(scale), out)
-        # float32 sums in any order: within a few roundings of the products' magnitudes
-        magnitudes = np.abs(x[0]).astype(np.float64) @ np.abs(dequantized.T).astype(np.float64)
-        error = np.abs(out.numpy()[0] - x[0].astype(np.float64) @ dequantized.T.astype(np.float64))
-        assert (error <= 1e-6 * magnitudes + 1e-6).all(), (error / magnitudes).max()
+        assert_float32_sums_of(out.numpy()[0], x[0], dequantized)
+
+
+@pytest.mark.parametrize("tvm_target", X86_LEVELS, ids=["avx2", "avx512"])
+def test_prefill_of_float_weights_over_a_batch_of_inputs_with_a_bias_gives_numpys_products(tvm_target):
+    """An embedding model's matmul (kiln/models/embedding.py): weights stored as floats are copied
+    transposed into the tile, rows in two symbolic axes, a bias added after the sums."""
+    batch, rows = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("n", "int64")
+    x = te.placeholder((batch, rows, IN_FEATURES), "float32", name="x")
+    weight = te.placeholder((96, IN_FEATURES), "float32", name="weight")
+    bias = te.placeholder((96,), "float32", name="bias")
+    y = matmul_transposed(x, weight, "float32")
+    z = te.compute(y.shape, lambda b, r, o: y[b, r, o] + bias[o], name="T_add")
+    module = tvm.IRModule({"main": te.create_prim_func([x, weight, bias, z]).with_attr("global_symbol", "main")})
+    library = built(module, runnable(tvm_target))
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((96, IN_FEATURES), dtype=np.float32)
+    b = rng.standard_normal(96, dtype=np.float32)
+    for shape in ((1, 1), (3, 5), (2, 13)):
+        xs = rng.standard_normal((*shape, IN_FEATURES), dtype=np.float32)
+        out = tvm.runtime.tensor(np.zeros((*shape, 96), np.float32))
+        library["main"](*[tvm.runtime.tensor(a) for a in (xs, w, b)], out)
+        assert_float32_sums_of(out.numpy().reshape(-1, 96) - b, xs.reshape(-1, IN_FEATURES), w)
 
 
 def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_path):

@@ -11,7 +11,10 @@ fly; the reduction over k is vectorized by splitting it into `VECTOR_LANES` part
   stay in registers, so each vector of inputs is loaded once per tile, not once per weight row
   (SmolLM2's 128-token prefill on 2 threads: 158 -> 310 tokens/s natively, 134 -> 152 in
   Chromium's wasm, against one weight row at a time). Packed weights are unpacked once per
-  tile, into a buffer of their own, not once per input row.
+  tile, into a buffer of their own, not once per input row. On x86-64 with AVX2 or AVX-512,
+  float32 sums take register tiles instead: 6 input rows by 2 vectors of weight rows, the tile's
+  weights unpacked transposed so a column of them is one vector load (Qwen2.5-0.5B's gate/up
+  projection, 128 rows, one Zen 5 thread: 103 -> 133 GFLOP/s with AVX2, 259 with AVX-512).
 dlight's CPU GEMV rule instead vectorizes the output axis around the whole reduction, which LLVM
 scalarizes and unrolls into bodies of thousands of instructions (minutes to compile, slow to run).
 """
@@ -23,7 +26,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
-from tvm.target import Target
+from tvm.target import Target, codegen
 
 from kiln.compile.lower import cpu_prefetch
 from kiln.models.stage_names import (
@@ -55,6 +58,65 @@ MOST_WEIGHT_ROWS_PER_TILE = {"native": 12, "wasm": 4}
 # partial sums kept in memory between spans (Qwen2.5 0.5B's down projection, 896 × 4864: tiles
 # of 8 rows, 155 KB, prefilled at 47 GFLOP/s on one thread; in spans of 608 columns, 83).
 TILE_BYTES = 48 << 10
+
+
+# On x86-64 a prefill tile is `REGISTER_ROWS` input rows by `REGISTER_VECTORS` vectors of outputs:
+# 12 vectors of sums, beside two of weights and a broadcast input, in AVX2's 16 registers (AVX-512
+# has 32; 8 rows ran no faster). Qwen2.5-0.5B's gate/up projection, 128 rows, one Zen 5 thread:
+# 103 GFLOP/s with the tiles above, 133 with these (AVX2), 259 (AVX-512).
+REGISTER_ROWS = 6
+REGISTER_VECTORS = 2
+WEIGHTS_PER_WORD = 8  # MLC's 4-bit words; a GGUF block's bytes are read in runs of these too
+# Products summed in registers before they join an output's total, as the other tiles' 8 lane
+# sums do: one sum along the whole width was further from float64's (4864 columns, Qwen2.5-0.5B's
+# down projection: 7.1e-7 of the largest output, 3.5e-7 in chunks of 128 at the same speed; 64
+# columns: 1.8× the lane sums' mean error, the same in chunks of 8).
+SUMMED_COLUMNS = 128
+FEWEST_CHUNKS = 7
+
+
+def register_lanes(target: Target) -> int | None:
+    """The float32 lanes of an x86-64 target's vectors (AVX-512: 16, AVX2: 8); None where prefill
+    keeps the tiles of `schedule_many_rows` (wasm, arm64, x86-64 without AVX2)."""
+    triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
+    if not triple.startswith("x86_64"):
+        return None
+    for features, lanes in ((["avx512f"], 16), (["avx2", "fma"], 8)):
+        if codegen.llvm_cpu_has_features(features, target):
+            return lanes
+    return None
+
+
+def register_tile(target: Target, out_features: int, dtype: str = "float32") -> tuple[int, int] | None:
+    """A register tile's outputs as (vectors, lanes): `REGISTER_VECTORS` of the target's widest, or
+    fewer or narrower ones for a width they divide; None where the target or the width takes the
+    other tiles, and for sums in float16 (a register tile adds an output's products up in one
+    chain, not in a vector of partial sums: Gemma 4's q4f16_1 logits moved 0.11 from float32's)."""
+    if dtype != "float32" or (widest := register_lanes(target)) is None:
+        return None
+    shapes = [(vectors, lanes) for lanes in sorted({widest, 8}, reverse=True) for vectors in (REGISTER_VECTORS, 1)]
+    return next((shape for shape in shapes if out_features % (shape[0] * shape[1]) == 0), None)
+
+
+def summed_columns(width: int) -> int:
+    """The columns whose products a register tile sums before adding them to its totals: the most
+    whole vectors, up to `SUMMED_COLUMNS`, that divide the width into `FEWEST_CHUNKS` or more;
+    else the width. (LLVM unrolls a loop of fewer chunks, keeps the totals in registers beside the
+    sums, and the sums spill: MiniLM's 1536 × 384 in 6 chunks ran at 57 GFLOP/s on AVX2, in 8 at 131.)"""
+    fitting = (n for n in range(SUMMED_COLUMNS, 0, -VECTOR_LANES) if width % n == 0 and width // n >= FEWEST_CHUNKS)
+    return next(fitting, width)
+
+
+def _weights_read(sch: s_tir.Schedule, block) -> int:
+    """The index among a matmul block's reads of its weights: the matrix whose rows are its outputs."""
+    stmt = sch.get(block)
+    output = stmt.iter_vars[-2].var
+    return next(i for i, read in enumerate(stmt.reads) if read.region[0].min.same_as(output))
+
+
+def _static_extent(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> int | None:
+    extent = sch.get(loop).extent
+    return extent.value if isinstance(extent, tirx.IntImm) else None
 
 
 def reduction_span(tile_rows: int, width: int) -> int:
@@ -115,14 +177,23 @@ class RowParallelMatmul(dl.ScheduleRule):
                 sch.compute_inline(sch.get_sblock(name))
         block = sch.get_sblock(matmul)
         *batch, out, reduce = sch.get_loops(block)
-        rows = sch.fuse(*batch) if batch else None
-        single_row = rows is None or isinstance(sch.get(rows).extent, tirx.IntImm) and sch.get(rows).extent.value == 1
+        single_row = all(_static_extent(sch, loop) == 1 for loop in batch)
+        tile = register_tile(target, sch.get(out).extent.value, sch.get(block).body.buffer.dtype)
         if single_row:
             if DEQUANTIZE in names:
                 sch.compute_inline(sch.get_sblock(DEQUANTIZE))
+            rows = sch.fuse(*batch) if batch else None
             weights_at = self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
+        elif tile:
+            weights = (
+                sch.get_sblock(DEQUANTIZE)
+                if DEQUANTIZE in names
+                else sch.cache_read(block, _weights_read(sch, block), "global")
+            )
+            weights_at = self.schedule_register_tiles(sch, block, *tile)
+            self.unpack_transposed(sch, weights, weights_at)
         else:
-            weights_at = self.schedule_many_rows(sch, target, block, rows, out, reduce)
+            weights_at = self.schedule_many_rows(sch, target, block, sch.fuse(*batch), out, reduce)
             if DEQUANTIZE in names:
                 self.unpack_once_per_span(sch, sch.get_sblock(DEQUANTIZE), weights_at)
         for name in GROUP_STAGES:  # a GGUF block type's scales and offsets: once per group of weights
@@ -130,13 +201,66 @@ class RowParallelMatmul(dl.ScheduleRule):
                 sch.compute_at(sch.get_sblock(name), weights_at)
         if single_row:
             return sch
-        # not the matmul's own blocks (update, partial sums, init) nor the unpacked weight tile
-        epilogue = [n for n in block_names(sch) if not n.startswith(matmul) and n not in (DEQUANTIZE, *GROUP_STAGES)]
+        epilogue = names[names.index(matmul) + 1 :]
         for name in epilogue[:-1]:  # a chain (bias, activation) computed in one pass over the output
             sch.compute_inline(sch.get_sblock(name))
         if epilogue:
             _vectorize_elementwise(sch, epilogue[-1])
         return sch
+
+    @staticmethod
+    def schedule_register_tiles(sch: s_tir.Schedule, block, vectors: int, lanes: int) -> s_tir.LoopRV:
+        """Tiles of `vectors` × `lanes` weight rows in parallel; within one, `REGISTER_ROWS` input rows at a
+        time meet its weights column by column, their sums in registers: per column a vector load
+        of the tile's weights (unpacked transposed, `unpack_transposed`), one broadcast input per
+        row, a multiply-add per row and vector. The sums of a chunk of columns (`summed_columns`)
+        are added to the rows' totals, so no sum runs along the whole width. The input rows are padded
+        to a multiple of `REGISTER_ROWS` (a tail would put a test in the inner loop, and the sums
+        in memory). Returns the loop over tiles, where the weights are unpacked."""
+        *batch, _, _ = sch.get_loops(block)
+        unpadded = {sch.get(producer).name_hint for producer in sch.get_producers(block)}
+        sch.pad_einsum(block, [1] * (len(batch) - 1) + [REGISTER_ROWS, 1, 1])
+        padded_input = next(p for p in sch.get_producers(block) if sch.get(p).name_hint not in unpadded)
+        padded_output = sch.get_consumers(block)[0]
+        *batch, rows, out, reduce = sch.get_loops(block)
+        tiles, outputs = sch.split(out, [None, vectors * lanes])
+        row_steps, row = sch.split(rows, [None, REGISTER_ROWS])
+        chunks, column = sch.split(reduce, [None, summed_columns(sch.get(reduce).extent.value)])
+        sch.reorder(tiles, *batch, row_steps, chunks, column, row, outputs)
+        chunk_sums = sch.rfactor(chunks, factor_axis=0)
+        tiles, *_, row_steps, chunks, column, row, outputs = sch.get_loops(chunk_sums)
+        sch.set_scope(chunk_sums, 0, "local")
+        sch.reverse_compute_at(block, chunks)
+        totals = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(totals, row_steps)
+        sch.parallel(tiles)
+        sch.reverse_compute_inline(padded_output)
+        for sums, (rows_loop, outputs_loop) in ((chunk_sums, (row, outputs)), (block, sch.get_loops(block)[-2:])):
+            output_vectors, output_lanes = sch.split(outputs_loop, [vectors, lanes])
+            sch.unroll(rows_loop)
+            sch.unroll(output_vectors)
+            sch.vectorize(output_lanes)
+        sch.decompose_reduction(chunk_sums, column)
+        sch.decompose_reduction(block, sch.get_loops(block)[-4])
+        sch.vectorize(sch.get_loops(totals)[-1])
+        _vectorize_elementwise(sch, sch.get(padded_input).name_hint)
+        return tiles
+
+    @staticmethod
+    def unpack_transposed(sch: s_tir.Schedule, weights, tiles) -> None:
+        """A tile's weights unpacked (or copied, when stored as floats) into a buffer of their own,
+        column by column, so that a column's weights are one vector load; a packed word's
+        `WEIGHTS_PER_WORD` weights unrolled together, so the word is read once per tile row."""
+        sch.compute_at(weights, tiles)
+        sch.transform_layout(weights, ("write", 0), lambda row, column: (column, row))
+        rows, columns = sch.get_loops(weights)[-2:]
+        if sch.get(columns).extent.value % WEIGHTS_PER_WORD == 0:
+            words, column = sch.split(columns, [None, WEIGHTS_PER_WORD])
+            sch.reorder(words, rows, column)
+            sch.unroll(column)
+        else:
+            sch.reorder(columns, rows)
+        sch.vectorize(rows)
 
     @staticmethod
     def schedule_single_row(sch: s_tir.Schedule, block, rows, out, reduce, lanes_axis: int) -> s_tir.LoopRV:
