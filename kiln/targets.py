@@ -324,6 +324,11 @@ def cpu_variants_of(entry: TargetEntry, cpu_tuning: str, names: tuple[str, ...])
     return {name: replace(entry, tvm_target=CPU_VARIANTS[name].tvm_target) for name in names}
 
 
+def llvm_triple(target: tvm.target.Target) -> str:
+    """The triple an llvm target's code is for: its own, else this machine's."""
+    return str(target.attrs.get("mtriple", "")) or tvm.target.codegen.llvm_get_system_triple()
+
+
 def building() -> TargetEntry | None:
     """The row whose kernels are being built: the one of TVM's current target (rows that share a TVM
     target share what their kernels can do, which a test checks); None outside a target."""

@@ -38,6 +38,7 @@ from kiln.models.stage_names import (
     LANE_DOTS,
     MATMUL,
 )
+from kiln.targets import llvm_triple
 
 MATMUL_BLOCK_NAMES = (MATMUL,)
 INLINED_PRODUCERS = (GATHERED_ROWS, GATHERED_ROW_SCALES)  # an embedding's gathered rows
@@ -78,8 +79,7 @@ FEWEST_CHUNKS = 7
 def register_lanes(target: Target) -> int | None:
     """The float32 lanes of an x86-64 target's vectors (AVX-512: 16, AVX2: 8); None where prefill
     keeps the tiles of `schedule_many_rows` (wasm, arm64, x86-64 without AVX2)."""
-    triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
-    if not triple.startswith("x86_64"):
+    if not llvm_triple(target).startswith("x86_64"):
         return None
     for features, lanes in ((["avx512f"], 16), (["avx2", "fma"], 8)):
         if codegen.llvm_cpu_has_features(features, target):
@@ -178,13 +178,12 @@ class RowParallelMatmul(dl.ScheduleRule):
         block = sch.get_sblock(matmul)
         *batch, out, reduce = sch.get_loops(block)
         single_row = all(_static_extent(sch, loop) == 1 for loop in batch)
-        tile = register_tile(target, sch.get(out).extent.value, sch.get(block).body.buffer.dtype)
         if single_row:
             if DEQUANTIZE in names:
                 sch.compute_inline(sch.get_sblock(DEQUANTIZE))
             rows = sch.fuse(*batch) if batch else None
             weights_at = self.schedule_single_row(sch, block, rows, out, reduce, lanes_axis=len(batch) + 1)
-        elif tile:
+        elif tile := register_tile(target, sch.get(out).extent.value, sch.get(block).body.buffer.dtype):
             weights = (
                 sch.get_sblock(DEQUANTIZE)
                 if DEQUANTIZE in names
@@ -235,7 +234,7 @@ class RowParallelMatmul(dl.ScheduleRule):
         sch.reverse_compute_at(totals, row_steps)
         sch.parallel(tiles)
         sch.reverse_compute_inline(padded_output)
-        for sums, (rows_loop, outputs_loop) in ((chunk_sums, (row, outputs)), (block, sch.get_loops(block)[-2:])):
+        for rows_loop, outputs_loop in ((row, outputs), sch.get_loops(block)[-2:]):
             output_vectors, output_lanes = sch.split(outputs_loop, [vectors, lanes])
             sch.unroll(rows_loop)
             sch.unroll(output_vectors)

@@ -40,6 +40,7 @@ from tvm.target import Target, codegen
 
 from kiln.compile.lower import cpu_prefetch
 from kiln.compile.quantization.ggml_blocks import half_by_scaling, target_converts_halves
+from kiln.targets import llvm_triple
 
 
 ACTIVATION_BLOCK = 32
@@ -225,7 +226,7 @@ def runs_on(target: Target | None) -> bool:
     CPU with AVX2, or wasm with SIMD."""
     if target is None or target.kind.name != "llvm":
         return False
-    triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
+    triple = llvm_triple(target)
     if triple.startswith("wasm32"):
         return bool(codegen.llvm_cpu_has_features(["simd128"], target))
     return triple.startswith("x86_64") and bool(codegen.llvm_cpu_has_features(["avx2"], target))
