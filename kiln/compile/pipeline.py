@@ -15,7 +15,6 @@ import platform
 import re
 import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -55,7 +54,7 @@ from kiln.compile.quantization import Scheme, quantization_named
 from kiln.compile.source.source_weights import SourceWeights
 from kiln.compile import side_by_side
 from kiln.compile.side_by_side import default_jobs
-from kiln.compile.staging import staging_folder
+from kiln.compile.staging import staging_folder, temporary_files_in
 from kiln.compile.toolchain.system_lib import llvm_tool_version, static_archive_path, system_lib_prefix
 from kiln.targets import CPU_VARIANTS, TargetEntry, cpu_variants_of, target_named
 
@@ -349,16 +348,17 @@ class TargetCompile:
     model_id: str
     library_cache: LibraryCache | None
     matryoshka_dimensions: tuple[int, ...]
+    # A folder of the build's staging folder for the files the compile makes on the way (the
+    # ingested source's, TVM's objects): they go with the build's own, also where the compile
+    # process is killed (kiln/compile/staging.py).
+    work: Path
 
     def run(self) -> tuple[dict[str, list[int]], bool, float]:
         """The library's `planned_storage`, whether the library cache had it, and the compile's seconds.
         An exception from outside Kiln becomes a KilnError here, where it still has its context (the
         build gets a pickled copy)."""
-        with (
-            StageClock.failing_as(f"compile {self.target}"),
-            tempfile.TemporaryDirectory(prefix="kiln-compile-") as work,
-        ):
-            source = ingest(self.source, Path(work), self.ingest_options)
+        with StageClock.failing_as(f"compile {self.target}"), temporary_files_in(self.work):
+            source = ingest(self.source, self.work, self.ingest_options)
             arch = architecture_for(source.config, config_file(source), source.sentence_embedding is not None)
             config = model_config(arch, source, self.overrides, self.matryoshka_dimensions)
             scheme = quantization_named(self.quantization)
@@ -381,6 +381,7 @@ def compiles_side_by_side(
     model_id: str,
     library_cache: LibraryCache | None,
     clock: StageClock,
+    work: Path,
 ) -> dict[str, Future]:
     """The targets' compiles started in compile processes, when there are two or more and jobs for
     them (none: the build compiles its one target itself, after converting the weights)."""
@@ -403,6 +404,7 @@ def compiles_side_by_side(
             model_id=model_id,
             library_cache=library_cache,
             matryoshka_dimensions=request.matryoshka_dimensions,
+            work=work / f"compile-{name}",
         )
         compiles[name] = side_by_side.submit(jobs, job.run)
     clock.started(f"compile {', '.join(compiles)}", f" ({jobs} side by side, while the build goes on)")
@@ -455,7 +457,9 @@ def build(request: BuildRequest) -> BuildResult:
             if request.library_cache
             else None
         )
-        compiles = compiles_side_by_side(request, source, model, metadata, libraries, model_id, library_cache, clock)
+        compiles = compiles_side_by_side(
+            request, source, model, metadata, libraries, model_id, library_cache, clock, tmp / "work"
+        )
         with cancelled_on_failure(compiles.values()):
             previous = reusable_build(model_dir, source, request, code_digest)
             kept_targets = {

@@ -10,6 +10,7 @@ staging folder whose lock it can take.
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import tempfile
 import time
@@ -53,3 +54,20 @@ def abandoned(folder: Path) -> bool:
             return True
     except FileNotFoundError:
         return time.time() - folder.stat().st_mtime > UNLOCKED_GRACE_S
+
+
+@contextmanager
+def temporary_files_in(folder: Path) -> Iterator[None]:
+    """Within: this process's temporary files (Python's `tempfile`, TVM's object files) and those of
+    the programs it starts (emscripten) go into `folder`, which it makes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved[0]
+        if saved[1] is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved[1]

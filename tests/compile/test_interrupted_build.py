@@ -6,6 +6,7 @@ library's instruction set (portable by default) and the build record's public fi
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import subprocess
@@ -24,9 +25,11 @@ from kiln.runtime import library_path, missing_cpu_features
 STAGING_PREFIX = ".kiln-build-"
 
 
-def compile_until(source: Path, output: Path, stage: str, targets: str = "cpu") -> list[psutil.Process]:
-    """Starts `kiln compile` and kills it with SIGKILL once it reports `stage`; returns the processes
-    it had started."""
+def compile_until(
+    source: Path, output: Path, report: str, targets: str = "cpu", temp: Path | None = None
+) -> list[psutil.Process]:
+    """Starts `kiln compile` (with `temp` as its TMPDIR) and kills it with SIGKILL once it prints a
+    line starting `kiln: <report>`; returns the processes it had started."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -47,11 +50,12 @@ def compile_until(source: Path, output: Path, stage: str, targets: str = "cpu") 
         ],
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **({"TMPDIR": str(temp)} if temp else {})},
     )
     seen, children = [], []
     for line in process.stderr:
         seen.append(line)
-        if line.startswith(f"kiln: {stage} …"):
+        if line.startswith(f"kiln: {report}"):
             children = psutil.Process(process.pid).children(recursive=True)
             process.send_signal(signal.SIGKILL)
             break
@@ -62,11 +66,16 @@ def compile_until(source: Path, output: Path, stage: str, targets: str = "cpu") 
 
 @pytest.mark.slow
 def test_a_killed_build_takes_its_compile_processes_with_it(tiny_source, tmp_path):
-    """A compile outliving its build would write into a staging folder the next build removes."""
-    children = compile_until(tiny_source, tmp_path / "dist", "configure", targets="cpu,wasm")
+    """A compile outliving its build would write into a staging folder the next build removes. The
+    compiles' work folders are in that staging folder too, not left in the system's temporary one."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    # Killed while the wasm compile still runs (a tiny model's takes longer than its cpu one).
+    children = compile_until(tiny_source, tmp_path / "dist", "compile cpu done", targets="cpu,wasm", temp=temp)
     assert children, "the build compiles its two targets in processes of their own"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -101,7 +110,7 @@ def test_a_killed_build_leaves_no_model_folder_and_the_next_build_cleans_up(tiny
     output = tmp_path / "dist"
     leftovers = []
     for stage in ("convert", "compile cpu"):
-        compile_until(tiny_source, output, stage)
+        compile_until(tiny_source, output, f"{stage} …")
         assert not (output / "killed").exists()
         leftovers.append(list(output.glob(f"{STAGING_PREFIX}*")))
     # The second build removed what the first left, and left its own.
