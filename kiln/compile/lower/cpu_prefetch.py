@@ -11,13 +11,15 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from kiln.targets import llvm_triple
+
 AHEAD = 8 << 10
 CACHE_LINE = 64
 
 
 def prefetches(target: Target) -> bool:
     """Whether `target` has a prefetch instruction (wasm has none)."""
-    return not str(target.attrs.get("mtriple", "")).startswith("wasm")
+    return not llvm_triple(target).startswith("wasm")
 
 
 def prefetch(buffer: tirx.Buffer, *indices) -> tirx.PrimExpr:

@@ -356,7 +356,7 @@ InstructionSet = Avx2 | WasmSimd
 
 def instruction_set(target: Target) -> InstructionSet:
     """The instruction set of `target` (one that `runs_on`) that its kernels take."""
-    if str(target.attrs.get("mtriple", "")).startswith("wasm32"):
+    if llvm_triple(target).startswith("wasm32"):
         return WasmSimd()
     if codegen.llvm_cpu_has_features(list(VNNI_FEATURES), target):
         return Avx512Vnni()
