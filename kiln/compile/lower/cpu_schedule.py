@@ -133,7 +133,7 @@ def reduction_span(tile_rows: int, width: int) -> int:
 
 def weight_rows_per_tile(target: Target, width: int) -> int:
     """The most weight rows a prefill tile of `target` takes that divide `width` (no ragged last tile)."""
-    kind = "wasm" if str(target.attrs.get("mtriple", "")).startswith("wasm") else "native"
+    kind = "wasm" if llvm_triple(target).startswith("wasm") else "native"
     return next(rows for rows in range(MOST_WEIGHT_ROWS_PER_TILE[kind], 0, -1) if width % rows == 0)
 
 
