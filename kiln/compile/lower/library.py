@@ -12,6 +12,7 @@ from tvm.relax.frontend import nn
 
 from kiln.compile.library_cache import LibraryCache
 from kiln.compile.lower import kiln_pipeline
+from kiln.compile.lower.tvmscript_frames import frames_without_source_lines
 from kiln.compile.lower.vm_functions import attach_metadata, attach_vm_functions
 from kiln.compile.lower.webgpu_limits import check_webgpu_limits
 from kiln.compile.toolchain.mobile_runtime import link_arm64_linux_library
@@ -251,12 +252,14 @@ def compile_library(
     """Write the library for `entry` to `path`; returns its functions' `planned_storage`, and whether
     `cache` had the library."""
     target = entry.target()
-    mod = exported_module(model, entry, metadata)
+    with frames_without_source_lines():
+        mod = exported_module(model, entry, metadata)
     prefix = system_lib_prefix(model_id) if entry.system_lib else None
     key = cache.key(mod, entry, prefix) if cache else None
     if cache and (planned := cache.fetch(key, entry, path)) is not None:
         return planned, True
-    mod = schedule(mod, entry)
+    with frames_without_source_lines():
+        mod = schedule(mod, entry)
     planned = planned_storage(mod)
     if prefix:
         mod = mod.with_attr("system_lib_prefix", prefix)
