@@ -6,9 +6,12 @@ generation, sampling and chat on top of it; parity checks use it directly.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor, wait
 from itertools import groupby
 from pathlib import Path
@@ -166,9 +169,28 @@ def reusable_prefix(cached: list[int], wanted: list[int]) -> int:
     return common
 
 
+MADV_HUGEPAGE = 14  # Linux's madvise(2) advice
+
+
+def ask_for_huge_pages(tensor: tvm.runtime.Tensor, nbytes: int) -> None:
+    """Ask Linux to back a CPU tensor with transparent huge pages; the kernel picks the pages at the
+    first write, so before it. Decoding reads every weight once a token, and TVM's allocator asks for
+    small pages: on a 2-core EPYC VM, the Q4_K_M mix at Qwen2.5-0.5B's config decoded at 30–32 / 48
+    tokens/s (1 / 2 threads) from small pages and at 35–38 / 59–60 with this advice. Where Linux
+    gives none (THP off, another system), nothing changes."""
+    if sys.platform != "linux" or tensor.device.dlpack_device_type() != tvm.cpu().dlpack_device_type():
+        return
+    address = tensor.data_ptr()
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+
+
 def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -> list[tvm.runtime.Tensor]:
-    """A library's parameters on the device, md5-checked, read one shard at a time (so the peak
-    memory is the weights plus one shard, not twice the weights)."""
+    """A library's parameters on the device (on huge pages where it is this machine's memory),
+    md5-checked, read one shard at a time (so the peak memory is the weights plus one shard, not
+    twice the weights)."""
     verify_shards(model_dir)
     wanted = set(names)
     loaded = {}
@@ -177,7 +199,10 @@ def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -
         for r in shard_records:
             if r.name in wanted:
                 array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
-                loaded[r.name] = tvm.runtime.tensor(array.reshape(r.shape), device)
+                tensor = tvm.runtime.empty(r.shape, r.dtype, device)
+                ask_for_huge_pages(tensor, array.nbytes)
+                tensor.copyfrom(array.reshape(r.shape))
+                loaded[r.name] = tensor
     missing = [name for name in names if name not in loaded]
     if missing:
         raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", model_dir / "tensor-cache.json")
