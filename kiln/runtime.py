@@ -187,10 +187,17 @@ def ask_for_huge_pages(tensor: tvm.runtime.Tensor, nbytes: int) -> None:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
 
 
+def weight_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
+    """A weight on the device as the engine holds it: on huge pages where it is this machine's memory."""
+    tensor = tvm.runtime.empty(array.shape, str(array.dtype), device)
+    ask_for_huge_pages(tensor, array.nbytes)
+    tensor.copyfrom(array)
+    return tensor
+
+
 def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -> list[tvm.runtime.Tensor]:
-    """A library's parameters on the device (on huge pages where it is this machine's memory),
-    md5-checked, read one shard at a time (so the peak memory is the weights plus one shard, not
-    twice the weights)."""
+    """A library's parameters on the device (weight_tensor), md5-checked, read one shard at a time (so
+    the peak memory is the weights plus one shard, not twice the weights)."""
     verify_shards(model_dir)
     wanted = set(names)
     loaded = {}
@@ -199,10 +206,7 @@ def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -
         for r in shard_records:
             if r.name in wanted:
                 array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
-                tensor = tvm.runtime.empty(r.shape, r.dtype, device)
-                ask_for_huge_pages(tensor, array.nbytes)
-                tensor.copyfrom(array.reshape(r.shape))
-                loaded[r.name] = tensor
+                loaded[r.name] = weight_tensor(array.reshape(r.shape), device)
     missing = [name for name in names if name not in loaded]
     if missing:
         raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", model_dir / "tensor-cache.json")

@@ -20,7 +20,7 @@ import tvm
 from tvm import DataType, te
 
 from kiln.app_config import read_json
-from kiln.runtime import cpu_variant
+from kiln.runtime import cpu_variant, weight_tensor
 from kiln.tensor_cache import TensorRecord, records
 
 PASSES = 5  # the fastest pass over a type's matrices is reported
@@ -120,7 +120,7 @@ def parameter_tensors(matrix: Matrix, device) -> list[tvm.runtime.Tensor]:
     for p in matrix.parameters:
         with open(p.shard, "rb") as f:
             f.seek(p.byte_offset)
-            tensors.append(tvm.runtime.tensor(stored_units(p, f.read(p.nbytes)), device))
+            tensors.append(weight_tensor(stored_units(p, f.read(p.nbytes)), device))
     return tensors
 
 
