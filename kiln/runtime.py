@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import mmap
 import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor, wait
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import psutil
@@ -170,46 +169,66 @@ def reusable_prefix(cached: list[int], wanted: list[int]) -> int:
 
 
 MADV_HUGEPAGE = 14  # Linux's madvise(2) advice
+HUGE_PAGE = 2 << 20
+TENSOR_ALIGNMENT = 64  # what TVM's kernels (and its from_dlpack) ask of a tensor's data
 
 
-def ask_for_huge_pages(tensor: tvm.runtime.Tensor, nbytes: int) -> None:
-    """Ask Linux to back a CPU tensor with transparent huge pages; the kernel picks the pages at the
-    first write, so before it. Decoding reads every weight once a token, and TVM's allocator asks for
-    small pages: on a 2-core EPYC VM, the Q4_K_M mix at Qwen2.5-0.5B's config decoded at 30–32 / 48
-    tokens/s (1 / 2 threads) from small pages and at 35–38 / 59–60 with this advice. Where Linux
-    gives none (THP off, another system), nothing changes."""
-    if sys.platform != "linux" or tensor.device.dlpack_device_type() != tvm.cpu().dlpack_device_type():
-        return
-    address = tensor.data_ptr()
-    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
 
-def weight_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    """A weight on the device as the engine holds it: on huge pages where it is this machine's memory."""
-    tensor = tvm.runtime.empty(array.shape, str(array.dtype), device)
-    ask_for_huge_pages(tensor, array.nbytes)
-    tensor.copyfrom(array)
-    return tensor
+class HostWeights:
+    """A CPU library's weights in one block of memory that starts on a 2 MiB boundary and asks Linux
+    for transparent huge pages before its first write (the kernel picks a page at the first write).
+    Decoding reads every weight once a token, and TVM's allocator gave each tensor small pages of its
+    own: the Q4_K_M mix at Qwen2.5-0.5B's config decoded at 30–32 / 48 tokens/s (1 / 2 threads, a
+    2-core EPYC VM) from them. Advising each tensor alone got 35–38 / 59–60, but only its whole 2 MiB
+    pages could be huge, which left the 1–2 MiB matrices and the heap-served ones on small pages;
+    one block leaves none. Where Linux gives no huge pages (THP off, another system), the block is
+    plain memory."""
+
+    def __init__(self, sizes: Iterable[int]):
+        total = sum(aligned(n) for n in sizes)
+        spare = np.empty(total + HUGE_PAGE, np.uint8)
+        start = -spare.ctypes.data % HUGE_PAGE
+        self.block = spare[start : start + total]
+        if sys.platform == "linux" and total:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(self.block.ctypes.data), ctypes.c_size_t(total), MADV_HUGEPAGE)
+        self.used = 0
+
+    def tensor(self, array: np.ndarray) -> tvm.runtime.Tensor:
+        """`array` copied into the block's next free bytes, as a tensor that holds the block."""
+        place = self.block[self.used : self.used + array.nbytes].view(array.dtype).reshape(array.shape)
+        place[...] = array
+        self.used += aligned(array.nbytes)
+        return tvm.runtime.from_dlpack(place)
+
+
+def weight_placer(device: tvm.runtime.Device, sizes: list[int]) -> Callable[[np.ndarray], tvm.runtime.Tensor]:
+    """How weights of these sizes go on the device: into one HostWeights block where the device is
+    this machine's memory, one allocation each elsewhere."""
+    if device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+        return HostWeights(sizes).tensor
+    return lambda array: tvm.runtime.tensor(array, device)
 
 
 def load_params(model_dir: Path, device: tvm.runtime.Device, names: list[str]) -> list[tvm.runtime.Tensor]:
-    """A library's parameters on the device (weight_tensor), md5-checked, read one shard at a time (so
+    """A library's parameters on the device (weight_placer), md5-checked, read one shard at a time (so
     the peak memory is the weights plus one shard, not twice the weights)."""
     verify_shards(model_dir)
     wanted = set(names)
+    chosen = [r for r in records(model_dir) if r.name in wanted]
+    missing = wanted - {r.name for r in chosen}
+    if missing:
+        first = next(name for name in names if name in missing)
+        raise KilnError(f"the tensor cache lacks parameter {first!r}", model_dir / "tensor-cache.json")
+    place = weight_placer(device, [r.nbytes for r in chosen])
     loaded = {}
-    for shard, shard_records in groupby(records(model_dir), key=lambda r: r.shard):
+    for shard, shard_records in groupby(chosen, key=lambda r: r.shard):
         data = shard.read_bytes()
         for r in shard_records:
-            if r.name in wanted:
-                array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
-                loaded[r.name] = weight_tensor(array.reshape(r.shape), device)
-    missing = [name for name in names if name not in loaded]
-    if missing:
-        raise KilnError(f"the tensor cache lacks parameter {missing[0]!r}", model_dir / "tensor-cache.json")
+            array = np.frombuffer(data, dtype=r.dtype, count=int(np.prod(r.shape)), offset=r.byte_offset)
+            loaded[r.name] = place(array.reshape(r.shape))
     return [loaded[name] for name in names]
 
 

@@ -20,7 +20,7 @@ import tvm
 from tvm import DataType, te
 
 from kiln.app_config import read_json
-from kiln.runtime import cpu_variant, weight_tensor
+from kiln.runtime import cpu_variant, weight_placer
 from kiln.tensor_cache import TensorRecord, records
 
 PASSES = 5  # the fastest pass over a type's matrices is reported
@@ -116,11 +116,12 @@ def stored_units(record: TensorRecord, data: bytes) -> np.ndarray:
 
 
 def parameter_tensors(matrix: Matrix, device) -> list[tvm.runtime.Tensor]:
+    place = weight_placer(device, [p.nbytes for p in matrix.parameters])
     tensors = []
     for p in matrix.parameters:
         with open(p.shard, "rb") as f:
             f.seek(p.byte_offset)
-            tensors.append(weight_tensor(stored_units(p, f.read(p.nbytes)), device))
+            tensors.append(place(stored_units(p, f.read(p.nbytes))))
     return tensors
 
 
