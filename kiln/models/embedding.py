@@ -181,6 +181,33 @@ def encoder_export_spec(model: EncoderModel) -> dict[str, dict]:
     }
 
 
+def masked_scores(
+    x: te.Tensor,
+    mask: te.Tensor,
+    num_heads: int,
+    group: int,
+    scale: float,
+    sees: Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr] | None = None,
+) -> te.Tensor:
+    """masked_attention's scores: query i's product with key j of its input, scaled, float32, where
+    the mask (and `sees`) let i see j, else MASKED_SCORE: (batch, heads, seq, seq)."""
+    batch, seq_len, _, head_dim = x.shape
+    d = te.reduce_axis((0, head_dim), name="d")
+    raw = te.compute(
+        (batch, tirx.IntImm("int64", num_heads), seq_len, seq_len),
+        lambda b, h, i, j: te.sum(
+            x[b, i, h, d].astype("float32") * x[b, j, num_heads + h // group, d].astype("float32"), axis=d
+        ),
+        name=ATTENTION_SCORES,
+    )
+
+    def masked(b, h, i, j):
+        seen = mask[b, j] > 0 if sees is None else tirx.all(mask[b, j] > 0, sees(i, j))
+        return tirx.if_then_else(seen, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE))
+
+    return te.compute(raw.shape, masked, name=MASKED_SCORES)
+
+
 def masked_attention(
     qkv: nn.Tensor,
     attention_mask: nn.Tensor,
@@ -199,22 +226,6 @@ def masked_attention(
     group = num_heads // num_kv_heads
     scale = float(head_dim) ** -0.5 if scale is None else scale
 
-    def scores(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
-        d = te.reduce_axis((0, head_dim), name="d")
-        raw = te.compute(
-            (batch, num_heads, seq_len, seq_len),
-            lambda b, h, i, j: te.sum(
-                x[b, i, h, d].astype("float32") * x[b, j, num_heads + h // group, d].astype("float32"), axis=d
-            ),
-            name=ATTENTION_SCORES,
-        )
-
-        def masked(b, h, i, j):
-            seen = mask[b, j] > 0 if sees is None else tirx.all(mask[b, j] > 0, sees(i, j))
-            return tirx.if_then_else(seen, raw[b, h, i, j] * scale, tirx.const(MASKED_SCORE))
-
-        return te.compute(raw.shape, masked, name=MASKED_SCORES)
-
     def values(p: te.Tensor, x: te.Tensor) -> te.Tensor:
         j = te.reduce_axis((0, seq_len), name="j")
         return te.compute(
@@ -224,6 +235,9 @@ def masked_attention(
             ),
             name=ATTENTION_VALUES,
         )
+
+    def scores(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
+        return masked_scores(x, mask, num_heads, group, scale, sees)
 
     probabilities = nn.op.softmax(nn.op.tensor_expr_op(scores, "attention_scores", [qkv, attention_mask]), axis=-1)
     context = nn.op.tensor_expr_op(values, "attention_values", [probabilities, qkv]).astype(qkv.dtype)

@@ -30,6 +30,7 @@ from kiln.compile.quantization.group import GroupFormat
 from kiln.compile.source.ingest import ingest
 from kiln.runtime import missing_cpu_features
 from kiln.models import architecture_for
+from kiln.models.embedding import MASKED_SCORE, masked_scores
 from kiln.models.layers import matmul_transposed
 from kiln.targets import TARGETS
 
@@ -339,3 +340,43 @@ def test_a_prefills_elementwise_kernel_runs_its_rows_in_parallel_with_its_produc
     assert "T_split_sections" not in script  # the halves are read where they are used, not copied out
     assert "sigmoid" not in script and "T.exp" not in script  # written out (cpu_exponential.py)
     assert "T.parallel" not in swiglu_script(1)  # a decode step's row is not worth a parallel launch
+
+
+def scores_module(heads: int, kv_heads: int, head_dim: int, causal: bool) -> tvm.IRModule:
+    """An encoder's attention scores (kiln/models/embedding.py masked_scores) over a symbolic batch of
+    symbolic length, grouped-query where kv_heads < heads, causal as a decoder embedder's."""
+    batch, length = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("n", "int64")
+    fused_heads, head_dim = (tvm.tirx.IntImm("int64", n) for n in (heads + 2 * kv_heads, head_dim))
+    x = te.placeholder((batch, length, fused_heads, head_dim), "float32", name="qkv")
+    mask = te.placeholder((batch, length), "int32", name="mask")
+    sees = (lambda i, j: j <= i) if causal else None
+    scores = masked_scores(x, mask, heads, heads // kv_heads, int(head_dim) ** -0.5, sees)
+    return tvm.IRModule({"main": te.create_prim_func([x, mask, scores]).with_attr("global_symbol", "main")})
+
+
+@pytest.mark.parametrize("tvm_target", X86_LEVELS, ids=["avx2", "avx512"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, causal", [(4, 4, 32, False), (4, 2, 20, True)])
+def test_encoder_attention_scores_give_numpys_products_where_seen_in_vectors_of_partial_sums(
+    tvm_target, heads, kv_heads, head_dim, causal
+):
+    module = scores_module(heads, kv_heads, head_dim, causal)
+    with TARGETS["cpu"].target():
+        script = schedules_for(TARGETS["cpu"])(module).script()
+    assert "T.parallel" in script and "T.vectorized" in script and "attention_scores_rf" in script
+    library = built(module, runnable(tvm_target))
+    rng = np.random.default_rng(2)
+    for batch, length in ((1, 1), (3, 5), (2, 13)):
+        qkv = rng.standard_normal((batch, length, heads + 2 * kv_heads, head_dim), dtype=np.float32)
+        mask = (rng.random((batch, length)) < 0.8).astype(np.int32)
+        out = tvm.runtime.tensor(np.zeros((batch, heads, length, length), np.float32))
+        library["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(mask), out)
+        q = qkv[:, :, :heads].astype(np.float64)
+        k = np.repeat(qkv[:, :, heads : heads + kv_heads], heads // kv_heads, axis=2).astype(np.float64)
+        expected = np.einsum("bihd,bjhd->bhij", q, k) * head_dim**-0.5
+        magnitudes = np.einsum("bihd,bjhd->bhij", np.abs(q), np.abs(k)) * head_dim**-0.5
+        seen = np.broadcast_to(mask[:, None, None, :] > 0, expected.shape)
+        if causal:
+            seen = seen & np.tri(length, dtype=bool)
+        got = out.numpy()
+        assert (got[~seen] == np.float32(MASKED_SCORE)).all()
+        assert (np.abs(got - expected)[seen] <= 1e-6 * magnitudes[seen] + 1e-6).all()

@@ -7,6 +7,7 @@ from tvm import relax, s_tir
 from tvm.s_tir import dlight as dl
 
 from kiln.compile.lower.cpu_schedule import (
+    EncoderAttentionScores,
     EncoderAttentionValues,
     FactoredDecodeGEMV,
     PrefillElementwise,
@@ -115,6 +116,7 @@ def cpu_schedules() -> tvm.transform.Pass:
             dl.ApplyDefaultSchedule(
                 FactoredDecodeGEMV(),
                 RowParallelMatmul(),
+                EncoderAttentionScores(),
                 EncoderAttentionValues(),
                 RowNorm(),
                 PrefillElementwise(),

@@ -30,12 +30,14 @@ from tvm.target import Target, codegen
 
 from kiln.compile.lower import cpu_prefetch
 from kiln.models.stage_names import (
+    ATTENTION_SCORES,
     ATTENTION_VALUES,
     DEQUANTIZE,
     GATHERED_ROW_SCALES,
     GATHERED_ROWS,
     GROUP_STAGES,
     LANE_DOTS,
+    MASKED_SCORES,
     MATMUL,
 )
 from kiln.targets import llvm_triple
@@ -450,6 +452,33 @@ class PrefillElementwise(dl.ScheduleRule):
         if all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in sch.get_loops(blocks[0].block_rv)):
             return None
         _vectorize_elementwise(sch, sch.get(blocks[0].block_rv).name_hint)
+        return sch
+
+
+class EncoderAttentionScores(dl.ScheduleRule):
+    """The query × key products of an encoder's attention and their mask (kiln/models/embedding.py
+    masked_scores): (input, head, query) rows in parallel; a score's sum over the head's elements in
+    VECTOR_LANES partial sums, one vector product a step, added up and masked straight after. dlight's
+    Reduction rule summed each score one element at a time into memory: MiniLM's scores for 10 inputs
+    of 56 tokens took 1.4-1.7 ms a layer on 2 threads, 0.53 ms so."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        sch = s_tir.Schedule(func)
+        if block_names(sch) != [ATTENTION_SCORES, MASKED_SCORES]:
+            return None
+        scores = sch.get_sblock(ATTENTION_SCORES)
+        batch, head, query, _, element = sch.get_loops(scores)
+        sch.parallel(sch.fuse(batch, head, query))
+        _, lanes = sch.split(element, [None, VECTOR_LANES])
+        partial = sch.rfactor(lanes, 0)
+        _, key, steps, lane = sch.get_loops(partial)
+        sch.vectorize(lane)
+        init = sch.decompose_reduction(partial, steps)
+        sch.vectorize(sch.get_loops(init)[-1])
+        sch.reverse_compute_at(scores, key)
+        sch.reverse_compute_at(sch.get_sblock(MASKED_SCORES), key)
         return sch
 
 
