@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import tvm
-from tvm import te
+from tvm import te, topi
 
 from helpers.random_blocks import random_blocks
 
@@ -380,3 +380,25 @@ def test_encoder_attention_scores_give_numpys_products_where_seen_in_vectors_of_
         got = out.numpy()
         assert (got[~seen] == np.float32(MASKED_SCORE)).all()
         assert (np.abs(got - expected)[seen] <= 1e-6 * magnitudes[seen] + 1e-6).all()
+
+
+def softmax_module(rows) -> tvm.IRModule:
+    x = te.placeholder((rows, 3, 40), "float32", name="scores")
+    return tvm.IRModule({"main": te.create_prim_func([x, topi.nn.softmax(x)]).with_attr("global_symbol", "main")})
+
+
+def test_a_softmax_over_symbolic_rows_runs_them_in_parallel_and_gives_numpys_probabilities():
+    module = softmax_module(tvm.tirx.Var("n", "int64"))
+    with TARGETS["cpu"].target():
+        script = schedules_for(TARGETS["cpu"])(module).script()
+        static_script = schedules_for(TARGETS["cpu"])(softmax_module(1)).script()
+    assert script.count("T.parallel") == 1 and "T.vectorized" not in script  # LLVM vectorizes the passes
+    assert "T.vectorized" in static_script  # static rows stay dlight's
+    library = built(module, runnable(TARGETS["cpu"].tvm_target()))
+    scores = np.random.default_rng(3).standard_normal((5, 3, 40), dtype=np.float32) * 8
+    scores[1, :, 7:] = MASKED_SCORE
+    out = tvm.runtime.tensor(np.zeros_like(scores))
+    library["main"](tvm.runtime.tensor(scores), out)
+    exp = np.exp(scores.astype(np.float64) - scores.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(out.numpy(), exp / exp.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert (out.numpy()[1, :, 7:] == 0).all()

@@ -13,6 +13,7 @@ from kiln.compile.lower.cpu_schedule import (
     PrefillElementwise,
     RowNorm,
     RowParallelMatmul,
+    RowSoftmax,
     block_names,
 )
 from kiln.compile.lower.cpu_exponential import written_out_exp
@@ -118,6 +119,7 @@ def cpu_schedules() -> tvm.transform.Pass:
                 RowParallelMatmul(),
                 EncoderAttentionScores(),
                 EncoderAttentionValues(),
+                RowSoftmax(),
                 RowNorm(),
                 PrefillElementwise(),
                 dl.cpu.Reduction(),

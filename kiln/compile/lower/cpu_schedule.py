@@ -482,6 +482,34 @@ class EncoderAttentionScores(dl.ScheduleRule):
         return sch
 
 
+SOFTMAX_BLOCKS = ["T_softmax_maxelem", "T_softmax_exp", "T_softmax_expsum", "T_softmax_norm"]  # TOPI's, as Relax legalizes it
+
+
+class RowSoftmax(dl.ScheduleRule):
+    """A softmax over the last axis of a symbolic number of rows (an encoder's attention
+    probabilities): rows in parallel, a row's four passes one after another in plain loops, which
+    LLVM vectorizes itself. Split into vectors, a loop of the symbolic row length keeps a predicate
+    that makes TVM scalarize the lanes, as dlight's Reduction rule left the exponentials: MiniLM's
+    softmax for 10 inputs of 56 tokens took 1.0 ms a layer on 2 threads, 0.43 ms so. The maximum and
+    the sum still run in order: the same bits as before."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+            return None
+        sch = s_tir.Schedule(func)
+        if block_names(sch) != SOFTMAX_BLOCKS:
+            return None
+        maxelem, exp, expsum, norm = (sch.get_sblock(name) for name in SOFTMAX_BLOCKS)
+        *rows, _ = sch.get_loops(norm)
+        if all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in rows):
+            return None
+        row = sch.fuse(*rows)
+        sch.parallel(row)
+        for block in (expsum, exp, maxelem):
+            sch.compute_at(block, row)
+        return sch
+
+
 class EncoderAttentionValues(dl.ScheduleRule):
     """The probabilities × values product of an encoder's attention (kiln/models/embedding.py):
     (input, query, head) rows in parallel, a row's head elements accumulated one key at a time, an
