@@ -482,7 +482,8 @@ class EncoderAttentionScores(dl.ScheduleRule):
         return sch
 
 
-SOFTMAX_BLOCKS = ["T_softmax_maxelem", "T_softmax_exp", "T_softmax_expsum", "T_softmax_norm"]  # TOPI's, as Relax legalizes it
+# TOPI's softmax, as Relax legalizes it
+SOFTMAX_BLOCKS = ["T_softmax_maxelem", "T_softmax_exp", "T_softmax_expsum", "T_softmax_norm"]
 
 
 class RowSoftmax(dl.ScheduleRule):
