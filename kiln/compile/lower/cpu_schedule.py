@@ -143,6 +143,14 @@ def block_names(sch: s_tir.Schedule) -> list[str]:
     return [sch.get(b).name_hint for b in sch.get_child_blocks(get_root_block(sch))]
 
 
+def kernel_of_blocks(func: tirx.PrimFunc, names: list[str]) -> s_tir.Schedule | None:
+    """A schedule of `func` where it is a kernel of these blocks, in this order, and no others."""
+    if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
+        return None
+    sch = s_tir.Schedule(func)
+    return sch if block_names(sch) == names else None
+
+
 def one_matmul(func: tirx.PrimFunc) -> tuple[s_tir.Schedule, list[str], str] | None:
     """A schedule of a kernel with exactly one matmul block, its blocks' names and the matmul's."""
     if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
@@ -463,10 +471,8 @@ class EncoderAttentionScores(dl.ScheduleRule):
     of 56 tokens took 1.4-1.7 ms a layer on 2 threads, 0.53 ms so."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
-            return None
-        sch = s_tir.Schedule(func)
-        if block_names(sch) != [ATTENTION_SCORES, MASKED_SCORES]:
+        sch = kernel_of_blocks(func, [ATTENTION_SCORES, MASKED_SCORES])
+        if sch is None:
             return None
         scores = sch.get_sblock(ATTENTION_SCORES)
         batch, head, query, _, element = sch.get_loops(scores)
@@ -495,10 +501,8 @@ class RowSoftmax(dl.ScheduleRule):
     the sum still run in order: the same bits as before."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
-            return None
-        sch = s_tir.Schedule(func)
-        if block_names(sch) != SOFTMAX_BLOCKS:
+        sch = kernel_of_blocks(func, SOFTMAX_BLOCKS)
+        if sch is None:
             return None
         maxelem, exp, expsum, norm = (sch.get_sblock(name) for name in SOFTMAX_BLOCKS)
         *rows, _ = sch.get_loops(norm)
@@ -517,10 +521,8 @@ class EncoderAttentionValues(dl.ScheduleRule):
     inner loop over contiguous elements that LLVM vectorizes (dlight's rules leave the kernel serial)."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
-            return None
-        sch = s_tir.Schedule(func)
-        if block_names(sch) != [ATTENTION_VALUES]:
+        sch = kernel_of_blocks(func, [ATTENTION_VALUES])
+        if sch is None:
             return None
         block = sch.get_sblock(ATTENTION_VALUES)
         batch, query, head, element, key = sch.get_loops(block)

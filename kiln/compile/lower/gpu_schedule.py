@@ -49,7 +49,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
-from kiln.compile.lower.cpu_schedule import block_names, one_matmul
+from kiln.compile.lower.cpu_schedule import block_names, kernel_of_blocks, one_matmul
 from kiln.models.stage_names import ATTENTION_SCORES, MASKED_SCORES
 
 
@@ -461,10 +461,8 @@ class ThreadPerScore(dl.ScheduleRule):
         self.keys = keys
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not isinstance(func.body, s_tir.SBlockRealize):
-            return None
-        sch = s_tir.Schedule(func)
-        if block_names(sch) != [ATTENTION_SCORES, MASKED_SCORES]:
+        sch = kernel_of_blocks(func, [ATTENTION_SCORES, MASKED_SCORES])
+        if sch is None:
             return None
         scores = sch.get_sblock(ATTENTION_SCORES)
         batch, head, query, key, element = sch.get_loops(scores)
