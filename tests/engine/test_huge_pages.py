@@ -5,7 +5,6 @@ once a token, ran faster from huge ones."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +61,9 @@ def numpy_on_small_pages():
     _set_madvise_hugepage(was)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="madvise is Linux's")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="this system has no transparent huge pages"
+)
 def test_the_block_asks_linux_for_huge_pages_before_its_first_write(numpy_on_small_pages):
     """Whether Linux then gives them depends on its free memory (the suite's CI machines gave none at
     times), so what is checked is the advice: every mapping under the block is marked hg."""
