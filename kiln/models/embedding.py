@@ -193,6 +193,8 @@ def masked_scores(
     the mask (and `sees`) let i see j, else MASKED_SCORE: (batch, heads, seq, seq)."""
     batch, seq_len, _, head_dim = x.shape
     d = te.reduce_axis((0, head_dim), name="d")
+    # The heads an int64 axis like the others: an int32 one among them made TVM refuse the CPU
+    # schedule's reverse_compute_at (EncoderAttentionScores).
     raw = te.compute(
         (batch, tirx.IntImm("int64", num_heads), seq_len, seq_len),
         lambda b, h, i, j: te.sum(
