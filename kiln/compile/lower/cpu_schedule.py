@@ -457,7 +457,7 @@ class PrefillElementwise(dl.ScheduleRule):
         blocks = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
         if blocks is None or len(blocks) != 1 or not blocks[0].is_injective():
             return None
-        if all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in sch.get_loops(blocks[0].block_rv)):
+        if all(_static_extent(sch, loop) is not None for loop in sch.get_loops(blocks[0].block_rv)):
             return None
         _vectorize_elementwise(sch, sch.get(blocks[0].block_rv).name_hint)
         return sch
@@ -506,7 +506,7 @@ class RowSoftmax(dl.ScheduleRule):
             return None
         maxelem, exp, expsum, norm = (sch.get_sblock(name) for name in SOFTMAX_BLOCKS)
         *rows, _ = sch.get_loops(norm)
-        if all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in rows):
+        if all(_static_extent(sch, loop) is not None for loop in rows):
             return None
         row = sch.fuse(*rows)
         sch.parallel(row)
