@@ -11,7 +11,11 @@ CPU wasm library), and this contract is checked for every prompt on its own:
   `prefill_all_logits` pass and their argmax agrees, or flips at a near tie, at
   ≥ `min_forced_top1_agreement` of the compared positions. The compared positions always include
   every one after a greedy divergence, so the rest of an exempted sequence is still checked;
-- the logits after the prompt within `max_last_logit_abs_diff`.
+- the logits after the prompt within `max_last_logit_abs_diff`, or `max_last_logit_rel_diff` of the
+  largest native one where that is more.
+A model whose matmuls take 8-bit activations (`gguf_i8`) is held to the tolerance its quantization
+states (`ParityContract.of`): a rounding apart anywhere upstream of a quantized row moves what follows
+by up to that much, in one engine as between two.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from kiln.app_config import BUILD_RECORD
+from kiln.compile.quantization import QUANTIZATIONS
+from kiln.compile.quantization.gguf_blocks import INT8_LOGIT_TOLERANCE, INT8_NEAR_TIE
 from kiln.errors import KilnError
+from kiln.model_folder import read_json
 from kiln.runtime import NativeModel
 from kiln.text import load_tokenizer
 
@@ -40,7 +48,19 @@ DEFAULT_PROMPTS = (
 class ParityContract:
     near_tie_gap: float = 1e-3
     max_last_logit_abs_diff: float = 1e-2
+    max_last_logit_rel_diff: float = 0.0  # of the largest native logit
     min_forced_top1_agreement: float = 0.99
+
+    @classmethod
+    def of(cls, model_dir: Path) -> ParityContract:
+        """The contract for the model's quantization: a float one's, or the tolerance of 8-bit activations."""
+        quantization = QUANTIZATIONS.get(read_json(Path(model_dir) / BUILD_RECORD).get("quantization", ""))
+        if getattr(quantization, "int8_activations", False):
+            return cls(near_tie_gap=INT8_NEAR_TIE, max_last_logit_rel_diff=INT8_LOGIT_TOLERANCE)
+        return cls()
+
+    def last_logit_diff_allowed(self, largest: float) -> float:
+        return max(self.max_last_logit_abs_diff, self.max_last_logit_rel_diff * largest)
 
 
 @dataclass(frozen=True)
@@ -88,6 +108,7 @@ class PromptParity:
     forced_flips: list[Flip]
     non_finite: list[str]  # which logits held a NaN or an infinity
     last_logit_abs_diff: float
+    last_logit_largest: float  # the largest native logit after the prompt, in magnitude
     forced_max_logit_abs_diff: float
 
     @property
@@ -125,10 +146,9 @@ class PromptParity:
                 f"(< {contract.min_forced_top1_agreement:.0%}), "
                 f"first at position {unexplained[0].position}: {unexplained[0].describe()}"
             )
-        if not self.last_logit_abs_diff <= contract.max_last_logit_abs_diff:
-            failures.append(
-                f"last-token logits differ by {self.last_logit_abs_diff:.2e} (> {contract.max_last_logit_abs_diff:g})"
-            )
+        allowed = contract.last_logit_diff_allowed(self.last_logit_largest)
+        if not self.last_logit_abs_diff <= allowed:
+            failures.append(f"last-token logits differ by {self.last_logit_abs_diff:.2e} (> {allowed:g})")
         return failures
 
     def to_json(self, contract: ParityContract) -> dict:
@@ -219,6 +239,7 @@ def judge_prompt(
             browser_forced=browser_rows,
         ),
         last_logit_abs_diff=float(np.abs(native_steps[0] - browser_steps[0]).max()),
+        last_logit_largest=float(np.abs(native_steps[0]).max()),
         forced_max_logit_abs_diff=float(np.abs(native_rows[start:] - browser_rows[start:]).max()),
     )
 
@@ -258,16 +279,17 @@ def run_parity(
     forced_positions: int | None = None,
     backend: str = "auto",
     native_target: str = "cpu",
-    contract: ParityContract = ParityContract(),
+    contract: ParityContract | None = None,
     browser_model_dir: Path | None = None,
 ) -> dict:
     """The parity report of `model_dir` (natively) against `browser_model_dir` (default: the same
-    folder) in the browser; `passed` says whether the contract holds."""
+    folder) in the browser; `passed` says whether the contract (default: the model's) holds."""
     if max_tokens < 1:
         raise KilnError(f"--max-tokens must be at least 1, got {max_tokens}")
     if forced_positions is not None and forced_positions < 1:
         raise KilnError(f"--forced-positions must be at least 1, got {forced_positions}")
     model_dir = Path(model_dir)
+    contract = contract or ParityContract.of(model_dir)
     native = NativeModel(model_dir, native_target)
     tokenizer = load_tokenizer(model_dir)
     with browser_model(browser_model_dir or model_dir, backend) as browser:

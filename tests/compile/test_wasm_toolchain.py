@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers.paths import WEB_DIR
-from helpers.web import run_node_module
+from helpers.web import node_tool, require_tools, run_function, run_node_module
 
 from kiln.compile.lower.library import prepare_toolchains
 from kiln.compile.toolchain import wasm_toolchain
@@ -31,15 +31,6 @@ METADATA = {"model": "kiln-toolchain-test", "params": []}
 OFFSET = np.array([0.5, -1.0, 2.0], dtype=np.float32)
 
 pytestmark = pytest.mark.slow
-
-
-def require_tools() -> None:
-    fixes = {"emcc": wasm_toolchain.EMSCRIPTEN_FIX, "node": wasm_toolchain.NODE_FIX}
-    for program, fix in fixes.items():
-        if shutil.which(program) is None:
-            pytest.skip(f"{program} is not installed ({fix})")
-    if not (WEB_DIR / "node_modules" / "@mlc-ai" / "web-runtime").is_dir():
-        pytest.fail(f"npm packages are not installed: run `cd {WEB_DIR} && npm ci`")
 
 
 def affine_module():
@@ -79,29 +70,10 @@ def libraries(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def node_tool(tool: str, *args: str, expect_status: int = 0) -> dict:
-    result = subprocess.run(
-        ["node", str(WEB_DIR / "tools" / tool), *args],
-        capture_output=True,
-        text=True,
-        env=wasm_toolchain.dawn_node_environment(),
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == expect_status, result.stderr[-3000:]
-    return json.loads(result.stdout)
-
-
 def run_affine(library: Path, tmp_path: Path, device: str) -> tuple[dict, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
     x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((4, 8), (8, 3), (3,)))
-    inputs = tmp_path / "inputs.json"
-    inputs.write_text(
-        json.dumps([{"shape": list(a.shape), "dtype": "float32", "data": a.ravel().tolist()} for a in (x, w, b)])
-    )
-    result = node_tool("run-function.mjs", str(library), "main", str(inputs), "--device", device)
-    (output,) = result["outputs"]
-    got = np.array(output["data"], dtype=np.float32).reshape(output["shape"])
+    result, (got,) = run_function(library, "main", [x, w, b], tmp_path, device)
     return result, got, x @ w + b + OFFSET
 
 

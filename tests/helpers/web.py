@@ -11,11 +11,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers.paths import WEB_DIR
 
 from kiln.browser.driver import chromium, playwright_driver, serving  # noqa: F401 (playwright_driver: for conftest)
+from kiln.compile.toolchain import wasm_toolchain
 from kiln.server import ServerConfig, create_app
 
 
@@ -67,6 +69,41 @@ def run_node_module(source: str, data) -> object:
         )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
+
+
+def require_tools() -> None:
+    """emcc and node, and the npm packages, for tests that link wasm libraries and run them in Node."""
+    fixes = {"emcc": wasm_toolchain.EMSCRIPTEN_FIX, "node": wasm_toolchain.NODE_FIX}
+    for program, fix in fixes.items():
+        if shutil.which(program) is None:
+            pytest.skip(f"{program} is not installed ({fix})")
+    if not (WEB_DIR / "node_modules" / "@mlc-ai" / "web-runtime").is_dir():
+        pytest.fail(f"npm packages are not installed: run `cd {WEB_DIR} && npm ci`")
+
+
+def node_tool(tool: str, *args: str, expect_status: int = 0) -> dict:
+    """Run one of web/tools/ in Node; it prints one JSON report."""
+    result = subprocess.run(
+        ["node", str(WEB_DIR / "tools" / tool), *args],
+        capture_output=True,
+        text=True,
+        env=wasm_toolchain.dawn_node_environment(),
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == expect_status, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def run_function(library: Path, function: str, arrays: list, tmp_path: Path, device: str = "cpu") -> tuple[dict, list]:
+    """Call a Relax function of a wasm library in Node (web/tools/run-function.mjs): its report and outputs."""
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(
+        json.dumps([{"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()} for a in arrays])
+    )
+    result = node_tool("run-function.mjs", str(library), function, str(inputs), "--device", device)
+    outputs = [np.array(o["data"], dtype=o["dtype"]).reshape(o["shape"]) for o in result["outputs"]]
+    return result, outputs
 
 
 def run_kiln(*args: str, timeout_s: float = 3600) -> subprocess.CompletedProcess:

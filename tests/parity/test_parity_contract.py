@@ -4,10 +4,14 @@ NaN and infinity, one bad prompt among good ones, the forced window after a dive
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from kiln.app_config import BUILD_RECORD
 from kiln.browser.parity import ParityContract, check_contract, judge_prompt
+from kiln.compile.quantization.gguf_blocks import INT8_LOGIT_TOLERANCE, INT8_NEAR_TIE
 
 CONTRACT = ParityContract()
 VOCAB = 8
@@ -129,6 +133,21 @@ def test_last_token_logits_over_the_tolerance_fail():
     runs = Runs()
     runs.browser_steps[0] = runs.browser_steps[0] + np.float32(0.02)
     assert runs.judge().failures(CONTRACT) == ["last-token logits differ by 2.00e-02 (> 0.01)"]
+
+
+@pytest.mark.parametrize(("quantization", "int8"), [("gguf_i8", True), ("gguf_f32", False), ("q4f32_1", False)])
+def test_a_model_on_8_bit_activations_is_held_to_their_stated_tolerance(tmp_path, quantization, int8):
+    (tmp_path / BUILD_RECORD).write_text(json.dumps({"quantization": quantization}))
+    contract = ParityContract.of(tmp_path)
+    if not int8:
+        assert contract == CONTRACT
+        return
+    assert contract.near_tie_gap == INT8_NEAR_TIE and contract.max_last_logit_rel_diff == INT8_LOGIT_TOLERANCE
+    runs = Runs()  # the largest native logit after the prompt is -5.0 in magnitude: 0.75 allowed
+    runs.browser_steps[0] = runs.browser_steps[0] + np.float32(0.7)
+    assert runs.judge().failures(contract) == []
+    runs.browser_steps[0] = runs.browser_steps[0] + np.float32(0.1)
+    assert runs.judge().failures(contract) == ["last-token logits differ by 8.00e-01 (> 0.75)"]
 
 
 def test_other_prompt_ids_in_the_browser_fail():
