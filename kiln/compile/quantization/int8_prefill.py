@@ -40,6 +40,7 @@ from kiln.compile.quantization.int8_decode import (
     WasmSimd,
     added_halves,
     lanes_of,
+    made_once,
     side_by_side,
     to_eight,
     u8s,
@@ -64,7 +65,7 @@ class RegisterTile:
 
 REGISTER_TILES = {
     Avx512Vnni.name: RegisterTile(4, 2),
-    Avx2.name: RegisterTile(2, 1),
+    Avx2.name: RegisterTile(1, 1),
     WasmSimd.name: RegisterTile(2, 1),
 }
 
@@ -162,6 +163,7 @@ def quantized_block(x, r, b, largest):
     return T.Cast("int8x32", T.Cast("int32x32", T.nearbyint(block * T.broadcast(scale, 32))))
 
 
+@made_once
 def gemm(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: InstructionSet) -> tirx.PrimFunc:
     """y[0, r, o] = Σ_k x[0, r, k] W[o, k] for activation rows x [1, n, cols], quantized here, and W's
     blocks as [rows, row_bytes] bytes."""
