@@ -151,6 +151,7 @@ def block_offset(blocks, row: Row, base, j):
 
 
 def greatest(vector8):
+    """The largest of 8 lanes."""
     for width in (4, 2, 1):
         vector8 = T.max(lanes_of(vector8, 0, width), lanes_of(vector8, width, width))
     return vector8
