@@ -418,11 +418,11 @@ def eight_lanes(buffer, combine):
     return total
 
 
-def quantized(x, largest, b):
-    """A block of activations as int8: x · 127 / max|x| to the nearest integer (ties to even, as
-    llama.cpp's AVX2 rounds them), 0 for a block of zeros."""
-    scale = T.if_then_else(largest[b] > T.float32(0), T.float32(127) / largest[b], T.float32(0))
-    return T.Cast("int8x32", T.Cast("int32x32", T.nearbyint(activation_block(x, b) * T.broadcast(scale, 32))))
+def quantized(block, largest):
+    """A block of 32 activations as int8, `largest` its max|x|: x · 127 / max|x| to the nearest
+    integer (ties to even, as llama.cpp's AVX2 rounds them), 0 for a block of zeros."""
+    scale = T.if_then_else(largest > T.float32(0), T.float32(127) / largest, T.float32(0))
+    return T.Cast("int8x32", T.Cast("int32x32", T.nearbyint(block * T.broadcast(scale, 32))))
 
 
 # ---- the weights ----
@@ -571,7 +571,7 @@ def gemv(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
                 largest[b] = eight_lanes(halves, T.max)
                 scales[T.ramp(b * 8, 1, 8)] = T.broadcast(largest[b] / T.float32(127), 8)
                 xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] = T.Cast(
-                    f"{isa.activations}x32", quantized(x, largest, b)
+                    f"{isa.activations}x32", quantized(activation_block(x, b), largest[b])
                 )
                 counts[T.ramp(0, 1, 8)] = isa.dot(u8s(1), xq[T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)], None)
                 sx[b] = T.Cast("float32", eight_lanes(counts, lambda a, c: a + c)) * (largest[b] / T.float32(127))

@@ -41,6 +41,7 @@ from kiln.compile.quantization.int8_decode import (
     added_halves,
     lanes_of,
     made_once,
+    quantized,
     side_by_side,
     to_eight,
     u8s,
@@ -70,11 +71,16 @@ REGISTER_TILES = {
 }
 
 
+def stores_signed_levels(blocks) -> bool:
+    """Whether the block type stores its levels as signed bytes (Q8_0)."""
+    return getattr(blocks, "levels", None) == "signed"
+
+
 def signed_activations(blocks, isa: InstructionSet) -> bool:
     """Whether the activations meet the levels signed: Q8_0's on AVX2, whose `vpmaddubsw` would
     saturate pairs of unsigned activations times its levels (up to 2 × 255 × 128); |w| then meets
     x with w's sign, as llama.cpp does."""
-    return getattr(blocks, "levels", None) == "signed" and isa.name == Avx2.name
+    return stores_signed_levels(blocks) and isa.name == Avx2.name
 
 
 def quads(isa: InstructionSet, signed: bool, xa, w, sums):
@@ -123,7 +129,7 @@ def scale_block(blocks) -> int:
 
 def signed_levels(blocks, isa: InstructionSet, w, o, base, j):
     """Activation block j of the stored block at `base` as 32 signed bytes: its levels less their zero."""
-    if getattr(blocks, "levels", None) == "signed":
+    if stores_signed_levels(blocks):
         return T.reinterpret("int8x32", w[o, T.ramp(base + blocks.qs_at, 1, 32)])
     zero = blocks.levels_zero(isa)
     return T.reinterpret("int8x32", blocks.levels_of(w, o, base, j, isa) - u8s(zero))
@@ -150,18 +156,20 @@ def block_offset(blocks, row: Row, base, j):
     return row.f16(base + blocks.m_at)
 
 
+def activation_block(x, r, b):
+    return x[0, r, T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
+
+
+def quantized_row_block(xq, r):
+    """Row r's quantized block as `xq` holds it (moved up by 128), back as int8."""
+    return T.reinterpret("int8x32", xq[T.ramp(r * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)] ^ u8s(128))
+
+
 def greatest(vector8):
     """The largest of 8 lanes."""
     for width in (4, 2, 1):
         vector8 = T.max(lanes_of(vector8, 0, width), lanes_of(vector8, width, width))
     return vector8
-
-
-def quantized_block(x, r, b, largest):
-    """Block b of row r as int8: x · 127 / max|x| to the nearest integer (ties to even), 0 for zeros."""
-    scale = T.if_then_else(largest > T.float32(0), T.float32(127) / largest, T.float32(0))
-    block = x[0, r, T.ramp(b * ACTIVATION_BLOCK, 1, ACTIVATION_BLOCK)]
-    return T.Cast("int8x32", T.Cast("int32x32", T.nearbyint(block * T.broadcast(scale, 32))))
 
 
 @made_once
@@ -177,6 +185,10 @@ def gemm(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
     scale_blocks, subs = cols // sub, ACTIVATION_BLOCK // sub
     group, pairs = LANES * tile.row_vectors, tile.pairs
     has_offset = blocks.has_offset
+
+    def padded(n):
+        """The activation rows, padded to whole register tiles."""
+        return (n + group - 1) // group * group
 
     def xa_at(r, word):
         """Where row r's 4 bytes of word `word` lie in `xa`."""
@@ -211,22 +223,23 @@ def gemm(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
         x = T.match_buffer(var_x, (1, n, cols), "float32")
         y = T.match_buffer(var_y, (1, n, rows), "float32")
         with T.sblock("root"):
-            xa = T.alloc_buffer(((n + group - 1) // group * group * cols,), "uint8")
-            dx = T.alloc_buffer(((n + group - 1) // group * group * activation_blocks,), "float32")
-            sx = T.alloc_buffer(((n + group - 1) // group * group * activation_blocks,), "float32")
-            largest = T.alloc_buffer(((n + group - 1) // group * group,), "float32")
-            xq = T.alloc_buffer(((n + group - 1) // group * group * ACTIVATION_BLOCK,), "uint8")
-            for r in T.parallel((n + group - 1) // group * group):
+            xa = T.alloc_buffer((padded(n) * cols,), "uint8")
+            dx = T.alloc_buffer((padded(n) * activation_blocks,), "float32")
+            sx = T.alloc_buffer((padded(n) * activation_blocks,), "float32")
+            largest = T.alloc_buffer((padded(n),), "float32")
+            xq = T.alloc_buffer((padded(n) * ACTIVATION_BLOCK,), "uint8")
+            for r in T.parallel(padded(n)):
                 for b in range(activation_blocks):
                     if r < n:
-                        largest[r] = greatest(to_eight(T.fabs(x[0, r, T.ramp(b * 32, 1, 32)]), T.max))
+                        largest[r] = greatest(to_eight(T.fabs(activation_block(x, r, b)), T.max))
                         dx[lanes_at(r, b)] = largest[r] / T.float32(127)
-                        sx[lanes_at(r, b)] = T.Cast(
-                            "float32", added_halves(T.Cast("int32x32", quantized_block(x, r, b, largest[r])), 32)
-                        ) * (largest[r] / T.float32(127))
                         xq[T.ramp(r * 32, 1, 32)] = T.reinterpret(
-                            "uint8x32", quantized_block(x, r, b, largest[r])
+                            "uint8x32", quantized(activation_block(x, r, b), largest[r])
                         ) ^ u8s(128)
+                        sx[lanes_at(r, b)] = (
+                            T.Cast("float32", added_halves(T.Cast("int32x32", quantized_row_block(xq, r)), 32))
+                            * dx[lanes_at(r, b)]
+                        )
                         for c in T.unroll(8):
                             xa[T.ramp(xa_at(r, b * 8 + c), 1, 4)] = xq[T.ramp(r * 32 + 4 * c, 1, 4)]
                     else:
@@ -270,7 +283,7 @@ def gemm(block_type_name: str, rows: int, cols: int, row_bytes: int, isa: Instru
                                     offsets[i * activation_blocks + s * per_stored + j] = block_offset(
                                         blocks, TileRow(w, t * TILE_ROWS + i, unpacked, i), s * blocks.bytes, j
                                     )
-                    for g in range((n + group - 1) // group):
+                    for g in range(padded(n) // group):
                         for q in range(TILE_ROWS // tile.weight_rows):
                             for p in T.unroll(pairs):
                                 totals[T.ramp(p * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
