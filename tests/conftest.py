@@ -141,8 +141,10 @@ def embedder_build(builds, sources):
 
 @pytest.fixture(scope="session")
 def minilm_build(builds, sources):
-    """minilm_build(targets) → model folder of all-MiniLM-L6-v2 (from PyPI) at q0f32."""
-    return lambda targets=("cpu",): builds.model_dir(sources.path(MINILM), MINILM, "q0f32", list(targets))
+    """minilm_build(targets, quantization) → model folder of all-MiniLM-L6-v2 (from PyPI), at q0f32 unless asked."""
+    return lambda targets=("cpu",), quantization="q0f32": builds.model_dir(
+        sources.path(MINILM), MINILM, quantization, list(targets)
+    )
 
 
 @pytest.fixture(scope="session")

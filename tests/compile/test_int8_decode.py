@@ -198,11 +198,9 @@ def assert_decodes_within_tolerance(int8: NativeModel, floats: NativeModel, prom
         assert worst <= INT8_LOGIT_TOLERANCE and parted == []
 
 
-def test_gguf_i8_prefills_and_decodes_within_its_tolerance_of_gguf_f32(mixed_build):
-    """The mixed GGUF holds every type: the quantized ones prefill and decode on 8-bit activations,
-    F16, BF16 and F32 on float ones. A prefill's logits at every position move from the float path's
-    as a decode step's may, and its greedy tokens part from them only at near ties."""
-    int8, floats = NativeModel(mixed_build("gguf_i8")), NativeModel(mixed_build("gguf_f32"))
+def assert_prefills_and_decodes_within_tolerance(int8: NativeModel, floats: NativeModel) -> None:
+    """A prefill's logits at every position move from the float path's as a decode step's may, and
+    its greedy tokens part from them only at near ties."""
     for ids in PROMPTS:
         int8.reset()
         floats.reset()
@@ -213,6 +211,19 @@ def test_gguf_i8_prefills_and_decodes_within_its_tolerance_of_gguf_f32(mixed_bui
         print(f"prompt of {len(ids)} tokens: prefill logits within {worst:.2%} of the largest")
         assert 0 < worst <= INT8_LOGIT_TOLERANCE and not parted.any()
     assert_decodes_within_tolerance(int8, floats, PROMPTS)
+
+
+def test_gguf_i8_prefills_and_decodes_within_its_tolerance_of_gguf_f32(mixed_build):
+    """The mixed GGUF holds every type: the quantized ones prefill and decode on 8-bit activations,
+    F16, BF16 and F32 on float ones."""
+    assert_prefills_and_decodes_within_tolerance(
+        NativeModel(mixed_build("gguf_i8")), NativeModel(mixed_build("gguf_f32"))
+    )
+
+
+def test_q8_0_i8_quantizes_a_checkpoint_and_runs_within_its_tolerance_of_q0f32(tiny_build):
+    """A safetensors checkpoint quantized into Q8_0 blocks at conversion takes gguf_i8's kernels."""
+    assert_prefills_and_decodes_within_tolerance(NativeModel(tiny_build("q8_0_i8")), NativeModel(tiny_build("q0f32")))
 
 
 @pytest.mark.slow
@@ -228,12 +239,15 @@ def test_gguf_i8_decodes_smollm2_as_gguf_f32_up_to_near_ties(smollm2_build):
 
 
 @pytest.mark.parametrize("target", ["webgpu", "arm64-linux"])
-def test_gguf_i8_is_refused_for_a_target_without_its_kernels(mixed_gguf, tmp_path, run_compile, target):
-    result = run_compile(mixed_gguf, tmp_path / "out", "-q", "gguf_i8", "-t", target)
+@pytest.mark.parametrize("source, quantization", [("mixed_gguf", "gguf_i8"), ("tiny_source", "q8_0_i8")])
+def test_8_bit_activations_are_refused_for_a_target_without_their_kernels(
+    request, tmp_path, run_compile, target, source, quantization
+):
+    result = run_compile(request.getfixturevalue(source), tmp_path / "out", "-q", quantization, "-t", target)
     assert_clean_failure(
         result,
         tmp_path / "out",
-        "gguf_i8 runs matmuls on 8-bit activations with x86-64 (AVX2) and wasm (SIMD) kernels only",
+        "this quantization runs matmuls on 8-bit activations, with x86-64 (AVX2) and wasm (SIMD) kernels only",
     )
 
 

@@ -14,6 +14,11 @@ from kiln.browser.driver import BrowserEngineError, page_engine
 from kiln.embeddings import EmbeddingEngine
 
 LEAST_COSINE = 0.9999  # browser against native, per input
+# A matmul on 8-bit activations rounds its input to 255 levels, so one ulp of difference upstream moves
+# all that follows: MiniLM at q8_0_i8 natively, against itself with one LayerNorm bias nudged by one ulp,
+# reaches a cosine of 0.9999 (median 0.99995), its wasm library against the native one 0.99987. The two
+# engines' kernels sum the same integers (tests/compile/test_int8_decode.py); their floats round apart.
+LEAST_COSINE_ON_8_BIT_ACTIVATIONS = 0.999
 PASSAGES = [passage for _, passage in RETRIEVAL]
 # One cut to the model's 256 tokens, and the passages the retrieval check ranks.
 TEXTS = ["A kiln fires clay.", "Stoneware " * 300, *PASSAGES]
@@ -67,6 +72,18 @@ def test_wasm_embeddings_match_the_native_ones_and_rank_the_passages(minilm_buil
             assert refused.value.code == "bad-request"
         with pytest.raises(BrowserEngineError, match="is an embedding model"):
             engine.chat({"messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.mark.browser
+def test_minilm_on_8_bit_activations_in_wasm_matches_the_native_one_to_its_rounding(minilm_build, driver):
+    model_dir = minilm_build(["cpu", "wasm"], "q8_0_i8")
+    queries, _ = zip(*RETRIEVAL)
+    with page_engine(model_dir.parent, webgpu=False, driver=driver) as engine:
+        engine.load(model_dir.name, "wasm")
+        browser = vectors_of(engine.call("embeddings.create", {"input": TEXTS}))
+        query_vectors = vectors_of(engine.call("embeddings.create", {"input": list(queries)}))
+    assert least_cosine(browser, EmbeddingEngine(model_dir).embed(TEXTS)) >= LEAST_COSINE_ON_8_BIT_ACTIVATIONS
+    assert list((query_vectors @ browser[-len(PASSAGES) :].T).argmax(axis=1)) == list(range(len(RETRIEVAL)))
 
 
 @pytest.mark.browser

@@ -66,6 +66,7 @@ BUILT_TOGETHER = {
     "tiny-qwen3-embedder-q0f32": ("cpu", "wasm"),
     "tiny-gemma3-embedder-q0f32": ("cpu", "wasm"),
     f"{MINILM}-q0f32": ("cpu", "wasm", "webgpu"),
+    f"{MINILM}-q8_0_i8": ("cpu", "wasm"),
 }
 
 
@@ -109,7 +110,7 @@ WRITTEN_FROM: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
 # The builds a test asks for through each fixture, (source, model name, quantization), in the order the
 # suite first asks for them.
 BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
-    "tiny_source": [("tiny-llama", "tiny-llama", q) for q in ("q4f32_1", "q0f32", "q4f16_1")],
+    "tiny_source": [("tiny-llama", "tiny-llama", q) for q in ("q4f32_1", "q0f32", "q4f16_1", "q8_0_i8")],
     "tiny_untied_source": [("tiny-llama-untied", "tiny-untied", "q0f32")],
     "mixed_build": [("tiny-mixed", "tiny-mixed", q) for q in ("q0f32", "gguf_f32", "gguf_f16", "q0f16", "gguf_i8")],
     "smollm2_source": [(SMOLLM2, SMOLLM2, q) for q in ("q0f32", "q4f16_1", "q4f32_1", "gguf_f32", "gguf_i8")],
@@ -122,7 +123,7 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
     "all_local_models": [(name, f"tiny-{name}", "q0f32") for name in ("gemma2-all-local", "gemma3-all-local")],
     "real_size": [(name, f"{name}-sized", "q4f32_1") for name in REAL_SIZES],
     "embedder_build": [
-        *(("tiny-bert", "tiny-bert", q) for q in ("q0f32", "q8f32_1", "q4f32_1")),
+        *(("tiny-bert", "tiny-bert", q) for q in ("q0f32", "q8f32_1", "q4f32_1", "q8_0_i8")),
         ("tiny-bert-cls", "tiny-bert-cls", "q0f32"),
         *(
             (name, name, q)
@@ -130,7 +131,7 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
             for q in ("q0f32", "q8f32_1")
         ),
     ],
-    "minilm_build": [(MINILM, MINILM, "q0f32")],
+    "minilm_build": [(MINILM, MINILM, q) for q in ("q0f32", "q8_0_i8")],
 }
 
 

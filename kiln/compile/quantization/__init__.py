@@ -17,7 +17,7 @@ from typing import Protocol
 
 from tvm.relax.frontend import nn
 
-from kiln.compile.quantization import float_weights, gguf_blocks, group
+from kiln.compile.quantization import float_weights, gguf_blocks, group, quantized_blocks
 from kiln.compile.quantization.stored import Stored
 from kiln.compile.source.source_weights import SourceWeights
 from kiln.errors import KilnError
@@ -39,7 +39,8 @@ class Scheme(Protocol):
 
 
 QUANTIZATIONS: dict[str, Scheme] = {
-    scheme.name: scheme for scheme in (*float_weights.SCHEMES, *group.SCHEMES, *gguf_blocks.SCHEMES)
+    scheme.name: scheme
+    for scheme in (*float_weights.SCHEMES, *group.SCHEMES, *gguf_blocks.SCHEMES, *quantized_blocks.SCHEMES)
 }
 
 

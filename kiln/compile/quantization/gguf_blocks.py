@@ -64,16 +64,17 @@ def readable(blocks: nn.Tensor, block_type: BlockType) -> nn.Tensor:
 
 def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows: int, cols: int) -> nn.Tensor | None:
     """A matmul on 8-bit activations, or None where there is none: the block type has no such kernel,
-    or x is neither one row (int8_decode.py) nor rows of one sequence [1, n, cols] against whole
-    tiles of weights (int8_prefill.py); it then runs on float activations. A target without the
+    or x is neither one row (int8_decode.py) nor sequences [batch, n, cols] against whole tiles of
+    weights (int8_prefill.py); it then runs on float activations. A target without the
     kernels is refused: its library would round other numbers than the cpu one."""
     target = Target.current(allow_none=True)
     if not int8_decode.runs_on(target):
         entry = building()
         library = f"the {entry.name} library" if entry else "outside a target"
         raise KilnError(
-            "gguf_i8 runs matmuls on 8-bit activations with x86-64 (AVX2) and wasm (SIMD) kernels only, "
-            f"and cannot build {library}: build it with gguf_f32"
+            "this quantization runs matmuls on 8-bit activations, with x86-64 (AVX2) and wasm (SIMD) kernels "
+            f"only, and cannot build {library}: build it with one on float activations (gguf_f32 for a .gguf "
+            "source, q8f32_1 for a checkpoint)"
         )
     if block_type.name not in int8_decode.KERNEL_BLOCKS:
         return None
@@ -81,11 +82,17 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
     isa = int8_decode.instruction_set(target)
     if int8_decode.one_row(x.shape):
         kernel, name = int8_decode.gemv(block_type.name, rows, cols, units.shape[1], isa), "int8_decode_matmul"
-    elif int8_prefill.takes(x.shape, rows):
-        kernel, name = int8_prefill.gemm(block_type.name, rows, cols, units.shape[1], isa), "int8_prefill_matmul"
-    else:
+        return nn.op.tensor_ir_op(kernel, name, [x, units], nn.Tensor.placeholder((*x.shape[:-1], rows), "float32"))
+    if len(x.shape) != 3 or not int8_prefill.takes(rows):
         return None
-    return nn.op.tensor_ir_op(kernel, name, [x, units], nn.Tensor.placeholder((*x.shape[:-1], rows), "float32"))
+    # A batch of sequences (an encoder's inputs) runs as the rows of one.
+    batch, seq_len, _ = x.shape
+    in_one = x if isinstance(batch, int) and batch == 1 else nn.op.reshape(x, (1, batch * seq_len, cols))
+    kernel = int8_prefill.gemm(block_type.name, rows, cols, units.shape[1], isa)
+    y = nn.op.tensor_ir_op(
+        kernel, "int8_prefill_matmul", [in_one, units], nn.Tensor.placeholder((*in_one.shape[:-1], rows), "float32")
+    )
+    return y if in_one is x else nn.op.reshape(y, (batch, seq_len, rows))
 
 
 def blocks_matmul(

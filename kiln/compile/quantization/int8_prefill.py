@@ -104,10 +104,9 @@ def wasm_quads(xa, w):
     return side_by_side([T.Shuffle(list(h), [0, 2, 4, 6]) + T.Shuffle(list(h), [1, 3, 5, 7]) for h in halves])
 
 
-def takes(shape, rows: int) -> bool:
-    """Whether `gemm` takes activations of `shape` against `rows` weights: rows of one sequence
-    [1, n, cols], whole tiles of weights."""
-    return len(shape) == 3 and isinstance(shape[0], int) and shape[0] == 1 and rows % TILE_ROWS == 0
+def takes(rows: int) -> bool:
+    """Whether `gemm` takes `rows` weights: whole tiles of them."""
+    return rows % TILE_ROWS == 0
 
 
 class TileRow(Row):
