@@ -61,7 +61,7 @@ def test_tiny_bert_gives_sentence_transformers_embeddings(embedder_build, source
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-embedder", "tiny-qwen2-embedder", "tiny-gemma3-embedder"])
-@pytest.mark.parametrize("quantization", ["q0f32", "q8f32_1"])
+@pytest.mark.parametrize("quantization", ["q0f32", "q8f32_1", "q8_0_i8"])
 def test_decoder_embedders_give_sentence_transformers_embeddings(embedder_build, sources, name, quantization):
     """Qwen3-Embedding's shape (last-token pooling, <|endoftext|> appended, padded on the left by
     sentence-transformers and on the right by Kiln), a Qwen2 with mean pooling (causal attention over

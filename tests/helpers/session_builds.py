@@ -128,7 +128,7 @@ BUILT_FOR_FIXTURE: dict[str, list[tuple[str, str, str]]] = {
         *(
             (name, name, q)
             for name in ("tiny-qwen3-embedder", "tiny-qwen2-embedder", "tiny-gemma3-embedder")
-            for q in ("q0f32", "q8f32_1")
+            for q in ("q0f32", "q8f32_1", "q8_0_i8")
         ),
     ],
     "minilm_build": [(MINILM, MINILM, q) for q in ("q0f32", "q8_0_i8")],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
-from tvm import DataType, relax, te
+from tvm import DataType, relax, te, tirx
 from tvm.relax.frontend import nn
 from tvm.target import Target
 
@@ -80,19 +80,21 @@ def int8_matmul(x: nn.Tensor, blocks: nn.Parameter, block_type: BlockType, rows:
         return None
     units = readable(blocks, block_type)
     isa = int8_decode.instruction_set(target)
-    if int8_decode.one_row(x.shape):
-        kernel, name = int8_decode.gemv(block_type.name, rows, cols, units.shape[1], isa), "int8_decode_matmul"
+
+    def run(kernel: tirx.PrimFunc, name: str, x: nn.Tensor) -> nn.Tensor:
         return nn.op.tensor_ir_op(kernel, name, [x, units], nn.Tensor.placeholder((*x.shape[:-1], rows), "float32"))
+
+    if int8_decode.one_row(x.shape):
+        return run(int8_decode.gemv(block_type.name, rows, cols, units.shape[1], isa), "int8_decode_matmul", x)
     if len(x.shape) != 3 or not int8_prefill.takes(rows):
         return None
-    # A batch of sequences (an encoder's inputs) runs as the rows of one.
+    gemm = int8_prefill.gemm(block_type.name, rows, cols, units.shape[1], isa)
     batch, seq_len, _ = x.shape
-    in_one = x if isinstance(batch, int) and batch == 1 else nn.op.reshape(x, (1, batch * seq_len, cols))
-    kernel = int8_prefill.gemm(block_type.name, rows, cols, units.shape[1], isa)
-    y = nn.op.tensor_ir_op(
-        kernel, "int8_prefill_matmul", [in_one, units], nn.Tensor.placeholder((*in_one.shape[:-1], rows), "float32")
-    )
-    return y if in_one is x else nn.op.reshape(y, (batch, seq_len, rows))
+    if isinstance(batch, int) and batch == 1:
+        return run(gemm, "int8_prefill_matmul", x)
+    # A batch of sequences (an encoder's inputs) runs as the rows of one.
+    y = run(gemm, "int8_prefill_matmul", nn.op.reshape(x, (1, batch * seq_len, cols)))
+    return nn.op.reshape(y, (batch, seq_len, rows))
 
 
 def blocks_matmul(
