@@ -47,18 +47,15 @@ class QuantizedBlocks:
         return width % self.block_type.elements == 0
 
     def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
-        scheme, block_type = self, self.block_type
+        scheme, block_type, dtype, int8 = self, self.block_type, self.model_dtype, self.int8_activations
 
         class Rewriter(nn.Mutator):
             def visit_module(self, name: str, node: nn.Module):
                 if isinstance(node, Linear):
-                    if not scheme.fits(node.in_features):
-                        return node
-                    return GGUFLinear(node, [(block_type, node.out_features)], scheme.model_dtype, True)
+                    fitting = scheme.fits(node.in_features)
+                    return GGUFLinear(node, [(block_type, node.out_features)], dtype, int8) if fitting else node
                 if isinstance(node, Embedding):
-                    if not scheme.fits(node.hidden_size):
-                        return node
-                    return GGUFEmbedding(node, block_type, scheme.model_dtype, True)
+                    return GGUFEmbedding(node, block_type, dtype, int8) if scheme.fits(node.hidden_size) else node
                 return self.visit(name, node)
 
         return Rewriter().visit("", model)
