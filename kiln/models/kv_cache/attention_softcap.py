@@ -22,10 +22,11 @@ from kiln.errors import KilnError
 from .cache_kernels import replace_cache_kernels
 
 LOG2E = r"T\.float32\(1\.44269504\d*\)"
-# The statements that store a finished score, as TVM 0.27 prints them: the CPU kernels' (paged,
-# ragged) and the GPU kernels' (tiled prefill, decode after its cross-thread sum).
+# The statements that store a finished score, as TVM 0.27 prints them: the CPU kernels' (TVM's
+# paged, ragged and decode ones; Kiln's, per key of a block) and the GPU kernels' (tiled prefill,
+# decode after its cross-thread sum).
 SCORE_STORES = re.compile(
-    rf"S_val\[(0|slot)\] = S_val\[(0|slot)\] \* \(sm_scale \* {LOG2E}\)"
+    rf"S_val\[(0|j)\] = S_val\[(0|j)\] \* \(sm_scale \* {LOG2E}\)"
     rf"|attention_score\[0\] = result\[0\] \* {LOG2E} \* sm_scale"
     r"|S_smem\[i, j\] = S_local\[i, j\]"
     r"|S_local\[j\] = t0\[0\]"

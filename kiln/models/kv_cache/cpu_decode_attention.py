@@ -3,10 +3,11 @@
 TVM 0.27's kernel walks the (sequence, query head) pairs one after another, a scalar at a time, on
 one thread however many the library has: its share of a decode step grows with the cached tokens
 (SmolLM2 after a 512-token prompt, 2 threads: native decode 43 -> 70 tokens/s with this kernel, wasm
-15 -> 20; after 128 tokens the gain was within the noise). This one gives TVM's thread pool the
-query heads of a key head (up to 8) as one task, which meets each key for all of them
-(cpu_attention.py's steps, side by side: SmolLM2 after 1000 tokens, one thread, 4.45 -> 3.76 ms of
-attention a step, and 3.05 with the exp2 written out).
+15 -> 20; after 128 tokens the gain was within the noise). This one gives TVM's thread pool each
+pair as a task, which meets its keys in blocks (cpu_attention.py). Tasks of all the query heads of a
+key head, which kept a core busy with their per-key chains side by side when a step met one key,
+lost to blocks (SmolLM2 after 1000 tokens, 2 threads: 5.2 ms of attention a step against 4.3 with a
+task a pair, 3 tasks to 9); a decode step that long is bound by reading the float32 cache.
 
 It computes what TVM's does: the same online softmax in base 2, the same score statement (so the
 soft-cap rewrite still finds it), the same log-sum-exp output. It replaces the full-attention kernel
@@ -19,19 +20,14 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .cache_kernels import replace_cache_kernels
-from .cpu_attention import SOFTMAX_SLOTS, attention_steps, page_slot_offset
+from .cpu_attention import KEYS_PER_BLOCK, SOFTMAX_SLOTS, attention_steps, blocks, page_slot_offset
 
 KERNEL = "tir_attention_decode_cpu"
-MOST_INTERLEAVED_HEADS = 8
 
 
 def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int = 16):
     heads, kv_heads, dim = num_qo_heads, num_kv_heads, head_dim
     group_size = num_qo_heads // num_kv_heads
-    # A task takes this many query heads of one key head, one key at a time for all of them: each
-    # head's softmax is a chain of dependent steps per key, and independent chains side by side
-    # keep the core busy (the keys are read once for them too).
-    interleaved = max(n for n in range(1, MOST_INTERLEAVED_HEADS + 1) if group_size % n == 0)
     steps = attention_steps(dim, dtype)
     page_slot = page_slot_offset(kv_heads, page_size, dim)
 
@@ -78,47 +74,46 @@ def decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype:
 
         pages_flat = T.decl_buffer((max_num_pages * 2 * kv_heads * page_size * dim,), dtype, data=pages.data)
 
-        for task in T.parallel(B * heads // interleaved):
+        for pair in T.parallel(B * heads):
             with T.sblock("attn"):
                 # no regions to infer: the block is already scheduled, and its extents are its own lets
                 T.reads()
                 T.writes()
-                q_local = T.sblock_alloc_buffer((interleaved, dim), "float32", scope="local")
-                o_local = T.sblock_alloc_buffer((interleaved, dim), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((interleaved, steps.lanes), "float32", scope="local")
-                S_val = T.sblock_alloc_buffer((interleaved,), "float32", scope="local")
-                softmax = T.sblock_alloc_buffer((interleaved, SOFTMAX_SLOTS), "float32", scope="local")
+                q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((KEYS_PER_BLOCK, steps.lanes), "float32", scope="local")
+                S_val = T.sblock_alloc_buffer((KEYS_PER_BLOCK,), "float32", scope="local")
+                softmax = T.sblock_alloc_buffer((SOFTMAX_SLOTS,), "float32", scope="local")
 
-                b: T.let[T.int32] = task // (heads // interleaved)
-                first_head: T.let[T.int32] = task % (heads // interleaved) * interleaved
-                h_kv: T.let[T.int32] = first_head // group_size
+                b: T.let[T.int32] = pair // heads
+                head: T.let[T.int32] = pair % heads
+                h_kv: T.let[T.int32] = head // group_size
                 first_page: T.let[T.int32] = page_table_indptr[b]
                 page_count: T.let[T.int32] = page_table_indptr[b + 1] - first_page
                 kv_len: T.let[T.int32] = T.if_then_else(
                     page_count > 0, (page_count - 1) * page_size + last_page_len[b], 0
                 )
-                for slot in T.unroll(interleaved):
-                    steps.start(q_local, o_local, softmax, Q, b, first_head + slot, slot)
-                for row in T.serial(kv_len):
+                steps.start(q_local, o_local, softmax, Q, b, head)
+                for block in T.serial(blocks(kv_len)):
+                    col: T.let[T.int32] = block * KEYS_PER_BLOCK
                     key_at: T.let[T.int32] = page_slot(
-                        page_table_values[first_page + row // page_size], h_kv, row % page_size
+                        page_table_values[first_page + col // page_size], h_kv, col % page_size
                     )
-                    for slot in T.unroll(interleaved):
-                        steps.attend_key(
-                            q_local,
-                            o_local,
-                            partial,
-                            S_val,
-                            softmax,
-                            pages_flat,
-                            key_at,
-                            pages_flat,
-                            key_at + kv_heads * page_size * dim,
-                            sm_scale,
-                            slot,
-                        )
-                for slot in T.unroll(interleaved):
-                    steps.finish(o_local, softmax, output, lse, b, first_head + slot, slot)
+                    steps.attend_block(
+                        q_local,
+                        o_local,
+                        partial,
+                        S_val,
+                        softmax,
+                        pages_flat,
+                        key_at,
+                        pages_flat,
+                        key_at + kv_heads * page_size * dim,
+                        dim,
+                        T.min(KEYS_PER_BLOCK, kv_len - col),
+                        sm_scale,
+                    )
+                steps.finish(o_local, softmax, output, lse, b, head)
 
     return batch_decode_paged_kv
 

@@ -6,7 +6,7 @@ thread; the paged one visits every slot the cache could hold (its capacity, not 
 length) for every query. A verify step of speculative decoding (a few rows after a long prompt)
 paid for that: SmolLM2 after 1000 cached tokens, 4 rows took 107 ms where a decode step takes 12.
 These give each (query row, head) pair to TVM's thread pool, visit only the keys the row may see,
-and meet each key with cpu_attention.py's steps, as the decode kernel does.
+and meet the keys in blocks with cpu_attention.py's steps, as the decode kernel does.
 
 They compute what TVM's do: the causal mask `col < kv_len - qo_len + row + 1` (or every key without
 it), the online softmax in base 2 and the log-sum-exp output, so the cache merges their states as
@@ -21,7 +21,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .cache_kernels import replace_cache_kernels
-from .cpu_attention import SOFTMAX_SLOTS, attention_steps, page_slot_offset
+from .cpu_attention import KEYS_PER_BLOCK, SOFTMAX_SLOTS, attention_steps, blocks, page_slot_offset
 
 PAGED = "tir_attention_prefill_cpu"
 RAGGED = "tir_attention_prefill_ragged_cpu"
@@ -87,11 +87,11 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                q_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
-                o_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((1, steps.lanes), "float32", scope="local")
-                S_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                softmax = T.sblock_alloc_buffer((1, SOFTMAX_SLOTS), "float32", scope="local")
+                q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((KEYS_PER_BLOCK, steps.lanes), "float32", scope="local")
+                S_val = T.sblock_alloc_buffer((KEYS_PER_BLOCK,), "float32", scope="local")
+                softmax = T.sblock_alloc_buffer((SOFTMAX_SLOTS,), "float32", scope="local")
                 sequence = T.sblock_alloc_buffer((1,), "int32", scope="local")
 
                 row: T.let[T.int32] = pair // heads
@@ -108,12 +108,13 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
                     page_count > 0, (page_count - 1) * page_size + last_page_len[b], 0
                 )
                 seen: T.let[T.int32] = visible_keys(causal, kv_len, q_indptr[b + 1] - q_indptr[b], row - q_indptr[b])
-                steps.start(q_local, o_local, softmax, q, row, h_qo, 0)
-                for col in T.serial(seen):
+                steps.start(q_local, o_local, softmax, q, row, h_qo)
+                for block in T.serial(blocks(seen)):
+                    col: T.let[T.int32] = block * KEYS_PER_BLOCK
                     key_at: T.let[T.int32] = page_slot(
                         page_values[first_page + col // page_size], h_kv, col % page_size
                     )
-                    steps.attend_key(
+                    steps.attend_block(
                         q_local,
                         o_local,
                         partial,
@@ -123,10 +124,11 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
                         key_at,
                         pages_flat,
                         key_at + kv_heads * page_size * dim,
+                        dim,
+                        T.min(KEYS_PER_BLOCK, seen - col),
                         sm_scale,
-                        0,
                     )
-                steps.finish(o_local, softmax, output, lse, row, h_qo, 0)
+                steps.finish(o_local, softmax, output, lse, row, h_qo)
 
     return batch_prefill_paged_kv
 
@@ -179,11 +181,11 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                q_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
-                o_local = T.sblock_alloc_buffer((1, dim), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((1, steps.lanes), "float32", scope="local")
-                S_val = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                softmax = T.sblock_alloc_buffer((1, SOFTMAX_SLOTS), "float32", scope="local")
+                q_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                o_local = T.sblock_alloc_buffer((dim,), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((KEYS_PER_BLOCK, steps.lanes), "float32", scope="local")
+                S_val = T.sblock_alloc_buffer((KEYS_PER_BLOCK,), "float32", scope="local")
+                softmax = T.sblock_alloc_buffer((SOFTMAX_SLOTS,), "float32", scope="local")
                 sequence = T.sblock_alloc_buffer((1,), "int32", scope="local")
 
                 row: T.let[T.int32] = pair // heads
@@ -198,13 +200,25 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                 seen: T.let[T.int32] = visible_keys(
                     causal, kv_indptr[b + 1] - first_key, q_indptr[b + 1] - q_indptr[b], row - q_indptr[b]
                 )
-                steps.start(q_local, o_local, softmax, q, row, h_qo, 0)
-                for col in T.serial(seen):
+                steps.start(q_local, o_local, softmax, q, row, h_qo)
+                for block in T.serial(blocks(seen)):
+                    col: T.let[T.int32] = block * KEYS_PER_BLOCK
                     key_at: T.let[T.int32] = ((first_key + col) * kv_heads + h_kv) * dim
-                    steps.attend_key(
-                        q_local, o_local, partial, S_val, softmax, k_flat, key_at, v_flat, key_at, sm_scale, 0
+                    steps.attend_block(
+                        q_local,
+                        o_local,
+                        partial,
+                        S_val,
+                        softmax,
+                        k_flat,
+                        key_at,
+                        v_flat,
+                        key_at,
+                        kv_heads * dim,
+                        T.min(KEYS_PER_BLOCK, seen - col),
+                        sm_scale,
                     )
-                steps.finish(o_local, softmax, output, lse, row, h_qo, 0)
+                steps.finish(o_local, softmax, output, lse, row, h_qo)
 
     return batch_prefill_ragged_kv
 
