@@ -195,8 +195,9 @@ class PassCosts:
     running mean) falls below zero, proposals pause for as many decode steps as keep the loss of
     the pass that lost within `LOSS_SHARE` of their time (at most `MAX_PAUSE`), then are tried
     again. A pass costs several decode steps on a CPU and about one on a GPU, where a step is bound
-    by its dispatches: the same rule pauses longer where passes cost more. It changes how fast a
-    reply comes, never which tokens it has."""
+    by its dispatches: the same rule pauses longer where passes cost more. Passes are judged against
+    a decode step's time, so a pass before any decode step is followed by one. It changes how fast
+    a reply comes, never which tokens it has."""
 
     LOSS_SHARE = 0.1
     MAX_PAUSE = 64
@@ -210,7 +211,8 @@ class PassCosts:
         self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
 
     def verified(self, seconds: float, accepted: int) -> None:
-        if self.decode_s is None:
+        if self.decode_s is None:  # no decode step to judge it by yet: take one next (a draft always proposes)
+            self.pause = 1
             return
         saved = accepted * self.decode_s - (seconds - self.decode_s)
         self.worth = 0.5 * self.worth + 0.5 * saved

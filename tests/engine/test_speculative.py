@@ -15,9 +15,10 @@ from tokenizers import Tokenizer, models
 from kiln.engine import Engine, GenerationConfig
 from kiln.errors import KilnError
 from kiln.runtime import NativeModel
-from kiln.speculative import PromptLookup, Speculation, check_same_vocabulary
+from kiln.speculative import PassCosts, PromptLookup, Speculation, check_same_vocabulary
 from kiln.structured import ResponseFormat
 
+from helpers.simulated_reply import simulated_reply
 from helpers.web import run_kiln
 
 PROMPT_LOOKUP = Speculation("prompt-lookup")
@@ -65,6 +66,17 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     lookup.extend([5])
     assert lookup.propose(3) == []  # 5 never came before
     assert PromptLookup(Speculation("prompt-lookup"), [4, 4]).propose(3) == []  # too short for a 2-gram with a follower
+
+
+def test_passes_that_lose_pause_so_a_reply_loses_at_most_the_loss_share():
+    """Proposals that are always wrong (a draft that always proposes: no decode step ever comes by
+    itself to judge passes by) at the cost of a CPU's verify pass (4 decode steps)."""
+    tokens = 2000
+    time, steps = simulated_reply(PassCosts(), tokens, pass_steps=4.0, accepted=0)
+    assert steps[:2] == [0, -1]  # the first pass, then a decode step to judge passes by
+    assert tokens / time >= 1 / (1 + PassCosts.LOSS_SHARE) - 0.01
+    time, steps = simulated_reply(PassCosts(), tokens, pass_steps=2.0, accepted=3)
+    assert steps.count(-1) == 1 and tokens / time > 1.9  # passes that pay never pause
 
 
 def test_speculation_parses_the_cli_methods(tmp_path):

@@ -15,9 +15,11 @@ from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer
 
 from helpers.tiny_llama import LLAMA_2_TOKENS, RAW_TEXTS, write_tokenizer
+from helpers.simulated_reply import simulated_reply
 from helpers.web import run_node_module, served
 
 from kiln.compile.chat_config.conv_template import raw_completion_template
+from kiln.speculative import PassCosts
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -591,3 +593,36 @@ def test_a_raw_text_is_encoded_with_the_special_tokens_the_tokenizer_adds_as_nat
         jobs,
     )
     assert dict(zip(POST_PROCESSORS, result)) == dict(zip(POST_PROCESSORS, expected))
+
+
+def test_verify_passes_pause_as_natively():
+    """speculative.js's PassCosts against kiln/speculative.py's, on the simulated replies of
+    helpers/simulated_reply.py: passes that lose, that pay, that pay at times."""
+    cases = [(300, 4.0, 0), (300, 2.0, 3), (300, 5.5, 1), (300, 3.0, 2)]
+    result = run_node_module(
+        """
+        import { PassCosts } from "./src/speculative.js";
+        const reply = ([tokens, passSteps, accepted]) => {
+          const costs = new PassCosts();
+          let time = 0, made = 0;
+          const steps = [];
+          while (made < tokens) {
+            if (costs.mayPropose()) {
+              time += passSteps;
+              costs.verified(passSteps, accepted);
+              steps.push(accepted);
+              made += 1 + accepted;
+            } else {
+              time += 1;
+              costs.decoded(1);
+              steps.push(-1);
+              made += 1;
+            }
+          }
+          return [time, steps];
+        };
+        console.log(JSON.stringify(input.map(reply)));
+    """,
+        cases,
+    )
+    assert result == [list(simulated_reply(PassCosts(), *case)) for case in cases]

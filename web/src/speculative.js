@@ -73,7 +73,8 @@ export class PlainDecoding {
 /**
  * Whether verify passes pay for themselves here, in time (`PassCosts` in kiln/speculative.py): where
  * their recent worth falls below zero, proposals pause for as many decode steps as keep the loss of
- * the pass that lost within LOSS_SHARE of their time (at most MAX_PAUSE).
+ * the pass that lost within LOSS_SHARE of their time (at most MAX_PAUSE). A pass before any decode
+ * step is followed by one, to judge passes by.
  */
 export class PassCosts {
   static LOSS_SHARE = 0.1;
@@ -90,7 +91,10 @@ export class PassCosts {
   }
 
   verified(seconds, accepted) {
-    if (this.decodeSeconds === null) return;
+    if (this.decodeSeconds === null) {
+      this.pause = 1; // no decode step to judge it by yet: take one next (a draft always proposes)
+      return;
+    }
     const saved = accepted * this.decodeSeconds - (seconds - this.decodeSeconds);
     this.worth = 0.5 * this.worth + 0.5 * saved;
     if (this.worth < 0 && saved < 0) {
