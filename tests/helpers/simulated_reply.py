@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# (tokens, pass_steps, accepted): passes that lose, that pay, and that pay at times.
+REPLIES = [(300, 4.0, 0), (300, 2.0, 3), (300, 5.5, 1), (300, 3.0, 2)]
+
 
 def simulated_reply(costs, tokens: int, pass_steps: float, accepted: int) -> tuple[float, list[int]]:
     """A reply of `tokens` whose every verify pass costs `pass_steps` decode steps and takes

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer
 
 from helpers.tiny_llama import LLAMA_2_TOKENS, RAW_TEXTS, write_tokenizer
-from helpers.simulated_reply import simulated_reply
+from helpers.simulated_reply import REPLIES, simulated_reply
 from helpers.web import run_node_module, served
 
 from kiln.compile.chat_config.conv_template import raw_completion_template
@@ -596,9 +596,7 @@ def test_a_raw_text_is_encoded_with_the_special_tokens_the_tokenizer_adds_as_nat
 
 
 def test_verify_passes_pause_as_natively():
-    """speculative.js's PassCosts against kiln/speculative.py's, on the simulated replies of
-    helpers/simulated_reply.py: passes that lose, that pay, that pay at times."""
-    cases = [(300, 4.0, 0), (300, 2.0, 3), (300, 5.5, 1), (300, 3.0, 2)]
+    """speculative.js's PassCosts against kiln/speculative.py's, on helpers/simulated_reply.py's replies."""
     result = run_node_module(
         """
         import { PassCosts } from "./src/speculative.js";
@@ -623,6 +621,6 @@ def test_verify_passes_pause_as_natively():
         };
         console.log(JSON.stringify(input.map(reply)));
     """,
-        cases,
+        REPLIES,
     )
-    assert result == [list(simulated_reply(PassCosts(), *case)) for case in cases]
+    assert result == [list(simulated_reply(PassCosts(), *reply)) for reply in REPLIES]

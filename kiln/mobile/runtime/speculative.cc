@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 
 namespace kiln {
 
@@ -41,26 +40,6 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 }
 
 }  // namespace
-
-void PassCosts::Decoded(double seconds) {
-  decode_seconds_ = decode_seconds_ ? 0.8 * *decode_seconds_ + 0.2 * seconds : seconds;
-}
-
-void PassCosts::Verified(double seconds, int accepted) {
-  if (!decode_seconds_) return;
-  double saved = accepted * *decode_seconds_ - (seconds - *decode_seconds_);
-  worth_ = 0.5 * worth_ + 0.5 * saved;
-  if (worth_ < 0 && saved < 0) {
-    pause_ = static_cast<int>(std::min<double>(kMaxPause, std::ceil(-saved / (kLossShare * *decode_seconds_))));
-    worth_ = 0;
-  }
-}
-
-bool PassCosts::MayPropose() {
-  if (pause_ == 0) return true;
-  pause_ -= 1;
-  return false;
-}
 
 DecodingSteps::DecodingSteps(Model& model, const std::optional<Speculation>& speculation,
                              const std::vector<int32_t>& prompt_ids)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "model.h"
+#include "pass_costs.h"
 
 namespace kiln {
 
@@ -37,23 +38,6 @@ class PromptLookup {
   std::vector<int32_t> history_;
   // per size: n-gram → where its latest occurrence with a token after it starts
   std::map<int, std::map<std::vector<int32_t>, size_t>> latest_;
-};
-
-// Whether verify passes pay for themselves here, in time (PassCosts in kiln/speculative.py): where
-// their recent worth falls below zero, proposals pause for as many decode steps as keep the loss of
-// the pass that lost within kLossShare of their time (at most kMaxPause).
-class PassCosts {
- public:
-  void Decoded(double seconds);
-  void Verified(double seconds, int accepted);
-  bool MayPropose();
-
- private:
-  static constexpr double kLossShare = 0.1;
-  static constexpr int kMaxPause = 64;
-  std::optional<double> decode_seconds_;  // a decode step's time, a running mean
-  double worth_ = 0;                      // seconds a pass saved, a running mean
-  int pause_ = 0;                         // decode steps before the next proposal
 };
 
 struct SpeculationStats {

@@ -5,9 +5,10 @@ one thread however many the library has: its share of a decode step grows with t
 (SmolLM2 after a 512-token prompt, 2 threads: native decode 43 -> 70 tokens/s with this kernel, wasm
 15 -> 20; after 128 tokens the gain was within the noise). This one gives TVM's thread pool each
 pair as a task, which meets its keys in blocks (cpu_attention.py). Tasks of all the query heads of a
-key head, which kept a core busy with their per-key chains side by side when a step met one key,
-lost to blocks (SmolLM2 after 1000 tokens, 2 threads: 5.2 ms of attention a step against 4.3 with a
-task a pair, 3 tasks to 9); a decode step that long is bound by reading the float32 cache.
+key head kept a core busy with their per-key chains side by side when a step met one key; with
+blocks they lost (SmolLM2 after 1000 tokens, 2 threads, a first version of the blocks: 5.2 ms of
+attention a step against 4.3 with a task a pair, 3 tasks against 9). After that many tokens much of
+the step is reading the float32 cache (46 MB a token for SmolLM2).
 
 It computes what TVM's does: the same online softmax in base 2, the same score statement (so the
 soft-cap rewrite still finds it), the same log-sum-exp output. It replaces the full-attention kernel
