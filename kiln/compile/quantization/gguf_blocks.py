@@ -30,14 +30,16 @@ from kiln.models.stage_names import GATHERED_ROWS
 from kiln.targets import building
 
 
-# What 8-bit activations move, against float ones (the notes of issue 41): a step's logits by up to
-# INT8_LOGIT_TOLERANCE of the largest (measured: SmolLM2 5.6 %; the tiny mixed GGUF, random weights 64
-# wide in every block type, 14 %), so that greedy tokens may part where the float path's top two logits
-# are within INT8_NEAR_TIE (SmolLM2's closest flips were 0.24 apart, the mixed GGUF's 0.83). Rounding is
+# What 8-bit activations move, against float ones (the notes of issues 41 and 42): a step's logits by
+# up to INT8_LOGIT_TOLERANCE of the largest (measured: SmolLM2 5.6 %; the tiny mixed GGUF, random
+# weights 64 wide in every block type, up to 19.9 % over 51 prompts with either version of the CPU
+# attention kernels, where 0.15 had held for the test's three prompts only), so that greedy tokens
+# may part where the float path's top two logits are within INT8_NEAR_TIE (SmolLM2's closest flips
+# were 0.24 apart, the mixed GGUF's 0.83). Rounding is
 # not continuous: one rounding of difference upstream of a quantized row moves what follows by as much
 # (SmolLM2's logits after a prompt prefilled whole or in two chunks: up to 0.95 apart, of about 30),
 # so two engines, or two chunkings, of such a model agree to this tolerance, not to float's.
-INT8_LOGIT_TOLERANCE = 0.15
+INT8_LOGIT_TOLERANCE = 0.25
 INT8_NEAR_TIE = 1.0
 
 
