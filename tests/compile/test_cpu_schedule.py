@@ -24,7 +24,7 @@ from kiln.compile.lower.cpu_schedule import (
 )
 from kiln.compile.lower.library import library_metadata, param_specs, scheduled_module
 from kiln.compile.pipeline import config_file, quantized_model
-from kiln.compile.quantization import quantization_named
+from kiln.compile.quantization import factored_decode, quantization_named
 from kiln.compile.quantization.ggml_blocks import BLOCK_TYPES, Levels
 from kiln.compile.quantization.group import GroupFormat
 from kiln.compile.source.ingest import ingest
@@ -220,14 +220,15 @@ def assert_scales_stay_out_of_the_lane_dots(script: str) -> None:
 
 
 def run_decode(library, x: np.ndarray, *weights: np.ndarray) -> np.ndarray:
-    out = tvm.runtime.tensor(np.zeros((1, 1, DECODE_OUT_FEATURES), np.float32))
+    """The products of `x`'s [1, inputs, columns] rows, [inputs, out]."""
+    out = tvm.runtime.tensor(np.zeros((1, x.shape[1], DECODE_OUT_FEATURES), np.float32))
     library["main"](*[tvm.runtime.tensor(a) for a in (x, *weights)], out)
-    return out.numpy()[0, 0]
+    return out.numpy()[0]
 
 
-def mlc_decode(fmt: GroupFormat) -> tuple[tvm.runtime.Module, str]:
+def mlc_decode(fmt: GroupFormat, inputs: int = 1) -> tuple[tvm.runtime.Module, str]:
     rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
-    x = te.placeholder((1, 1, cols), fmt.dtype, name="x")
+    x = te.placeholder((1, inputs, cols), fmt.dtype, name="x")
     weight = te.placeholder((rows, cols // fmt.values_per_word), "uint32", name="weight")
     scale = te.placeholder((rows, cols // 32), fmt.dtype, name="scale")
     with TARGETS["cpu"].target():
@@ -235,20 +236,33 @@ def mlc_decode(fmt: GroupFormat) -> tuple[tvm.runtime.Module, str]:
     return decode_library([x, weight, scale], y)
 
 
+@pytest.mark.parametrize("inputs", [1, 2, 5])  # a decode step, verify passes (speculative decoding)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_decode_of_mlc_groups_gives_numpys_products_with_the_scales_out_of_the_loop_over_weights(bits):
+def test_decode_of_mlc_groups_gives_numpys_products_with_the_scales_out_of_the_loop_over_weights(bits, inputs):
     fmt = GroupFormat(bits, 32, "float32")
     rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
-    library, script = mlc_decode(fmt)
+    library, script = mlc_decode(fmt, inputs)
     assert_scales_stay_out_of_the_lane_dots(script)
     rng = np.random.default_rng(bits)
     words = rng.integers(0, 2**32, (rows, cols // fmt.values_per_word), dtype=np.uint64).astype(np.uint32)
     scales = rng.uniform(0.01, 0.1, (rows, cols // 32)).astype(np.float32)
-    inputs = rng.standard_normal((1, 1, cols)).astype(np.float32)
+    x = rng.standard_normal((1, inputs, cols)).astype(np.float32)
     shifts = np.arange(fmt.values_per_word, dtype=np.uint32) * bits
     levels = ((words[:, :, None] >> shifts) & (2**bits - 1)).reshape(rows, cols).astype(np.float64) - fmt.max_q
-    expected = (levels * np.repeat(scales.astype(np.float64), 32, axis=1)) @ inputs[0, 0].astype(np.float64)
-    np.testing.assert_allclose(run_decode(library, inputs, words, scales), expected, rtol=1e-5, atol=1e-5)
+    expected = x[0].astype(np.float64) @ (levels * np.repeat(scales.astype(np.float64), 32, axis=1)).T
+    np.testing.assert_allclose(run_decode(library, x, words, scales), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_few_input_rows_meet_each_unpacked_vector_of_weights_while_it_is_in_registers():
+    """A verify pass's rows (speculative decoding) take decode's kernel with the rows inside each step
+    over a block's weights, so its words are read and unpacked once for all of them; more rows than
+    factored_decode.MOST_ROWS take prefill's."""
+    script = mlc_decode(GroupFormat(4, 32, "float32"), 5)[1]
+    assert f"T.parallel({DECODE_OUT_FEATURES})" in script, script
+    steps, rows, lanes = r"T.unroll\(8\):\s+", r"for \w+ in T.unroll\(5\):\s+", r"for \w+ in T.vectorized\(8\):\s+"
+    nest = steps + rows + lanes + r'with T.sblock\("lane_dots_update"\)'
+    assert re.search(nest, script), script
+    assert "lane_dots" not in mlc_decode(GroupFormat(4, 32, "float32"), factored_decode.MOST_ROWS + 1)[1]
 
 
 def test_a_float16_models_decode_rounds_each_weight_to_float16_before_the_products():
@@ -260,29 +274,30 @@ def test_a_float16_models_decode_rounds_each_weight_to_float16_before_the_produc
 QUANTIZED_BLOCK_TYPES = [name for name, block_type in BLOCK_TYPES.items() if isinstance(block_type.read, Levels)]
 
 
-def gguf_decode(name: str) -> tuple[tvm.runtime.Module, str]:
+def gguf_decode(name: str, inputs: int = 1) -> tuple[tvm.runtime.Module, str]:
     block_type = BLOCK_TYPES[name]
     rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
-    x = te.placeholder((1, 1, cols), "float32", name="x")
+    x = te.placeholder((1, inputs, cols), "float32", name="x")
     stored = te.placeholder((rows, block_type.row_words(cols) * 4), "uint8", name="blocks")
     with TARGETS["cpu"].target():
         y = block_type.matmul_te(x, stored, rows, cols, "float32", "float32")
     return decode_library([x, stored], y)
 
 
+@pytest.mark.parametrize("inputs", [1, 3])
 @pytest.mark.parametrize("name", QUANTIZED_BLOCK_TYPES)
-def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_the_loop_over_weights(name):
+def test_decode_of_gguf_blocks_gives_gguf_pys_products_with_the_scales_out_of_the_loop_over_weights(name, inputs):
     block_type = BLOCK_TYPES[name]
     rows, cols = DECODE_OUT_FEATURES, DECODE_IN_FEATURES
-    library, script = gguf_decode(name)
+    library, script = gguf_decode(name, inputs)
     assert_scales_stay_out_of_the_lane_dots(script)
     rng = np.random.default_rng(len(name))
     blocks = random_blocks(name, rows, cols, rng)
     padded = np.pad(blocks, ((0, 0), (0, block_type.row_words(cols) * 4 - blocks.shape[1])))
     weights = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, name)).astype(np.float64)
-    inputs = rng.standard_normal((1, 1, cols)).astype(np.float32)
-    expected = weights @ inputs[0, 0].astype(np.float64)
-    np.testing.assert_allclose(run_decode(library, inputs, padded), expected, rtol=1e-5, atol=1e-5)
+    x = rng.standard_normal((1, inputs, cols)).astype(np.float32)
+    expected = x[0].astype(np.float64) @ weights.T
+    np.testing.assert_allclose(run_decode(library, x, padded), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])

@@ -364,19 +364,34 @@ class FactoredDecodeGEMV(dl.ScheduleRule):
         rows_axis = sum(v.iter_type == tirx.IterVar.DataPar for v in sch.get(matmul).iter_vars) - 1
         partial = sch.rfactor(sch.get_loops(matmul)[-1], factor_axis=rows_axis)
         loops = sch.get_loops(partial)
-        rows, (blocks, *unrolled_blocks), lanes = loops[rows_axis], loops[rows_axis + 1 : -1], loops[-1]
+        inputs, rows, (blocks, *unrolled_blocks), lanes = (
+            loops[:rows_axis],
+            loops[rows_axis],
+            loops[rows_axis + 1 : -1],
+            loops[-1],
+        )
+        # A block's weights meet every input row: the rows go inside the block, once the lane sums
+        # (the other branch under them) are moved out.
+        sch.reorder(rows, *inputs)
+        sch.reverse_compute_at(matmul, rows)
+        sch.reorder(blocks, *unrolled_blocks, *inputs)
         sch.parallel(rows)
         sch.vectorize(lanes)
         for loop in unrolled_blocks:  # a K-quant's groups of one stored block (factored_decode.LaneLayout)
             sch.unroll(loop)
+        for loop in inputs:
+            if _static_extent(sch, loop) != 1:
+                sch.unroll(loop)
         dots = sch.get_sblock(LANE_DOTS)
         sch.compute_at(dots, (unrolled_blocks or [blocks])[-1])
         *_, lane, step = sch.get_loops(dots)
-        sch.reorder(step, lane)
+        input_rows = sch.get_loops(dots)[2 + len(unrolled_blocks) : -2]  # those under the block, not of extent 1
+        sch.reorder(step, *input_rows, lane)  # each step's vector of weights unpacked once for every row
         sch.unroll(step)
+        for loop in input_rows:
+            sch.unroll(loop)
         sch.vectorize(lane)
         sch.decompose_reduction(dots, step)
-        sch.reverse_compute_at(matmul, rows)
         for name in names[names.index(MATMUL) + 1 :]:  # a fused residual add
             sch.reverse_compute_at(sch.get_sblock(name), rows)
         sch.decompose_reduction(partial, blocks)

@@ -17,6 +17,7 @@ sum would skip; its decode dequantizes each weight as before.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +28,9 @@ from kiln.models.stage_names import LANE_DOTS, MATMUL
 from kiln.targets import building
 
 LANES = 8
+# The most input rows a factored matmul takes: a verify pass's (speculative decoding), whose rows
+# meet each unpacked vector of weights while it is in registers.
+MOST_ROWS = 8
 
 
 def f32(value: float) -> PrimExpr:
@@ -79,11 +83,13 @@ def word_per_lane(values_per_word: int, group_size: int) -> LaneLayout:
 
 
 def applies(x: te.Tensor, in_features: int, layout: LaneLayout, weight_dtype: str) -> bool:
-    """One static input row of float32 weights, built for a CPU (LLVM) target, whole blocks of columns."""
+    """A static input of at most `MOST_ROWS` rows of float32 weights, built for a CPU (LLVM) target,
+    whole blocks of columns."""
     entry = building()
-    one_row = all(isinstance(d, tirx.IntImm) and d.value == 1 for d in x.shape[:-1])
+    rows = [d.value if isinstance(d, tirx.IntImm) else None for d in x.shape[:-1]]
+    few_rows = None not in rows and math.prod(rows) <= MOST_ROWS
     on_cpu = entry is not None and entry.cpu_kernels
-    return on_cpu and one_row and weight_dtype == "float32" and in_features % layout.block_columns == 0
+    return on_cpu and few_rows and weight_dtype == "float32" and in_features % layout.block_columns == 0
 
 
 def factored_matmul(
@@ -95,30 +101,33 @@ def factored_matmul(
     layout: LaneLayout,
     zero: float = 0.0,
 ) -> te.Tensor:
-    """y[..., o] = Σ_k x[..., k] · ((level[o, k] − zero) · scale[o, g(k)] + offset[o, g(k)]) for one
-    row x. A block's lane dots take the levels as they are stored, and −zero × the input's lane sums
-    (computed once for every row) is added to them before the scale."""
+    """y[..., o] = Σ_k x[..., k] · ((level[o, k] − zero) · scale[o, g(k)] + offset[o, g(k)]) for a
+    few static rows x. A block's lane dots take the levels as they are stored, one vector of them
+    for every input row, and −zero × the input's lane sums (computed once for every weight row) is
+    added to them before the scale."""
     *unit, in_features = x.shape
-    row = [0] * len(unit)
     blocks = int(in_features) // layout.block_columns
     lanes = te.compute(
-        (blocks, layout.steps, LANES),
-        lambda block, step, lane: x[(*row, layout.column(block, step, lane))],
+        (*unit, blocks, layout.steps, LANES),
+        lambda *i: x[(*i[:-3], layout.column(*i[-3:]))],
         name="x_lanes",
     )
-    step = te.reduce_axis((0, layout.steps), name="step")
-    sums = te.compute(
-        (blocks, LANES), lambda block, lane: te.sum(lanes[block, step, lane], axis=step), name="x_lane_sums"
-    )
-    if zero:
-        zero_dots = te.compute((blocks, LANES), lambda b, lane: sums[b, lane] * f32(-zero), name="x_zero_dots")
 
-    def lane_dot(o, block, lane):
+    def lane_sum(*i):
+        step = te.reduce_axis((0, layout.steps), name="step")
+        return te.sum(lanes[(*i[:-1], step, i[-1])], axis=step)
+
+    sums = te.compute((*unit, blocks, LANES), lane_sum, name="x_lane_sums")
+    if zero:
+        zero_dots = te.compute((*unit, blocks, LANES), lambda *i: sums[i] * f32(-zero), name="x_zero_dots")
+
+    def lane_dot(o, block, *row_lane):
+        *row, lane = row_lane
         step = te.reduce_axis((0, layout.steps), name="step")
         weight = level(o, layout.column(block, step, lane)).astype("float32")
-        return te.sum(weight * lanes[block, step, lane], axis=step)
+        return te.sum(weight * lanes[(*row, block, step, lane)], axis=step)
 
-    dots = te.compute((out_features, blocks, LANES), lane_dot, name=LANE_DOTS)
+    dots = te.compute((out_features, blocks, *unit, LANES), lane_dot, name=LANE_DOTS)
     unrolled = layout.unrolled_blocks
     axes = [te.reduce_axis((0, blocks // unrolled), name="block")]
     if unrolled > 1:
@@ -127,11 +136,14 @@ def factored_matmul(
     block = axes[0] * unrolled + axes[1] if unrolled > 1 else axes[0]
 
     def row_sum(*idx):
-        o, group = idx[-1], layout.group(block, lane)
-        dot = dots[o, block, lane] + zero_dots[block, lane] if zero else dots[o, block, lane]
+        *row, o = idx
+        group = layout.group(block, lane)
+        dot = dots[(o, block, *row, lane)]
+        if zero:
+            dot = dot + zero_dots[(*row, block, lane)]
         term = scale(o, group) * dot
         if offset is not None:
-            term = term + offset(o, group) * sums[block, lane]
+            term = term + offset(o, group) * sums[(*row, block, lane)]
         return te.sum(term, axis=[*axes, lane])
 
     return te.compute((*unit, out_features), row_sum, name=MATMUL)
