@@ -269,6 +269,7 @@ class NativeModel(CompiledLibrary):
         self.context_window_size = int(self.metadata["context_window_size"])
         self.prefill_chunk_size = int(self.metadata["prefill_chunk_size"])
         self.all_logits_chunk_size = int(self.metadata.get("all_logits_chunk_size", self.prefill_chunk_size))
+        self.verify_rows = sorted(int(rows) for rows in self.metadata.get("verify_rows", []))
         self.vocab_size = int(self.chat_config["vocab_size"])
         self._kv_builtin = {
             name: tvm.get_global_func(f"vm.builtin.{name}")
@@ -353,9 +354,15 @@ class NativeModel(CompiledLibrary):
         self.cached_tokens, self.undoable_steps = kept, 0
 
     def speculation_room(self) -> int:
-        """How many tokens may go into the cache now and still be rolled back: the context window's
-        room, and under a sliding window only until it drops a token; none for a recurrent state,
-        which cannot undo a step of several tokens."""
+        """How many tokens a speculative pass may put into the cache now: as many as can still be
+        rolled back (the context window's room, and under a sliding window only until it drops a
+        token; none for a recurrent state, which cannot undo a step of several tokens), and no more
+        than the library's longest verify function takes (a longer pass runs prefill's kernels:
+        SmolLM2's 5 rows cost 1.8 decode steps a pass in `verify_5`, 13 rows 5.4 in prefill_all_logits)."""
+        return min(self.rollback_room(), max(self.verify_rows, default=self.context_window_size))
+
+    def rollback_room(self) -> int:
+        """How many tokens may go into the cache now and still be rolled back."""
         if self.recurrent:
             return 0
         room = self.context_window_size - self.cached_tokens
@@ -429,7 +436,15 @@ class NativeModel(CompiledLibrary):
         return self._step("decode", [token_id])[-1]
 
     def all_logits(self, token_ids: list[int]) -> np.ndarray:
-        """Logits at every position, [len(token_ids), vocab] (forced decoding in one pass)."""
+        """Logits at every position, [len(token_ids), vocab] (forced decoding in one pass). As many
+        tokens as a verify function takes go through the shortest that does, padded with the last
+        token, whose rows are then rolled back."""
         self._check_room(len(token_ids))
+        fitting = (rows for rows in self.verify_rows if len(token_ids) <= rows <= self.rollback_room())
+        if token_ids and (rows := next(fitting, None)):
+            padding = rows - len(token_ids)
+            logits = self._step(f"verify_{rows}", token_ids + token_ids[-1:] * padding)
+            self.rollback(padding)
+            return logits[: len(token_ids)]
         chunks = self._chunks(token_ids, self.all_logits_chunk_size)
         return np.concatenate([self._step("prefill_all_logits", chunk) for chunk in chunks], axis=0)

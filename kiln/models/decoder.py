@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import tvm
@@ -177,6 +177,11 @@ class DecoderModel(nn.Module):
         """Logits of every position: forced decoding in one pass (parity checks; WebLLM ignores it)."""
         logits = self.logits(self.layers(input_embed, paged_kv_cache, rnn_state))
         return states_after(logits, paged_kv_cache, rnn_state)
+
+    def verify(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState | None = None):
+        """`prefill_all_logits` over a few rows known at compile time (`export_spec`'s `verify_rows`): a
+        speculative verify pass, whose matmuls then run decode's kernels with the rows inside."""
+        return self.prefill_all_logits(input_embed, paged_kv_cache, rnn_state)
 
     def layers(self, embeds: nn.Tensor, kv_cache: PagedKVCache, rnn_state: RecurrentState | None) -> nn.Tensor:
         if rnn_state is None:
@@ -405,11 +410,19 @@ def rotate_qkv(
     return nn.op.tensor_expr_op(rotate, "rope", [qkv, positions, nn.Tensor.from_const(inv_freq.astype(np.float32))])
 
 
-def export_spec(model: DecoderModel) -> dict[str, dict]:
-    """The signatures of the exported functions (the same for every decoder family)."""
+def export_spec(model: DecoderModel, verify_rows: Iterable[int] = ()) -> dict[str, dict]:
+    """The signatures of the exported functions (the same for every decoder family), with a verify
+    function `verify_<rows>` for each of `verify_rows` (`_metadata`'s, which the engines read)."""
     hidden, dtype = model.embed_width(), model.dtype
     kv_cache = nn.spec.Object(object_type=PagedKVCache)
     with_params = {"param_mode": "packed", "effect_mode": "none"}
+    verify = {
+        f"verify_{rows}": nn.spec.MethodSpec.from_raw(
+            {"input_embed": nn.spec.Tensor([1, rows, hidden], dtype), "paged_kv_cache": kv_cache, "$": with_params},
+            model.verify,
+        )
+        for rows in verify_rows
+    }
     spec = {
         "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": with_params},
         "prefill": {
@@ -448,7 +461,7 @@ def export_spec(model: DecoderModel) -> dict[str, dict]:
         },
     }
     if not model.recurrent_states():
-        return spec
+        return {**spec, **verify}  # (a recurrent state cannot undo a step of several tokens: no speculation)
     rnn_state = nn.spec.Object(object_type=RecurrentState)
     steps = {
         name: {**function, "rnn_state": rnn_state} for name, function in spec.items() if "paged_kv_cache" in function

@@ -147,6 +147,28 @@ def test_rollback_leaves_the_cache_as_a_fresh_prefill_would(engine, tiny_dir):
     np.testing.assert_allclose(after, expected, atol=2e-4)
 
 
+@pytest.mark.parametrize("quantization", ["q0f32", "q4f32_1"])
+def test_a_verify_pass_gives_prefill_all_logits_rows_and_caches_only_its_tokens(tiny_build, quantization):
+    """A float32 CPU library's verify functions take passes of up to 5 tokens, padded to the next of
+    their row counts (4-bit weights: decode's kernels with the rows inside); longer ones, and a
+    library without them, run prefill_all_logits."""
+    verifying, plain = NativeModel(tiny_build(quantization)), NativeModel(tiny_build(quantization))
+    assert verifying.verify_rows == [2, 3, 4, 5]
+    plain.verify_rows = []
+    prompt = list(range(5, 40))
+    for model in (verifying, plain):
+        model.prefill(prompt)
+    assert verifying.speculation_room() == 5
+    for count in range(1, 8):
+        ids = list(range(50, 50 + count))
+        rows, expected = verifying.all_logits(ids), plain.all_logits(ids)
+        assert verifying.cached_tokens == plain.cached_tokens == len(prompt) + count
+        np.testing.assert_allclose(rows, expected, atol=1e-4)
+        np.testing.assert_allclose(verifying.decode(7), plain.decode(7), atol=1e-4)  # the padding left no trace
+        for model in (verifying, plain):
+            model.rollback(count + 1)
+
+
 @pytest.mark.parametrize(
     "prompt, response_format",
     [

@@ -71,7 +71,7 @@ def test_the_first_logits_and_32_greedy_tokens_equal_the_x86_cpu_library(arm64_m
 def check_logits_and_greedy_tokens(model_driver, model_dir, prompt_ids: list[int]) -> None:
     result = run_arm64(model_driver, str(model_dir), *map(str, prompt_ids))
     assert result.returncode == 0, result.stderr[-4000:]
-    logits, tokens = (json.loads(line) for line in result.stdout.splitlines())
+    logits, tokens, passes = (json.loads(line) for line in result.stdout.splitlines())
     x86 = NativeModel(model_dir)
     expected_logits = x86.prefill(prompt_ids)
     assert np.abs(np.array(logits) - expected_logits).max() <= 1e-4
@@ -81,6 +81,11 @@ def check_logits_and_greedy_tokens(model_driver, model_dir, prompt_ids: list[int
         expected_tokens.append(int(np.argmax(row)))
         row = x86.decode(expected_tokens[-1])
     assert tokens == expected_tokens
+    # verify passes (verify_<rows>, padded, the padding rolled back; 6 ids: prefill_all_logits)
+    for count, verified in zip((1, 3, 4, 6), passes, strict=True):
+        assert np.abs(np.array(verified["rows"]) - x86.all_logits(prompt_ids[:count])).max() <= 1e-4
+        assert np.abs(np.array(verified["after"]) - x86.decode(prompt_ids[0])).max() <= 1e-4
+        x86.rollback(count + 1)
 
 
 @pytest.mark.parametrize("family", BROWSER_FAMILIES)

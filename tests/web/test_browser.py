@@ -115,6 +115,23 @@ def test_without_webgpu_the_cpu_library_generates_the_same(driver, tmp_path, url
         assert stats["backend"] == "wasm"
         assert "WebGPU" in stats["fallback_reason"]
         check_greedy_parity(engine, tiny_dir)
+        check_verify_passes(engine, tiny_dir)
+
+
+def check_verify_passes(engine: PageEngine, model_dir: Path) -> None:
+    """A CPU library's verify functions (speculative decoding's passes of up to 5 tokens, padded to
+    the next of their row counts, the padding rolled back) give the native library's rows."""
+    engine.call("resetChat")
+    native = NativeModel(model_dir)
+    prompt = engine.call("session.encode", "The history of the city is long")
+    engine.call("session.prefill", prompt)
+    native.prefill(prompt)
+    for count in (1, 3, 4, 6):  # 6: more than a verify function takes, prefill_all_logits
+        ids = prompt[:count]
+        rows = np.stack([row["logits"] for row in engine.call("session.allLogits", ids, {"full": True})])
+        np.testing.assert_allclose(rows, native.all_logits(ids), atol=1e-4)
+        after = engine.call("session.decode", ids[0], {"full": True})["logits"]
+        np.testing.assert_allclose(after, native.decode(ids[0]), atol=1e-4)  # the padding left no trace
 
 
 def test_the_cpu_library_runs_on_two_threads_with_one_threads_logits(driver, tmp_path, url, tiny_dir):

@@ -86,6 +86,8 @@ export class ModelSession extends LibrarySession {
     this.contextWindowSize = this.metadata.context_window_size;
     this.prefillChunkSize = this.metadata.prefill_chunk_size;
     this.allLogitsChunkSize = this.metadata.all_logits_chunk_size ?? this.prefillChunkSize;
+    this.verifyRows = [...(this.metadata.verify_rows ?? [])].sort((a, b) => a - b);
+    this.takeFunctions(this.verifyRows.map((rows) => `verify_${rows}`));
     this.slidingWindowSize = this.metadata.sliding_window_size ?? -1;
     this.layerWindowSize = this.metadata.layer_sliding_window_size ?? -1;
     this.layerWindowChunkedPrefill = this.metadata.layer_window_chunked_prefill ?? false;
@@ -267,11 +269,19 @@ export class ModelSession extends LibrarySession {
   }
 
   /**
-   * How many tokens may go into the cache now and still be rolled back: the context window's room,
-   * and under a sliding window only until it drops a token; none for a recurrent state, which cannot
-   * undo a step of several tokens (kiln/runtime.py speculation_room).
+   * How many tokens a speculative pass may put into the cache now: as many as can still be rolled
+   * back, and no more than the library's longest verify function takes (kiln/runtime.py speculation_room).
    */
   speculationRoom() {
+    return Math.min(this.rollbackRoom(), this.verifyRows.at(-1) ?? this.contextWindowSize);
+  }
+
+  /**
+   * How many tokens may go into the cache now and still be rolled back: the context window's room,
+   * and under a sliding window only until it drops a token; none for a recurrent state, which cannot
+   * undo a step of several tokens.
+   */
+  rollbackRoom() {
     if (this.recurrent) return 0;
     const room = this.contextWindowSize - this.cachedIds.length;
     return this.slidingWindowSize > 0 ? Math.min(room, this.slidingWindowSize - this.cachedIds.length) : room;
@@ -309,10 +319,20 @@ export class ModelSession extends LibrarySession {
 
   /**
    * Logits at every position of `ids` (forced decoding), one row per id, in calls of at most
-   * `all_logits_chunk_size` ids: the library plans each call's memory for that many rows.
+   * `all_logits_chunk_size` ids: the library plans each call's memory for that many rows. As many
+   * ids as a verify function takes go through the shortest that does, padded with the last id,
+   * whose rows are then rolled back (kiln/runtime.py all_logits).
    */
   async allLogits(ids) {
     this.checkRoom(ids.length);
+    const verifyRows = this.verifyRows.find((rows) => ids.length <= rows && rows <= this.rollbackRoom());
+    if (verifyRows !== undefined) {
+      const padding = verifyRows - ids.length;
+      const padded = [...ids, ...Array(padding).fill(ids[ids.length - 1])];
+      const rows = (await this.step(`verify_${verifyRows}`, padded)).slice(0, ids.length).map((row) => row.slice());
+      this.rollback(padding);
+      return rows;
+    }
     const rows = [];
     for (const chunk of this.chunks(ids, this.allLogitsChunkSize)) {
       rows.push(...(await this.step("prefill_all_logits", chunk)).map((row) => row.slice()));

@@ -17,14 +17,8 @@ export class LibrarySession {
     this.vm = tvm.detachFromCurrentScope(tvm.createVirtualMachine(this.device));
     this.metadata = JSON.parse(String(this.vm.getFunction("_metadata")()));
     this.functions = {};
-    for (const name of functionNames) {
-      try {
-        this.functions[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
-      } catch (error) {
-        throw new EngineError("bad-model", `The model library has no function ${name} (${error.message}); rebuild it with kiln compile.`);
-      }
-    }
     tvm.endScope();
+    this.takeFunctions(functionNames);
 
     const wanted = new Map(this.metadata.params.map((param, index) => [param.name, index]));
     const tensors = new Array(wanted.size);
@@ -42,6 +36,20 @@ export class LibrarySession {
     this.params = tvm.detachFromCurrentScope(tvm.makeTVMArray(tensors));
     tvm.endScope();
     tensors.forEach((tensor) => tensor.dispose());
+  }
+
+  /** Take `names` from the VM into `functions`. */
+  takeFunctions(names) {
+    const tvm = this.tvm;
+    tvm.withNewScope(() => {
+      for (const name of names) {
+        try {
+          this.functions[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
+        } catch (error) {
+          throw new EngineError("bad-model", `The model library has no function ${name} (${error.message}); rebuild it with kiln compile.`);
+        }
+      }
+    });
   }
 
   /**

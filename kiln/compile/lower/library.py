@@ -33,6 +33,11 @@ from kiln.targets import TargetEntry
 
 # One `prefill_all_logits` call's logits (positions × vocabulary floats) stay within this.
 ALL_LOGITS_BYTES = 64 << 20
+# The rows of the verify functions a float32 CPU or wasm library gets (speculative decoding's passes:
+# the last token and up to 4 proposed). Their matmuls run decode's kernels with the rows inside
+# (factored_decode.py): SmolLM2 q4f32_1 after 300 tokens, 2 threads, in decode steps a pass, 2 rows
+# 1.13, 3 1.32, 4 1.54, 5 1.76, 6 2.58 (against 3.2-3.5 for prefill_all_logits' kernels).
+VERIFY_ROWS = (2, 3, 4, 5)
 F32_BYTES = 4
 ALLOC_STORAGE_OPS = ("relax.memory.alloc_storage", "relax.vm.alloc_storage")
 
@@ -178,7 +183,7 @@ class LibraryKind:
     """What a kind of model's library holds: its exported functions, `_metadata`, the bounds its memory
     is planned for, and the VM functions added beside them."""
 
-    export_spec: Callable[[nn.Module], dict[str, dict]]
+    export_spec: Callable[[nn.Module, dict], dict[str, dict]]  # for a library whose `_metadata` is the dict
     metadata: Callable[[nn.Module, str, list[ParamSpec]], dict]
     upper_bounds: Callable[[nn.Module], Callable[[str], dict[str, int]]]
     vm_functions: Callable[[tvm.IRModule, dict, tvm.target.Target, nn.Module], tvm.IRModule]
@@ -186,7 +191,7 @@ class LibraryKind:
 
 LIBRARY_KINDS: dict[type, LibraryKind] = {
     DecoderModel: LibraryKind(
-        export_spec=export_spec,
+        export_spec=lambda model, metadata: export_spec(model, metadata.get("verify_rows", ())),
         metadata=decoder_metadata,
         upper_bounds=lambda model: decoder_upper_bounds(model.config),
         vm_functions=lambda mod, metadata, target, model: attach_vm_functions(
@@ -194,7 +199,7 @@ LIBRARY_KINDS: dict[type, LibraryKind] = {
         ),
     ),
     EncoderModel: LibraryKind(
-        export_spec=encoder_export_spec,
+        export_spec=lambda model, metadata: encoder_export_spec(model),
         metadata=encoder_metadata,
         upper_bounds=lambda model: (
             lambda _: {
@@ -218,7 +223,9 @@ def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> 
     still go wrong there (a WebGPU build diverged at the window), and in float16 chunks widened the
     tiny Gemma 3's error against float32 arithmetic from 0.09 to 0.14 (its check allows 0.1)."""
     chunked = model.dtype == "float32" and entry.cpu_kernels
-    return {**metadata, "layer_window_chunked_prefill": chunked}
+    speculates = isinstance(model, DecoderModel) and not model.recurrent_states()
+    verify = list(VERIFY_ROWS) if chunked and speculates else []
+    return {**metadata, "layer_window_chunked_prefill": chunked, "verify_rows": verify}
 
 
 def exported_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> tvm.IRModule:
@@ -227,7 +234,7 @@ def exported_module(model: DecoderModel, entry: TargetEntry, metadata: dict) -> 
     # Exporting under the target makes TVM pick that target's attention kernels.
     kind = library_kind(model)
     with target:
-        mod, _ = model.export_tvm(spec=kind.export_spec(model))
+        mod, _ = model.export_tvm(spec=kind.export_spec(model, metadata))
     return kind.vm_functions(with_planned_memory(mod, kind.upper_bounds(model)), metadata, target, model)
 
 

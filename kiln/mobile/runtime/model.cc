@@ -189,6 +189,11 @@ Model::Model(const std::string& folder, const std::string& model_lib)
   prefill_ = RequiredFunction(vm_, "prefill");
   decode_ = RequiredFunction(vm_, "decode");
   prefill_all_logits_ = RequiredFunction(vm_, "prefill_all_logits");
+  for (const ffi::Any& rows : Optional<json::Array>(metadata, "verify_rows", json::Array())) {
+    int64_t count = rows.try_cast<int64_t>().value_or(0);
+    if (count < 1) throw EngineError(ErrorCode::kBadModel, where + ": verify_rows must hold row counts");
+    verify_[static_cast<int>(count)] = RequiredFunction(vm_, ("verify_" + std::to_string(count)).c_str());
+  }
   LoadParams(Required<json::Array>(metadata, "params", where));
 
   kv_cache_ = RequiredFunction(vm_, "create_tir_paged_kv_cache")(
@@ -341,6 +346,10 @@ int Model::ChunkSize(int longest) const {
 }
 
 int Model::SpeculationRoom() const {
+  return std::min(RollbackRoom(), verify_.empty() ? context_window_size_ : verify_.rbegin()->first);
+}
+
+int Model::RollbackRoom() const {
   if (recurrent_) return 0;  // a recurrent state cannot undo a step of several tokens
   int cached = static_cast<int>(cached_ids_.size());
   int room = context_window_size_ - cached;
@@ -373,6 +382,16 @@ std::vector<float> Model::Decode(int32_t id) { return Prefill({id}); }
 
 std::vector<std::vector<float>> Model::AllLogits(const std::vector<int32_t>& ids) {
   CheckRoom(ids.size());
+  auto verify = verify_.lower_bound(static_cast<int>(ids.size()));
+  if (!ids.empty() && verify != verify_.end() && verify->first <= RollbackRoom()) {
+    int padding = verify->first - static_cast<int>(ids.size());
+    std::vector<int32_t> padded = ids;
+    padded.insert(padded.end(), padding, ids.back());
+    std::vector<std::vector<float>> rows = Rows(Step(verify->second, padded));
+    rows.resize(ids.size());
+    Rollback(padding);
+    return rows;
+  }
   std::vector<std::vector<float>> rows;
   for (size_t start = 0; start < ids.size();) {
     size_t size = std::min<size_t>(ChunkSize(all_logits_chunk_size_), ids.size() - start);

@@ -10,6 +10,7 @@
 #include <tvm/runtime/tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,10 +33,15 @@ class Model {
   // Append `ids` to the sequence (in chunks); the logits after the last one.
   std::vector<float> Prefill(const std::vector<int32_t>& ids);
   std::vector<float> Decode(int32_t id);
-  // Append `ids`; the logits after each of them (a verify pass of speculative decoding).
+  // Append `ids`; the logits after each of them (a verify pass of speculative decoding). As many ids as
+  // a verify function takes go through the shortest that does, padded with the last id, whose rows are
+  // then rolled back (kiln/runtime.py all_logits).
   std::vector<std::vector<float>> AllLogits(const std::vector<int32_t>& ids);
-  // How many tokens may go into the cache now and still be rolled back (kiln/runtime.py speculation_room).
+  // How many tokens a speculative pass may put into the cache now: as many as can be rolled back, and no
+  // more than the library's longest verify function takes (kiln/runtime.py speculation_room).
   int SpeculationRoom() const;
+  // How many tokens may go into the cache now and still be rolled back.
+  int RollbackRoom() const;
   // Forget the last `count` cached tokens; returns how many stay cached.
   int Rollback(int count);
   void Reset();
@@ -69,6 +75,7 @@ class Model {
   tvm::ffi::Module library_;
   tvm::ffi::Module vm_;
   tvm::ffi::Function embed_, prefill_, decode_, prefill_all_logits_;
+  std::map<int, tvm::ffi::Function> verify_;  // by rows: `verify_<rows>` of the metadata's verify_rows
   // TVM's KV-state builtins, looked up once (kiln/runtime.py's _kv_builtin).
   tvm::ffi::Function add_sequence_, remove_sequence_, begin_forward_, end_forward_, popn_;
   tvm::ffi::Array<tvm::runtime::Tensor> params_;
