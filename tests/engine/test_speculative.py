@@ -149,11 +149,11 @@ def test_rollback_leaves_the_cache_as_a_fresh_prefill_would(engine, tiny_dir):
 
 @pytest.mark.parametrize("quantization", ["q0f32", "q4f32_1"])
 def test_a_verify_pass_gives_prefill_all_logits_rows_and_caches_only_its_tokens(tiny_build, quantization):
-    """A float32 CPU library's verify functions take passes of up to 5 tokens, padded to the next of
-    their row counts (4-bit weights: decode's kernels with the rows inside); longer ones, and a
-    library without them, run prefill_all_logits."""
+    """A float32 CPU library's verify functions (3 and 5 rows) take passes of up to 5 tokens, padded
+    to the next of their row counts (4-bit weights: decode's kernels with the rows inside); longer
+    ones, and a library without them, run prefill_all_logits."""
     verifying, plain = NativeModel(tiny_build(quantization)), NativeModel(tiny_build(quantization))
-    assert verifying.verify_rows == [2, 3, 4, 5]
+    assert verifying.verify_rows == [3, 5]
     plain.verify_rows = []
     prompt = list(range(5, 40))
     for model in (verifying, plain):
