@@ -223,7 +223,8 @@ def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> 
     (kiln/models/kv_cache/paged_prefill_fix.py), so float32 CPU and wasm libraries prefill in chunks past a
     per-layer window. Elsewhere the engines prefill one token at a time past it: TVM's GPU kernels
     still go wrong there (a WebGPU build diverged at the window), and in float16 chunks widened the
-    tiny Gemma 3's error against float32 arithmetic from 0.09 to 0.14 (its check allows 0.1)."""
+    tiny Gemma 3's error against float32 arithmetic from 0.09 to 0.14 (its check allows 0.1).
+    The same libraries of a decoder without a recurrent state get verify functions (`VERIFY_ROWS`)."""
     chunked = model.dtype == "float32" and entry.cpu_kernels
     speculates = isinstance(model, DecoderModel) and not model.recurrent_states()
     verify = list(VERIFY_ROWS) if chunked and speculates else []
