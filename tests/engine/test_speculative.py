@@ -38,9 +38,22 @@ def engine(tiny_dir) -> Engine:
 
 
 @pytest.fixture(scope="module")
+def verifying_engine(tiny_build) -> Engine:
+    """The tiny Llama at 4 bits, whose library's verify functions run the passes of up to 5 tokens."""
+    return Engine(tiny_build("q4f32_1"), speculation=PROMPT_LOOKUP)
+
+
+@pytest.fixture(scope="module")
 def drafted(tiny_dir, tiny_build) -> Engine:
-    """The tiny Llama drafted by its own 4-bit build (one tokenizer, close but not equal logits)."""
+    """The tiny Llama drafted by its own 4-bit build (one tokenizer, close but not equal logits: a
+    random model's are near ties everywhere, so its proposals are often wrong)."""
     return Engine(tiny_dir, speculation=Speculation("draft", tiny_build("q4f32_1")))
+
+
+@pytest.fixture(scope="module")
+def self_drafted(tiny_dir) -> Engine:
+    """The tiny Llama drafted by its own library: proposals the model takes."""
+    return Engine(tiny_dir, speculation=Speculation("draft", tiny_dir))
 
 
 def run(engine: Engine, prompt, mode: str | None, **config):
@@ -100,7 +113,9 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("echoed", [False, True])
-def test_prompt_lookup_greedy_is_plain_greedy(engine, prompt, echoed):
+@pytest.mark.parametrize("engine_name", ["engine", "verifying_engine"])
+def test_prompt_lookup_greedy_is_plain_greedy(request, engine_name, prompt, echoed):
+    engine = request.getfixturevalue(engine_name)
     ids = echoing_prompt(engine, prompt) if echoed else engine.encode(prompt)
     plain, fast = run(engine, ids, "off"), run(engine, ids, None)
     assert fast.tokens == plain.tokens
@@ -117,8 +132,12 @@ def test_proposals_are_right_wrong_and_partly_right(engine):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_draft_model_greedy_is_plain_greedy(drafted, prompt):
+def test_draft_model_greedy_is_plain_greedy(drafted, self_drafted, prompt):
     plain, fast = run(drafted, prompt, "off"), run(drafted, prompt, None)
+    assert fast.tokens == plain.tokens
+    # How many of a wrong draft's proposals are tried depends on what passes cost (PassCosts), not so
+    # for one that is always right.
+    fast = run(self_drafted, prompt, None)
     assert fast.tokens == plain.tokens
     assert fast.usage.accepted_tokens > 0
     assert fast.usage.model_steps < plain.usage.model_steps
@@ -147,12 +166,19 @@ def test_rollback_leaves_the_cache_as_a_fresh_prefill_would(engine, tiny_dir):
     np.testing.assert_allclose(after, expected, atol=2e-4)
 
 
-@pytest.mark.parametrize("quantization", ["q0f32", "q4f32_1"])
-def test_a_verify_pass_gives_prefill_all_logits_rows_and_caches_only_its_tokens(tiny_build, quantization):
+def test_libraries_whose_decode_matmuls_take_a_few_rows_get_verify_functions(tiny_build, mixed_build):
+    """Factored decode matmuls (4-bit groups, GGUF blocks) run a few rows for little more than one;
+    float weights and 8-bit activations run them through prefill's matmuls, as prefill_all_logits."""
+    assert NativeModel(tiny_build("q4f32_1")).verify_rows == [3, 5]
+    assert NativeModel(mixed_build("gguf_f32")).verify_rows == [3, 5]
+    assert NativeModel(tiny_build("q0f32")).verify_rows == []
+    assert NativeModel(tiny_build("q8_0_i8")).verify_rows == []
+
+
+def test_a_verify_pass_gives_prefill_all_logits_rows_and_caches_only_its_tokens(tiny_build):
     """A float32 CPU library's verify functions (3 and 5 rows) take passes of up to 5 tokens, padded
-    to the next of their row counts (4-bit weights: decode's kernels with the rows inside); longer
-    ones, and a library without them, run prefill_all_logits."""
-    verifying, plain = NativeModel(tiny_build(quantization)), NativeModel(tiny_build(quantization))
+    to the next of their row counts; longer ones, and a library without them, run prefill_all_logits."""
+    verifying, plain = NativeModel(tiny_build("q4f32_1")), NativeModel(tiny_build("q4f32_1"))
     assert verifying.verify_rows == [3, 5]
     plain.verify_rows = []
     prompt = list(range(5, 40))

@@ -15,6 +15,7 @@ from kiln.compile.lower import kiln_pipeline
 from kiln.compile.lower.tvmscript_frames import frames_without_source_lines
 from kiln.compile.lower.vm_functions import attach_metadata, attach_vm_functions
 from kiln.compile.lower.webgpu_limits import check_webgpu_limits
+from kiln.compile.quantization import quantization_named
 from kiln.compile.toolchain.mobile_runtime import link_arm64_linux_library
 from kiln.compile.toolchain.system_lib import export_system_library, system_lib_prefix
 from kiln.compile.toolchain.wasm_toolchain import (
@@ -33,12 +34,13 @@ from kiln.targets import TargetEntry
 
 # One `prefill_all_logits` call's logits (positions × vocabulary floats) stay within this.
 ALL_LOGITS_BYTES = 64 << 20
-# The rows of the verify functions a float32 CPU or wasm library gets (speculative decoding's passes:
-# the last token and up to 4 proposed, which start at 4 and halve to 2 and 1). Their matmuls run
-# decode's kernels with the rows inside (factored_decode.py): SmolLM2 q4f32_1 after 300 tokens, 2
-# threads, in decode steps a pass, 2 rows 1.13, 3 1.32, 4 1.54, 5 1.76, 6 2.58 (against 3.2-3.5 for
-# prefill_all_logits' kernels). Each function adds its own kernels: with 2, 3, 4 and 5 SmolLM2's cpu
-# library compiled in 19.7 s, not 11.9; two of them keep the cost of a build down.
+# The rows of the verify functions a float32 CPU or wasm library of factored decode matmuls gets
+# (speculative decoding's passes: the last token and up to 4 proposed, which start at 4 and halve to
+# 2 and 1). Their matmuls run decode's kernels with the rows inside (factored_decode.py): SmolLM2
+# q4f32_1 after 300 tokens, 2 threads, in decode steps a pass, 2 rows 1.13, 3 1.32, 4 1.54, 5 1.76,
+# 6 2.58 (against 3.2-3.5 for prefill_all_logits' kernels). Each function adds its own kernels: with
+# 2, 3, 4 and 5 SmolLM2's cpu library compiled in 19.7 s, not 11.9; two of them keep the cost of a
+# build down.
 VERIFY_ROWS = (3, 5)
 F32_BYTES = 4
 ALLOC_STORAGE_OPS = ("relax.memory.alloc_storage", "relax.vm.alloc_storage")
@@ -224,10 +226,14 @@ def target_metadata(model: DecoderModel, metadata: dict, entry: TargetEntry) -> 
     per-layer window. Elsewhere the engines prefill one token at a time past it: TVM's GPU kernels
     still go wrong there (a WebGPU build diverged at the window), and in float16 chunks widened the
     tiny Gemma 3's error against float32 arithmetic from 0.09 to 0.14 (its check allows 0.1).
-    The same libraries of a decoder without a recurrent state get verify functions (`VERIFY_ROWS`)."""
+    The same libraries of a decoder without a recurrent state get verify functions (`VERIFY_ROWS`)
+    where its quantization factors decode's matmuls: elsewhere (float weights, 8-bit activations) a
+    few rows take prefill's matmuls, as prefill_all_logits does, and a verify function would only
+    add its kernels to the build."""
     chunked = model.dtype == "float32" and entry.cpu_kernels
     speculates = isinstance(model, DecoderModel) and not model.recurrent_states()
-    verify = list(VERIFY_ROWS) if chunked and speculates else []
+    factored = quantization_named(metadata["quantization"]).factored_decode
+    verify = list(VERIFY_ROWS) if chunked and speculates and factored else []
     return {**metadata, "layer_window_chunked_prefill": chunked, "verify_rows": verify}
 
 

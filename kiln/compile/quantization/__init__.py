@@ -30,6 +30,9 @@ class Scheme(Protocol):
     # kiln/targets.py's CPU_VARIANTS its kernels have code of their own for: a portable x86-64 cpu
     # library is built for each of them too, and the native engine loads the one the CPU runs
     cpu_variants: tuple[str, ...]
+    # whether its float32 decode matmuls are written with the scales factored out (factored_decode.py):
+    # a few static input rows then run decode's kernel, for little more than one row's time
+    factored_decode: bool
 
     def quantize_model(self, model: nn.Module, weights: SourceWeights) -> nn.Module:
         """The model with its Linear and Embedding modules replaced (in place)."""

@@ -15,6 +15,7 @@ class FloatWeights:
     name: str
     model_dtype: str
     cpu_variants = ()
+    factored_decode = False
 
     @property
     def describe(self) -> str:

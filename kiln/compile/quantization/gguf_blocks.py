@@ -201,6 +201,10 @@ class GGUFBlocks:
         return (int8_decode.Avx512Vnni.name,) if self.int8_activations else ()
 
     @property
+    def factored_decode(self) -> bool:
+        return not self.int8_activations
+
+    @property
     def describe(self) -> str:
         if self.int8_activations:
             return "a .gguf source's own blocks, matmuls on 8-bit activations (x86-64 cpu and wasm only)"

@@ -124,6 +124,7 @@ class GroupQuantization:
     bits: int
     group_size: int = 32
     cpu_variants = ()
+    factored_decode = True
 
     @property
     def describe(self) -> str:

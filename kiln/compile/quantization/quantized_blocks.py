@@ -31,6 +31,7 @@ class QuantizedBlocks:
     model_dtype = "float32"
     int8_activations = True
     cpu_variants = (int8_decode.Avx512Vnni.name,)
+    factored_decode = False
 
     @property
     def block_type(self) -> BlockType:
