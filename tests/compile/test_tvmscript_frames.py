@@ -36,8 +36,9 @@ def test_kernels_parsed_without_source_lines_are_those_parsed_with_them(target, 
     def scheduled(parsing) -> dict[str, tvm.ir.BaseFunc]:
         """The scheduled module's functions but the shape functions, which TVM numbers in no fixed order."""
         monkeypatch.setattr(kernel_memo, "_made", {})  # every kernel of the KV cache parsed again
+        metadata = target_metadata(model, {"quantization": "q0f32"}, entry)
         with parsing:
-            module = schedule(exported_module(model, entry, target_metadata(model, {}, entry)), entry)
+            module = schedule(exported_module(model, entry, metadata), entry)
         return {g.name_hint: f for g, f in module.functions.items() if not g.name_hint.startswith("shape_func")}
 
     with_source_lines, without = scheduled(contextlib.nullcontext()), scheduled(frames_without_source_lines())

@@ -163,7 +163,8 @@ def test_gpu_and_float16_libraries_have_the_engines_prefill_one_token_at_a_time_
 
     def chunked(dtype: str) -> set[str]:
         model = MODELS["gemma3_text"].build(config, dtype)
-        return {t for t in TARGETS if target_metadata(model, {}, target_named(t))["layer_window_chunked_prefill"]}
+        metadata = {"quantization": f"q0f{dtype.removeprefix('float')}"}  # the float weights of `dtype`
+        return {t for t in TARGETS if target_metadata(model, metadata, target_named(t))["layer_window_chunked_prefill"]}
 
     assert (
         chunked("float32") == {"cpu", "wasm", "arm64-linux", "android-cpu", "iphone-cpu"}
