@@ -111,6 +111,8 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
 # Greedy: plain decoding's tokens
 
 
+# Slow, as every test of a built engine: conftest.py cannot see a fixture asked for by name.
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("echoed", [False, True])
 @pytest.mark.parametrize("engine_name", ["engine", "verifying_engine"])
