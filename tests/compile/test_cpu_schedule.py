@@ -185,6 +185,7 @@ def test_prefill_of_float_weights_over_a_batch_of_inputs_with_a_bias_gives_numpy
         assert_float32_sums_of(out.numpy().reshape(-1, 96) - b, xs.reshape(-1, IN_FEATURES), w)
 
 
+@pytest.mark.slow  # it compiles a model
 def test_the_cpu_librarys_kernels_keep_their_alias_information(tiny_source, tmp_path):
     """TVM's LLVM code generator puts every load and store of a module in one alias set ("tvm-alias")
     when a kernel of TVM's KV cache is built without `tirx.noalias` (kiln/models/kv_cache/cache_kernels.py): prefill

@@ -4,6 +4,7 @@ int8_prefill.py for prefill), against the exact integer dot products of its bloc
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -93,7 +94,10 @@ def test_every_int8_kernel_is_the_exact_integer_dot_of_its_blocks(type_name, isa
     assert np.abs(y - weights @ x.reshape(cols)).max() <= GEMV_TOLERANCE * scale
 
 
-def prefill_library(target, type_name: str, rows: int, cols: int, row_bytes: int):
+@functools.cache
+def prefill_library(isa: str, type_name: str, rows: int, cols: int, row_bytes: int):
+    """The kernel built once for the tests that run it (a build takes a quarter to half a second)."""
+    target = kernel_target(isa)
     kernel = int8_prefill.gemm(type_name, rows, cols, row_bytes, int8_decode.instruction_set(target))
     return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
 
@@ -116,14 +120,15 @@ def activation_rows(cols: int, count: int) -> np.ndarray:
 
 # Row counts: fewer than a vector of rows' 16, and more than two whole register tiles' (a ragged last one).
 PREFILL_ROWS = (3, 37)
+PREFILL_MATRIX = (48, 512)  # weight rows, columns
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512-vnni"])
 @pytest.mark.parametrize("type_name", list(int8_decode.KERNEL_BLOCKS))
 def test_every_int8_prefill_kernel_is_the_exact_integer_dot_of_its_blocks(type_name, isa):
-    rows, cols = 48, 512
+    rows, cols = PREFILL_MATRIX
     weights, units, _ = random_gemv(type_name, rows, cols)
-    library = prefill_library(kernel_target(isa), type_name, rows, cols, units.shape[1])
+    library = prefill_library(isa, type_name, rows, cols, units.shape[1])
     for count in PREFILL_ROWS:
         x = activation_rows(cols, count)
         y = run_prefill(library, rows, units, x)
@@ -136,11 +141,11 @@ def test_every_int8_prefill_kernel_is_the_exact_integer_dot_of_its_blocks(type_n
 @pytest.mark.parametrize("type_name", list(int8_decode.KERNEL_BLOCKS))
 def test_the_avx2_and_avx512_prefill_kernels_give_the_same_bits(type_name):
     """Their integer sums are exact and their float epilogues the same operations in the same order."""
-    rows, cols = 32, 512
+    rows, cols = PREFILL_MATRIX
     _, units, _ = random_gemv(type_name, rows, cols)
     x = activation_rows(cols, 37)
     outputs = [
-        run_prefill(prefill_library(kernel_target(isa), type_name, rows, cols, units.shape[1]), rows, units, x)
+        run_prefill(prefill_library(isa, type_name, rows, cols, units.shape[1]), rows, units, x)
         for isa in ("avx2", "avx512-vnni")
     ]
     np.testing.assert_array_equal(*outputs)
@@ -153,7 +158,7 @@ def test_every_wasm_prefill_kernel_sums_what_the_x86_one_does(tmp_path):
     require_tools()
     wasm_toolchain.ensure_web_runtime()
     wasm = tvm.target.Target(target_named("wasm").tvm_target())
-    rows, cols = 32, 512
+    rows, cols = PREFILL_MATRIX
     x = activation_rows(cols, 21)
     for type_name in int8_decode.KERNEL_BLOCKS:
         _, units, _ = random_gemv(type_name, rows, cols)
@@ -169,7 +174,7 @@ def test_every_wasm_prefill_kernel_sums_what_the_x86_one_does(tmp_path):
         library = tmp_path / f"{type_name}.wasm"
         tvm.compile(module, wasm).export_library(str(library), fcompile=wasm_toolchain.link_tvmjs_wasm)
         _, (got,) = run_function(library, "forward", [x, units], tmp_path)
-        avx2 = prefill_library(kernel_target("avx2"), type_name, rows, cols, units.shape[1])
+        avx2 = prefill_library("avx2", type_name, rows, cols, units.shape[1])
         expected = run_prefill(avx2, rows, units, x)
         assert np.abs(got[0] - expected).max() <= 1e-6 * np.abs(expected).max(), type_name
 
