@@ -193,19 +193,22 @@ class PassCosts:
     """Whether verify passes pay for themselves here, in time: a pass saves the decode steps of the
     tokens it took and costs what it takes beyond one decode step. Where their recent worth (a
     running mean) falls below zero, proposals pause for as many decode steps as keep the loss of
-    the pass that lost within `LOSS_SHARE` of their time (at most `MAX_PAUSE`), then are tried
-    again. A pass costs several decode steps on a CPU and about one on a GPU, where a step is bound
-    by its dispatches: the same rule pauses longer where passes cost more. Passes are judged against
-    a decode step's time, so a pass before any decode step is followed by one. It changes how fast
-    a reply comes, never which tokens it has."""
+    the pass that lost within `LOSS_SHARE` of their time, then are tried again. Each pause after
+    the first of a run of such losses (no pass saving time between them) is twice the one before,
+    so that a reply with nothing to copy loses less the longer it runs; a pause is at most
+    `MAX_PAUSE`. A pass costs several decode steps on a CPU and about one on a GPU, where a step is
+    bound by its dispatches: the same rule pauses longer where passes cost more. Passes are judged
+    against a decode step's time, so a pass before any decode step is followed by one. It changes
+    how fast a reply comes, never which tokens it has."""
 
     LOSS_SHARE = 0.1
-    MAX_PAUSE = 64
+    MAX_PAUSE = 256
 
     def __init__(self):
         self.decode_s: float | None = None  # a decode step's time, a running mean
         self.worth = 0.0  # seconds a pass saved, a running mean
         self.pause = 0  # decode steps before the next proposal
+        self.backoff = 1  # what the next pause is multiplied by: doubled at each, 1 once a pass saves time
 
     def decoded(self, seconds: float) -> None:
         self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
@@ -216,8 +219,11 @@ class PassCosts:
             return
         saved = accepted * self.decode_s - (seconds - self.decode_s)
         self.worth = 0.5 * self.worth + 0.5 * saved
-        if self.worth < 0 and saved < 0:
-            self.pause = min(self.MAX_PAUSE, math.ceil(-saved / (self.LOSS_SHARE * self.decode_s)))
+        if saved > 0:
+            self.backoff = 1
+        elif saved < 0 and self.worth < 0:
+            self.pause = min(self.MAX_PAUSE, math.ceil(-saved / (self.LOSS_SHARE * self.decode_s)) * self.backoff)
+            self.backoff = min(self.MAX_PAUSE, 2 * self.backoff)
             self.worth = 0.0
 
     def may_propose(self) -> bool:

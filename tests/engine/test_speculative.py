@@ -81,15 +81,33 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert PromptLookup(Speculation("prompt-lookup"), [4, 4]).propose(3) == []  # too short for a 2-gram with a follower
 
 
-def test_passes_that_lose_pause_so_a_reply_loses_at_most_the_loss_share():
+def decode_runs(steps: list[int]) -> list[int]:
+    """The lengths of the runs of decode steps (-1) between passes."""
+    return [len(run) for run in "".join("d" if step < 0 else " " for step in steps).split()]
+
+
+def test_passes_that_lose_pause_so_a_reply_loses_less_than_the_loss_share():
     """Proposals that are always wrong (a draft that always proposes: no decode step ever comes by
-    itself to judge passes by) at the cost of a CPU's verify pass (4 decode steps)."""
+    itself to judge passes by) at the cost of a CPU's verify pass (4 decode steps): the first loss
+    pauses for the 30 decode steps of which its 3 lost steps are the loss share, each one after it
+    twice as long, up to MAX_PAUSE."""
     tokens = 2000
-    time, steps = simulated_reply(PassCosts(), tokens, pass_steps=4.0, accepted=0)
+    time, steps = simulated_reply(PassCosts(), tokens, pass_steps=4.0, accepted=[0])
     assert steps[:2] == [0, -1]  # the first pass, then a decode step to judge passes by
-    assert tokens / time >= 1 / (1 + PassCosts.LOSS_SHARE) - 0.01
-    time, steps = simulated_reply(PassCosts(), tokens, pass_steps=2.0, accepted=3)
+    assert decode_runs(steps)[:7] == [1, 30, 60, 120, 240, PassCosts.MAX_PAUSE, PassCosts.MAX_PAUSE]
+    assert tokens / time >= 1 / (1 + PassCosts.LOSS_SHARE / 4)
+    time, steps = simulated_reply(PassCosts(), tokens, pass_steps=2.0, accepted=[3])
     assert steps.count(-1) == 1 and tokens / time > 1.9  # passes that pay never pause
+
+
+def test_a_pass_that_saves_time_ends_a_run_of_losses():
+    """Passes of 2 decode steps taking 0, 0, 0 and 3 tokens in turn (the first is judged by none: a
+    decode step follows it). A loss pauses 10 steps (its lost step is the loss share of them), the
+    next 20; the pass taking 3 saves 2 steps, and the losses after it pause 10 and 20 again (the
+    first of them outweighed by that saving)."""
+    _, steps = simulated_reply(PassCosts(), 200, pass_steps=2.0, accepted=[0, 0, 0, 3])
+    assert [step for step in steps if step >= 0][:8] == [0, 0, 0, 3, 0, 0, 0, 3]
+    assert decode_runs(steps)[:5] == [1, 10, 20, 10, 20]
 
 
 def test_speculation_parses_the_cli_methods(tmp_path):

@@ -602,14 +602,15 @@ def test_verify_passes_pause_as_natively():
         import { PassCosts } from "./src/speculative.js";
         const reply = ([tokens, passSteps, accepted]) => {
           const costs = new PassCosts();
-          let time = 0, made = 0;
+          let time = 0, made = 0, passes = 0;
           const steps = [];
           while (made < tokens) {
             if (costs.mayPropose()) {
+              const taken = accepted[passes++ % accepted.length];
               time += passSteps;
-              costs.verified(passSteps, accepted);
-              steps.push(accepted);
-              made += 1 + accepted;
+              costs.verified(passSteps, taken);
+              steps.push(taken);
+              made += 1 + taken;
             } else {
               time += 1;
               costs.decoded(1);

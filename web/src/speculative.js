@@ -73,17 +73,19 @@ export class PlainDecoding {
 /**
  * Whether verify passes pay for themselves here, in time (`PassCosts` in kiln/speculative.py): where
  * their recent worth falls below zero, proposals pause for as many decode steps as keep the loss of
- * the pass that lost within LOSS_SHARE of their time (at most MAX_PAUSE). A pass before any decode
- * step is followed by one, to judge passes by.
+ * the pass that lost within LOSS_SHARE of their time, twice the pause before after each further loss
+ * with no pass saving time between (at most MAX_PAUSE). A pass before any decode step is followed by
+ * one, to judge passes by.
  */
 export class PassCosts {
   static LOSS_SHARE = 0.1;
-  static MAX_PAUSE = 64;
+  static MAX_PAUSE = 256;
 
   constructor() {
     this.decodeSeconds = null; // a decode step's time, a running mean
     this.worth = 0; // seconds a pass saved, a running mean
     this.pause = 0; // decode steps before the next proposal
+    this.backoff = 1; // what the next pause is multiplied by: doubled at each, 1 once a pass saves time
   }
 
   decoded(seconds) {
@@ -97,8 +99,12 @@ export class PassCosts {
     }
     const saved = accepted * this.decodeSeconds - (seconds - this.decodeSeconds);
     this.worth = 0.5 * this.worth + 0.5 * saved;
-    if (this.worth < 0 && saved < 0) {
-      this.pause = Math.min(PassCosts.MAX_PAUSE, Math.ceil(-saved / (PassCosts.LOSS_SHARE * this.decodeSeconds)));
+    if (saved > 0) {
+      this.backoff = 1;
+    } else if (saved < 0 && this.worth < 0) {
+      const pause = Math.ceil(-saved / (PassCosts.LOSS_SHARE * this.decodeSeconds)) * this.backoff;
+      this.pause = Math.min(PassCosts.MAX_PAUSE, pause);
+      this.backoff = Math.min(PassCosts.MAX_PAUSE, 2 * this.backoff);
       this.worth = 0;
     }
   }

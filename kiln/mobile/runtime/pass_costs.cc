@@ -16,8 +16,12 @@ void PassCosts::Verified(double seconds, int accepted) {
   }
   double saved = accepted * *decode_seconds_ - (seconds - *decode_seconds_);
   worth_ = 0.5 * worth_ + 0.5 * saved;
-  if (worth_ < 0 && saved < 0) {
-    pause_ = static_cast<int>(std::min<double>(kMaxPause, std::ceil(-saved / (kLossShare * *decode_seconds_))));
+  if (saved > 0) {
+    backoff_ = 1;
+  } else if (saved < 0 && worth_ < 0) {
+    double pause = std::ceil(-saved / (kLossShare * *decode_seconds_)) * backoff_;
+    pause_ = static_cast<int>(std::min<double>(kMaxPause, pause));
+    backoff_ = std::min(kMaxPause, 2 * backoff_);
     worth_ = 0;
   }
 }

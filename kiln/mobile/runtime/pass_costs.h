@@ -10,7 +10,8 @@ namespace kiln {
 // Whether verify passes pay for themselves here, in time (PassCosts in kiln/speculative.py and
 // web/src/speculative.js, step for step): where their recent worth falls below zero, proposals
 // pause for as many decode steps as keep the loss of the pass that lost within kLossShare of their
-// time (at most kMaxPause). A pass before any decode step is followed by one, to judge passes by.
+// time, twice the pause before after each further loss with no pass saving time between (at most
+// kMaxPause). A pass before any decode step is followed by one, to judge passes by.
 class PassCosts {
  public:
   void Decoded(double seconds);
@@ -19,10 +20,11 @@ class PassCosts {
 
  private:
   static constexpr double kLossShare = 0.1;
-  static constexpr int kMaxPause = 64;
+  static constexpr int kMaxPause = 256;
   std::optional<double> decode_seconds_;  // a decode step's time, a running mean
   double worth_ = 0;                      // seconds a pass saved, a running mean
   int pause_ = 0;                         // decode steps before the next proposal
+  int backoff_ = 1;  // what the next pause is multiplied by: doubled at each, 1 once a pass saves time
 };
 
 }  // namespace kiln
