@@ -4,6 +4,7 @@ response format, and sample what plain sampling does seed for seed."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -83,7 +84,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
 
 def decode_runs(steps: list[int]) -> list[int]:
     """The lengths of the runs of decode steps (-1) between passes."""
-    return [len(run) for run in "".join("d" if step < 0 else " " for step in steps).split()]
+    return [len(list(run)) for decoding, run in itertools.groupby(steps, key=lambda step: step < 0) if decoding]
 
 
 def test_passes_that_lose_pause_so_a_reply_loses_less_than_the_loss_share():
