@@ -130,15 +130,13 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
 # Greedy: plain decoding's tokens
 
 
-# Slow, as every test of a built engine: conftest.py cannot see a fixture asked for by name.
-@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("echoed", [False, True])
-@pytest.mark.parametrize("engine_name", ["engine", "verifying_engine"])
-def test_prompt_lookup_greedy_is_plain_greedy(request, engine_name, prompt, echoed):
-    engine = request.getfixturevalue(engine_name)
-    ids = echoing_prompt(engine, prompt) if echoed else engine.encode(prompt)
-    plain, fast = run(engine, ids, "off"), run(engine, ids, None)
+@pytest.mark.parametrize("through_verify_functions", [False, True])
+def test_prompt_lookup_greedy_is_plain_greedy(engine, verifying_engine, through_verify_functions, prompt, echoed):
+    speculating = verifying_engine if through_verify_functions else engine
+    ids = echoing_prompt(speculating, prompt) if echoed else speculating.encode(prompt)
+    plain, fast = run(speculating, ids, "off"), run(speculating, ids, None)
     assert fast.tokens == plain.tokens
     assert fast.usage.proposed_tokens > 0
     assert fast.usage.model_steps == plain.usage.model_steps - fast.usage.accepted_tokens
