@@ -20,8 +20,9 @@ from kiln.models.kv_cache.paged_prefill_fix import fixed
 TARGETS = {"cpu": "llvm", "webgpu": tvm.target.Target("webgpu", host="llvm")}
 
 
-def cache_kernels(target: str, cap: float | None) -> dict[str, tirx.PrimFunc]:
-    """The kernels of a two-layer cache, one layer windowed (Gemma 2's kinds of layers)."""
+def cache_kernels(target: str, cap: float) -> tuple[dict[str, tirx.PrimFunc], dict[str, tirx.PrimFunc]]:
+    """The kernels of a two-layer cache, one layer windowed (Gemma 2's kinds of layers), as the cache
+    adds them and after they are soft-capped at `cap`."""
     builder = rx.BlockBuilder()
     size = lambda name: tirx.Var(name, "int64")  # noqa: E731
     with tvm.target.Target(TARGETS[target]), builder.function("main", []):
@@ -51,15 +52,19 @@ def cache_kernels(target: str, cap: float | None) -> dict[str, tirx.PrimFunc]:
             dtype="float32",
             target=tvm.target.Target.current(),
         )
-        if cap is not None:
-            soft_cap_attention_kernels(cap)
+        plain = kernels(builder)
+        soft_cap_attention_kernels(cap)
         builder.emit_func_output(rx.Tuple([]))
+    return plain, kernels(builder)
+
+
+def kernels(builder: rx.BlockBuilder) -> dict[str, tirx.PrimFunc]:
     return {gvar.name_hint: func for gvar, func in builder.get().functions_items() if isinstance(func, tirx.PrimFunc)}
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_attention_kernel_caps_its_scores_in_one_place_and_nothing_else_changes(target):
-    plain, capped = cache_kernels(target, None), cache_kernels(target, 3.0)
+    plain, capped = cache_kernels(target, 3.0)
     attention = sorted(name for name in plain if is_attention_kernel(name))
     # decode, prefill and their windowed kinds, ragged prefill, and the two tree-mask prefills
     assert len(attention) == 7, attention
